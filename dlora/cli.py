@@ -1,0 +1,51 @@
+"""`dlora` command line: one subcommand per module, each owning its own flags.
+
+Every subcommand module exposes `add_parser(subparsers)` which registers the subcommand and sets
+`func` to a callable taking the parsed namespace and returning an exit code. Imports are lazy so
+`dlora --help` stays fast and a broken optional dependency only breaks its own subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dlora.config import ConfigError
+
+SUBCOMMANDS = (
+    "dlora.server.serve_cmd",  # dlora serve
+    "dlora.models.cli",  # dlora make-test-model, dlora prepare-model
+    "dlora.bench.cli",  # dlora bench
+)
+
+
+class UsageError(Exception):
+    """Bad user input to a subcommand; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlora", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UsageError) as e:
+        print(f"dlora {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Every environment variable dlora reads, in one typed place.
+
+Modules call `env.NAME.get()`; nothing else in the package reads `os.environ` for its own
+settings. (vLLM's own variables are *set* for replica processes in dlora/replica/runtime_env.py.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {e}") from None
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+
+
+def _opt_str(raw: str) -> str | None:
+    return raw
+
+
+DLORA_CACHE_DIR = EnvVar(
+    "DLORA_CACHE_DIR", str(Path.home() / ".cache" / "dlora"), str,
+    "where converted models and generated test models are kept",
+)
+DLORA_ADMIN_TOKEN: EnvVar[str | None] = EnvVar(
+    "DLORA_ADMIN_TOKEN", None, _opt_str, "bearer token for the admin API (overrides server.admin_token)",
+)
+DLORA_RAY_TEMP_DIR: EnvVar[str | None] = EnvVar(
+    "DLORA_RAY_TEMP_DIR", None, _opt_str, "Ray's session/log directory (default: Ray's own)",
+)
+DLORA_TEST_KEEP_LOGS = EnvVar(
+    "DLORA_TEST_KEEP_LOGS", False, _bool, "tests print server logs even when they pass",
+)
+
+ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS]
+
+
+def cache_dir() -> Path:
+    return Path(os.path.expanduser(DLORA_CACHE_DIR.get()))

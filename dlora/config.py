@@ -50,7 +50,7 @@ class EngineConfig:
     max_loras: int = 4  # adapters in one batch (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in host memory, LRU beyond that
-    kv_cache_space_gib: float = 1.0
+    kv_cache_space_gib: int = 1  # vLLM CPU reads whole GiB (VLLM_CPU_KVCACHE_SPACE)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -68,7 +68,10 @@ class EngineConfig:
             self.max_cpu_loras >= self.max_loras, "engine.max_cpu_loras", self.max_cpu_loras,
             f"must be >= engine.max_loras ({self.max_loras})",
         )
-        _check(self.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", self.kv_cache_space_gib, "must be > 0")
+        _check(
+            isinstance(self.kv_cache_space_gib, int) and self.kv_cache_space_gib > 0,
+            "engine.kv_cache_space_gib", self.kv_cache_space_gib, "must be a whole number of GiB > 0",
+        )
         _check(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "must be >= 1")
         _check(
             self.lora_backend in ("vllm", "triton", "einsum"), "engine.lora_backend", self.lora_backend,

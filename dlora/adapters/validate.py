@@ -1,0 +1,160 @@
+"""Validate a PEFT LoRA adapter against the base model before anyone may use it.
+
+A request that names a bad adapter path kills the whole vLLM engine (every in-flight request
+fails), so nothing reaches an engine until this module has read the adapter's config and every
+tensor header and checked them against the base model's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Projections of a Llama-style decoder layer that vLLM can wrap with LoRA.
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterValidationError(ValueError):
+    """The adapter cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class BaseModelShapes:
+    """The (in, out) feature sizes of every LoRA-able projection, read from config.json."""
+
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "BaseModelShapes":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        inter = cfg["intermediate_size"]
+        shapes = {
+            "q_proj": (hidden, heads * head_dim),
+            "k_proj": (hidden, kv_heads * head_dim),
+            "v_proj": (hidden, kv_heads * head_dim),
+            "o_proj": (heads * head_dim, hidden),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+        }
+        return cls(num_layers=cfg["num_hidden_layers"], shapes=shapes)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    size_bytes: int
+
+
+def _read_config(d: Path) -> dict:
+    f = d / CONFIG_FILE
+    if not f.is_file():
+        raise AdapterValidationError(f"{CONFIG_FILE} not found in {d}")
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterValidationError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterValidationError(f"{CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+def _check_config(cfg: dict, max_rank: int) -> tuple[int, float]:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterValidationError(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise AdapterValidationError("DoRA adapters (use_dora=true) are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterValidationError(f"modules_to_save {cfg['modules_to_save']!r} is not supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise AdapterValidationError("per-module rank_pattern/alpha_pattern is not supported")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterValidationError(f"rank r={rank!r} must be a positive integer")
+    if rank > max_rank:
+        raise AdapterValidationError(f"rank {rank} exceeds the configured max_lora_rank {max_rank}")
+    alpha = cfg.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)):
+        raise AdapterValidationError(f"lora_alpha={alpha!r} must be a number")
+    return rank, float(alpha)
+
+
+def _check_tensors(weights: Path, rank: int, base: BaseModelShapes) -> tuple[str, ...]:
+    seen: dict[tuple[int, str], set[str]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                layer, module, which = _parse_key(key, base)
+                shape = tuple(f.get_slice(key).get_shape())
+                _check_shape(key, shape, which, rank, base.shapes[module])
+                seen.setdefault((layer, module), set()).add(which)
+                f.get_tensor(key)  # reads the data: a truncated file fails here, not in the engine
+    except AdapterValidationError:
+        raise
+    except Exception as e:  # safetensors raises several unrelated types for a corrupt file
+        raise AdapterValidationError(f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    if not seen:
+        raise AdapterValidationError(f"{WEIGHTS_FILE} holds no LoRA tensors")
+    for (layer, module), parts in seen.items():
+        if parts != {"A", "B"}:
+            raise AdapterValidationError(f"layer {layer} {module} has lora_{parts.pop()} without its pair")
+    return tuple(m for m in SUPPORTED_MODULES if any(mod == m for _, mod in seen))
+
+
+def _parse_key(key: str, base: BaseModelShapes) -> tuple[int, str, str]:
+    m = _KEY.search(key)
+    if not m:
+        raise AdapterValidationError(f"tensor {key!r} is not a LoRA weight of a supported projection")
+    layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+    if module not in base.shapes:
+        raise AdapterValidationError(f"tensor {key!r} targets {module!r}; supported: {list(SUPPORTED_MODULES)}")
+    if layer >= base.num_layers:
+        raise AdapterValidationError(f"tensor {key!r} names layer {layer}; the base model has {base.num_layers}")
+    return layer, module, which
+
+
+def _check_shape(key: str, shape: tuple, which: str, rank: int, in_out: tuple[int, int]) -> None:
+    d_in, d_out = in_out
+    want = (rank, d_in) if which == "A" else (d_out, rank)
+    if shape != want:
+        raise AdapterValidationError(
+            f"tensor {key!r} has shape {list(shape)}; the base model needs {list(want)} for rank {rank}"
+        )
+
+
+def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int) -> AdapterInfo:
+    """Read and check an adapter directory; raise AdapterValidationError naming the first problem."""
+    d = Path(path)
+    if not d.is_dir():
+        raise AdapterValidationError(f"adapter path {str(d)!r} is not a directory")
+    rank, alpha = _check_config(_read_config(d), max_rank)
+    weights = d / WEIGHTS_FILE
+    if not weights.is_file():
+        raise AdapterValidationError(f"{WEIGHTS_FILE} not found in {d}")
+    targets = _check_tensors(weights, rank, base)
+    return AdapterInfo(
+        path=str(d.resolve()), rank=rank, alpha=alpha, target_modules=targets,
+        size_bytes=weights.stat().st_size,
+    )
+
+
+def is_under_roots(path: str | Path, roots: tuple[str, ...]) -> bool:
+    """True when `path` resolves (symlinks followed) inside one of `roots`."""
+    real = Path(path).resolve()
+    return any(real.is_relative_to(Path(r).resolve()) for r in roots)

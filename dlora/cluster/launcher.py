@@ -1,0 +1,54 @@
+"""Start (or join) Ray and create the replica actors, one per core on CPU, one per GPU on a cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from dlora import env
+from dlora.config import DloraConfig
+from dlora.replica.ray_replica import RayReplica, create_replica
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(cfg: DloraConfig) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.cluster.ray_address:
+        log.info("joining Ray cluster at %s", cfg.cluster.ray_address)
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ray.init(
+        num_cpus=max(cores, cfg.cluster.num_replicas),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=env.DLORA_RAY_TEMP_DIR.get(),
+        log_to_driver=True,
+    )
+
+
+def cluster_has_gpus(n: int) -> bool:
+    return ray.cluster_resources().get("GPU", 0) >= n
+
+
+def replica_cores(cfg: DloraConfig) -> list[int | None]:
+    """The CPU core each replica is pinned to (None on GPU nodes or unknown affinity)."""
+    if cfg.cluster.cpu_cores:
+        cores = list(cfg.cluster.cpu_cores)
+    elif hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    else:
+        return [None] * cfg.cluster.num_replicas
+    return [cores[i % len(cores)] for i in range(cfg.cluster.num_replicas)]
+
+
+def create_replicas(cfg: DloraConfig, model_path: str) -> list[RayReplica]:
+    init_ray(cfg)
+    gpu = cluster_has_gpus(cfg.cluster.num_replicas)
+    cores = [None] * cfg.cluster.num_replicas if gpu else replica_cores(cfg)
+    log.info("creating %d replica(s) on %s", cfg.cluster.num_replicas, "GPUs" if gpu else f"cores {cores}")
+    return [create_replica(i, cfg, model_path, cores[i], gpu) for i in range(cfg.cluster.num_replicas)]

@@ -1,0 +1,142 @@
+"""One vLLM AsyncLLM engine with LoRA enabled, driven by plain dlora messages.
+
+`EngineHost` is what a replica actor runs; it holds no Ray code, so it also runs in-process.
+It turns `GenerateRequest`s into vLLM calls and vLLM outputs into `Delta`s (token ids, text,
+logprobs), and it loads, pins and unloads adapters by their registry ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from dlora.config import DloraConfig
+from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "dlora.replica.vllm_ext.DloraWorkerExtension"
+
+
+def build_engine_args(cfg: DloraConfig, model_path: str):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    e = cfg.engine
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        seed=cfg.model.seed,
+        enable_lora=True,
+        max_loras=e.max_loras,
+        max_lora_rank=e.max_lora_rank,
+        max_cpu_loras=e.max_cpu_loras,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        enable_prefix_caching=e.enable_prefix_caching,
+        enforce_eager=e.enforce_eager,
+        disable_log_stats=True,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+
+
+def to_sampling_params(s: SamplingSpec):
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        n=1,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logprobs=s.logprobs,
+        skip_special_tokens=s.skip_special_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _lora_request(ref: AdapterRef | None):
+    if ref is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(ref.name, ref.int_id, ref.path)
+
+
+def _convert_logprobs(token_ids: list[int], logprobs, k: int) -> list[TokenLogprob] | None:
+    """vLLM gives the sampled token plus the top k; OpenAI wants exactly the top k as alternatives."""
+    if logprobs is None:
+        return None
+    out = []
+    for tid, position in zip(token_ids, logprobs):
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)
+        chosen = position[tid]
+        top = tuple((t, lp.logprob, lp.decoded_token or "") for t, lp in ranked if lp.rank and lp.rank <= k)
+        out.append(TokenLogprob(tid, chosen.logprob, chosen.decoded_token or "", top))
+    return out
+
+
+class EngineHost:
+    def __init__(self, cfg: DloraConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.engine = None
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(build_engine_args(self.cfg, self.model_path))
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
+        stream = self.engine.generate(
+            prompt, to_sampling_params(req.sampling), req.request_id,
+            lora_request=_lora_request(req.adapter),
+        )
+        async for out in stream:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            yield Delta(
+                token_ids=ids,
+                text=c.text,
+                logprobs=_convert_logprobs(ids, c.logprobs, req.sampling.logprobs or 0),
+                finished=out.finished,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
+        """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
+        await self.engine.add_lora(_lora_request(ref))
+        if pinned:
+            await self.engine.pin_lora(ref.int_id)
+
+    async def remove_adapter(self, int_id: int) -> bool:
+        return await self.engine.remove_lora(int_id)
+
+    async def resident_adapter_ids(self) -> list[int]:
+        return sorted(await self.engine.list_loras())
+
+    def num_unfinished(self) -> int:
+        return self.engine.get_num_unfinished_requests() if self.engine else 0
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()

@@ -1,0 +1,154 @@
+"""A replica as a Ray actor, and the handle the router uses to talk to it.
+
+The actor builds its engine in an explicit `start()` (not `__init__`) so the controller can
+rebuild it in place after the engine dies, and Ray restarts the process after a hard crash
+(`max_restarts`); in both cases the router resubmits the replica's requests elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from dlora.config import DloraConfig
+from dlora.replica.engine import EngineHost
+from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaFailure(RuntimeError):
+    """The replica (actor or engine) failed; the request may be resubmitted elsewhere."""
+
+
+@ray.remote
+class ReplicaActor:
+    def __init__(self, replica_id: int, cfg: DloraConfig, model_path: str, core: int | None):
+        self.replica_id = replica_id
+        self.core = core
+        self.host = EngineHost(cfg, model_path)
+
+    async def start(self) -> int:
+        # Binding this thread is enough: the engine-core process inherits the affinity.
+        if self.core is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {self.core})
+        self.host.shutdown()
+        await self.host.start()
+        return os.getpid()
+
+    async def generate(self, req: GenerateRequest):
+        async for delta in self.host.generate(req):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self.host.abort(request_id)
+
+    async def add_adapter(self, ref: AdapterRef, pinned: bool) -> None:
+        await self.host.add_adapter(ref, pinned)
+
+    async def remove_adapter(self, int_id: int) -> bool:
+        return await self.host.remove_adapter(int_id)
+
+    async def stats(self) -> ReplicaStats:
+        await self.host.check_health()
+        return ReplicaStats(
+            replica_id=self.replica_id,
+            num_unfinished=self.host.num_unfinished(),
+            resident_adapter_ids=await self.host.resident_adapter_ids(),
+        )
+
+    async def shutdown(self) -> None:
+        self.host.shutdown()
+
+
+def _is_replica_failure(e: BaseException) -> bool:
+    if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError)):
+        return True
+    if isinstance(e, RayTaskError):
+        return "EngineDeadError" in type(e.cause).__name__ or "EngineDead" in str(e)
+    return False
+
+
+class RayReplica:
+    """Router-side handle: async generator over Deltas, failures surfaced as ReplicaFailure."""
+
+    def __init__(self, replica_id: int, actor):
+        self.replica_id = replica_id
+        self.actor = actor
+
+    async def start(self) -> None:
+        await self._call(self.actor.start.remote())
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        gen = self.actor.generate.options(num_returns="streaming").remote(req)
+        finished = False
+        try:
+            async for ref in gen:
+                delta: Delta = await ref
+                finished = delta.finished
+                yield delta
+        except Exception as e:
+            if _is_replica_failure(e):
+                raise ReplicaFailure(f"replica {self.replica_id}: {e}") from e
+            raise
+        finally:
+            if not finished:
+                # Client went away or the router gave up: stop the work inside the engine. No
+                # await here: this runs while the task is being cancelled.
+                ray.cancel(gen)
+                self.actor.abort.remote(req.request_id)
+
+    async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
+        await self._call(self.actor.add_adapter.remote(ref, pinned))
+
+    async def remove_adapter(self, int_id: int) -> bool:
+        return await self._call(self.actor.remove_adapter.remote(int_id))
+
+    async def stats(self) -> ReplicaStats:
+        return await self._call(self.actor.stats.remote())
+
+    async def shutdown(self) -> None:
+        try:
+            await asyncio.wait_for(self.actor.shutdown.remote(), timeout=30)
+        except Exception:
+            pass
+        ray.kill(self.actor, no_restart=True)
+
+    async def _call(self, ref):
+        try:
+            return await ref
+        except Exception as e:
+            if _is_replica_failure(e):
+                raise ReplicaFailure(f"replica {self.replica_id}: {e}") from e
+            raise
+
+
+def replica_runtime_env(cfg: DloraConfig) -> dict:
+    """Environment for a replica process: vLLM's CPU knobs that must be set before import."""
+    env = {
+        # Worker inside the engine-core process: one process less, ~620 MiB and ~9 s saved.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.engine.kv_cache_space_gib),
+        # We pin the core ourselves; vLLM's "auto" would put every replica on core 0.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {"env_vars": env}
+
+
+def create_replica(replica_id: int, cfg: DloraConfig, model_path: str, core: int | None, gpu: bool) -> RayReplica:
+    actor = ReplicaActor.options(
+        name=f"dlora-replica-{replica_id}",
+        num_cpus=0 if gpu else 1,
+        num_gpus=1 if gpu else 0,
+        max_concurrency=10_000,
+        max_restarts=-1,
+        runtime_env=replica_runtime_env(cfg),
+    ).remote(replica_id, cfg, model_path, core)
+    return RayReplica(replica_id, actor)

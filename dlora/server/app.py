@@ -1,0 +1,62 @@
+"""The FastAPI application: OpenAI routes, admin routes, /health, /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from dlora.server import errors, routes_admin, routes_openai
+from dlora.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+async def _refresh_gauges(state: ServerState) -> None:
+    m = state.metrics
+    m.adapters_registered.set(len(state.adapters.registry))
+    for st in await state.router.replica_stats():
+        rid = str(st.replica_id)
+        m.replica_healthy.labels(rid).set(1 if st.healthy else 0)
+        m.replica_unfinished.labels(rid).set(st.num_unfinished)
+        m.adapters_resident.labels(rid).set(len(st.resident_adapter_ids))
+
+
+def create_app(make_state: Callable[[], Awaitable[ServerState]]) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.dlora = await make_state()
+        try:
+            yield
+        finally:
+            await app.state.dlora.router.shutdown()
+
+    app = FastAPI(title="dlora", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_admin.router)
+
+    @app.get("/health")
+    async def health(request: Request):
+        state: ServerState = request.app.state.dlora
+        healthy = sum(1 for s in state.router.slots if s.healthy)
+        body = {"status": "ok" if healthy else "unavailable", "replicas_healthy": healthy,
+                "replicas": len(state.router.slots)}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        state: ServerState = request.app.state.dlora
+        await _refresh_gauges(state)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import version as v
+
+        return {"version": v("dlora")}
+
+    return app

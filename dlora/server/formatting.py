@@ -1,0 +1,76 @@
+"""OpenAI wire format for completion and chat results, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import json
+
+from dlora.replica.messages import TokenLogprob
+from dlora.server.generation import ChoiceResult
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(lps: list[TokenLogprob] | None, text_offset_start: int) -> dict | None:
+    if lps is None:
+        return None
+    offsets, pos = [], text_offset_start
+    for lp in lps:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t: v for _, v, t in lp.top} | {lp.token: lp.logprob} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for _, v, t in lp.top]} for lp in lps
+        ]
+    }
+
+
+def completion_choice(r: ChoiceResult, prefix: str, prompt_ids: list[int] | None) -> dict:
+    choice = {
+        "index": r.index,
+        "text": prefix + r.text,
+        "logprobs": completion_logprobs(r.logprobs, len(prefix)),
+        "finish_reason": r.finish_reason,
+        "stop_reason": r.stop_reason,
+    }
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = r.token_ids
+    return choice
+
+
+def chat_choice(r: ChoiceResult, return_token_ids: bool) -> dict:
+    choice = {
+        "index": r.index,
+        "message": {"role": "assistant", "content": r.text},
+        "logprobs": chat_logprobs(r.logprobs),
+        "finish_reason": r.finish_reason,
+        "stop_reason": r.stop_reason,
+    }
+    if return_token_ids:
+        choice["token_ids"] = r.token_ids
+    return choice

@@ -1,0 +1,74 @@
+"""Admin API: load, unload and list adapters (vLLM-compatible bodies), bearer-token protected."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from dlora.cluster.adapters import (
+    AdapterBusyError, AdapterExistsError, AdapterForbiddenError, AdapterNotFoundError, AdapterValidationError,
+)
+from dlora.server.errors import APIError
+from dlora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+
+
+def require_admin(request: Request) -> None:
+    token = request.app.state.dlora.cfg.admin_token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "missing or invalid admin token (Authorization: Bearer <token>)")
+
+
+router = APIRouter(dependencies=[Depends(require_admin)])
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
+    state = request.app.state.dlora
+    try:
+        await state.adapters.register(body.lora_name, body.lora_path, pinned=body.pinned)
+    except AdapterExistsError:
+        raise APIError(409, f"adapter {body.lora_name!r} is already registered; unload it first", "lora_name")
+    except AdapterForbiddenError as e:
+        raise APIError(403, str(e), "lora_path")
+    except AdapterValidationError as e:
+        raise APIError(400, f"invalid adapter {body.lora_name!r}: {e}", "lora_path")
+    state.metrics.adapters_registered.set(len(state.adapters.registry))
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
+    state = request.app.state.dlora
+    try:
+        await state.adapters.unregister(body.lora_name)
+    except AdapterNotFoundError:
+        raise APIError(404, f"adapter {body.lora_name!r} is not registered", "lora_name")
+    except AdapterBusyError as e:
+        raise APIError(409, str(e), "lora_name")
+    state.metrics.adapters_registered.set(len(state.adapters.registry))
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+@router.get("/v1/adapters")
+async def list_adapters(request: Request):
+    state = request.app.state.dlora
+    resident: dict[int, list[int]] = {}
+    for st in await state.router.replica_stats():
+        for aid in st.resident_adapter_ids:
+            resident.setdefault(aid, []).append(st.replica_id)
+    data = []
+    for r in state.adapters.registry.all():
+        on = resident.get(r.int_id, [])
+        data.append({
+            "name": r.name, "path": r.path, "rank": r.rank, "alpha": r.alpha,
+            "target_modules": list(r.target_modules), "pinned": r.pinned, "source": r.source,
+            "state": "resident" if on else "registered", "resident_on": on,
+            "in_flight": state.router.inflight_by_adapter.get(r.name, 0), "size_bytes": r.size_bytes,
+        })
+    return {"object": "list", "data": data}

@@ -1,0 +1,70 @@
+"""Everything a request handler needs, built once at server start."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlora.adapters.registry import AdapterRegistry
+from dlora.adapters.validate import BaseModelShapes
+from dlora.cluster.adapters import AdapterManager
+from dlora.cluster.router import Router
+from dlora.config import DloraConfig
+from dlora.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    cfg: DloraConfig
+    model_path: str
+    base_model_name: str
+    tokenizer: object
+    router: Router
+    adapters: AdapterManager
+    metrics: Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.model.max_model_len
+
+
+def base_model_name(cfg: DloraConfig, model_path: str) -> str:
+    return cfg.model.served_name or Path(model_path).name
+
+
+async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
+    """Prepare the model, start the replicas, and register the configured and persisted adapters."""
+    from transformers import AutoTokenizer
+
+    from dlora.cluster.launcher import create_replicas
+    from dlora.models.smollm2 import resolve_model_path
+
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    name = base_model_name(cfg, model_path)
+    manager_box: list[AdapterManager] = []
+    router = Router(replicas or create_replicas(cfg, model_path), pinned_adapters=lambda: manager_box[0].pinned_refs())
+    adapters = AdapterManager(
+        registry=AdapterRegistry(cfg.state_dir),
+        router=router,
+        base=BaseModelShapes.from_model_dir(model_path),
+        max_rank=cfg.engine.max_lora_rank,
+        roots=cfg.server.adapter_roots,
+        base_model_name=name,
+    )
+    manager_box.append(adapters)
+    await router.start()
+    for problem in await adapters.restore(cfg.adapters):
+        log.error("%s", problem)
+    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, Metrics())
+    log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
+    return state

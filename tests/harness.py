@@ -1,0 +1,104 @@
+"""Start a real `dlora serve` process on 127.0.0.1 for integration tests, and stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from dlora import env
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
+    """A config serving the tiny test model in fp32 (exact comparisons against HF)."""
+    cfg = {
+        "model": {"path": str(model.base), "served_name": "tiny-base", "dtype": "float32", "max_model_len": 512},
+        "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "kv_cache_space_gib": 1,
+                   "max_num_seqs": 32},
+        "server": {"port": port, "state_dir": str(state_dir), "adapter_roots": [str(model.base.parent)]},
+        "adapters": [{"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},
+                     {"name": "a1", "path": str(model.adapters["a1"])},
+                     {"name": "a2", "path": str(model.adapters["a2"])}],
+    }
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            cfg[section][key] = value
+        else:
+            cfg[section] = value
+    return cfg
+
+
+@dataclass
+class ServerProcess:
+    config_path: Path
+    log_path: Path
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlora.cli", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dlora serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"dlora serve not healthy after {START_TIMEOUT_S}s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def launch(tmp_dir: Path, cfg: dict) -> ServerProcess:
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    path = tmp_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    server = ServerProcess(path, tmp_dir / "server.log", cfg["server"]["port"])
+    try:
+        return server.start()
+    finally:
+        if env.DLORA_TEST_KEEP_LOGS.get():
+            print(server.tail(200))

@@ -1,0 +1,134 @@
+"""Admin API on a real server: load → serve → unload → 404, validation, auth, in-flight safety."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import httpx
+import pytest
+
+from dlora.models.tiny import ADAPTER_SPECS
+from tests.conftest import ADMIN_TOKEN
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def admin(url, path, body, headers=AUTH):
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+
+
+def complete(url, model, **extra):
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "def f(", "max_tokens": 6, "temperature": 0, "return_token_ids": True} | extra)
+
+
+def test_load_serve_unload_round_trip(tiny_server, tiny_model, oracle):
+    url = tiny_server.url
+    assert complete(url, "a3").status_code == 404
+    r = admin(url, "/v1/load_lora_adapter", {"lora_name": "a3", "lora_path": str(tiny_model.adapters["a3"])})
+    assert r.status_code == 200, r.text
+    choice = complete(url, "a3").json()["choices"][0]
+    assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
+    listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters", headers=AUTH).json()["data"]}
+    spec = {s.name: s for s in ADAPTER_SPECS}["a3"]
+    assert listed["a3"]["rank"] == spec.rank and listed["a3"]["state"] == "resident"
+    assert listed["a3"]["target_modules"] == list(spec.target_modules)
+    assert listed["a0"]["pinned"] is True
+    assert "a3" in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+    assert admin(url, "/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 200
+    r = complete(url, "a3")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "a3" not in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert admin(url, "/v1/unload_lora_adapter", {"lora_name": "a3"}).status_code == 404
+
+
+def test_auth_is_required_for_admin_routes(tiny_server, tiny_model):
+    url = tiny_server.url
+    body = {"lora_name": "x", "lora_path": str(tiny_model.adapters["a3"])}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
+        r = admin(url, "/v1/load_lora_adapter", body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{url}/v1/adapters").status_code == 401
+    assert admin(url, "/v1/unload_lora_adapter", {"lora_name": "a0"}, headers={}).status_code == 401
+
+
+def test_duplicate_name_is_409(tiny_server, tiny_model):
+    r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "a0", "lora_path": str(tiny_model.adapters["a1"])})
+    assert r.status_code == 409 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_path_outside_roots_is_403(tiny_server, tiny_model, tmp_path):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(tiny_model.adapters["a3"], outside)
+    r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "sneaky", "lora_path": str(outside)})
+    assert r.status_code == 403, r.text
+    r = admin(tiny_server.url, "/v1/load_lora_adapter",
+              {"lora_name": "sneaky", "lora_path": str(tiny_model.base.parent / ".." / "elsewhere")})
+    assert r.status_code == 403
+
+
+@pytest.mark.parametrize("breakage, reason", [
+    ("missing_config", "adapter_config.json not found"),
+    ("corrupt_weights", "safetensors"),
+    ("rank_too_big", "exceeds the configured max_lora_rank"),
+    ("not_a_dir", "not a directory"),
+])
+def test_bad_adapter_files_are_400_with_reason_and_harm_nobody(tiny_server, tiny_model, breakage, reason):
+    bad = tiny_model.base.parent / f"bad-{breakage}"
+    shutil.rmtree(bad, ignore_errors=True)
+    if breakage != "not_a_dir":
+        shutil.copytree(tiny_model.adapters["a3"], bad)
+    if breakage == "missing_config":
+        (bad / "adapter_config.json").unlink()
+    elif breakage == "corrupt_weights":
+        (bad / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    elif breakage == "rank_too_big":
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        cfg["r"] = 64
+        (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    try:
+        r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": f"bad-{breakage}", "lora_path": str(bad)})
+        assert r.status_code == 400, r.text
+        assert reason in r.json()["error"]["message"]
+        assert complete(tiny_server.url, f"bad-{breakage}").status_code == 404
+        assert complete(tiny_server.url, "a1").status_code == 200  # the engine is unharmed
+    finally:
+        shutil.rmtree(bad, ignore_errors=True)
+
+
+def test_bad_admin_bodies(tiny_server):
+    r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "bad name!", "lora_path": "/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_unload_refuses_while_requests_are_in_flight(tiny_server):
+    url = tiny_server.url
+    started = threading.Event()
+    result = {}
+
+    def long_stream():
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": "a2", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}) as r:
+            tokens = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                    started.set()
+            result["tokens"] = tokens
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(60)
+    r = admin(url, "/v1/unload_lora_adapter", {"lora_name": "a2"})
+    assert r.status_code == 409, r.text
+    assert "in flight" in r.json()["error"]["message"]
+    t.join(120)
+    assert result["tokens"] == 400  # the stream finished untouched
+    assert complete(url, "a2").status_code == 200

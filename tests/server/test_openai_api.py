@@ -1,0 +1,227 @@
+"""The OpenAI API of a real server on the tiny model, checked against HF + PEFT (fp32, greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
+MAX_TOKENS = 12
+
+
+def complete(url, **body):
+    body = {"temperature": 0, "max_tokens": MAX_TOKENS, "return_token_ids": True} | body
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("model", ["tiny-base", "a0", "a1", "a2"])
+def test_greedy_ids_equal_hf_peft(tiny_server, oracle, model):
+    adapter = None if model == "tiny-base" else model
+    for prompt in PROMPTS[:2]:
+        choice = complete(tiny_server.url, model=model, prompt=prompt)["choices"][0]
+        assert choice["prompt_token_ids"] == oracle.tokenizer()(prompt)["input_ids"]
+        assert choice["token_ids"] == oracle.greedy(adapter, choice["prompt_token_ids"], MAX_TOKENS)
+
+
+def test_adapters_change_the_output(tiny_server):
+    outs = {m: complete(tiny_server.url, model=m, prompt=PROMPTS[0])["choices"][0]["token_ids"]
+            for m in ["tiny-base", "a0", "a1", "a2"]}
+    assert len({tuple(v) for v in outs.values()}) == 4
+
+
+def test_concurrent_mixed_batch_equals_hf_peft(tiny_server, oracle):
+    """Base + 3 adapters in flight at once (max_loras=2 forces the engine to juggle slots)."""
+    jobs = [(m, p) for m in ["tiny-base", "a0", "a1", "a2"] for p in PROMPTS]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def one(m, p):
+                r = await c.post(f"{tiny_server.url}/v1/completions", json={
+                    "model": m, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+            return await asyncio.gather(*(one(m, p) for m, p in jobs))
+
+    for (model, _), choice in zip(jobs, asyncio.run(run())):
+        adapter = None if model == "tiny-base" else model
+        assert choice["token_ids"] == oracle.greedy(adapter, choice["prompt_token_ids"], MAX_TOKENS), model
+
+
+def sse_events(url, path, body):
+    events = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_stream_reassembles_to_the_whole_text(tiny_server):
+    body = {"model": "a1", "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0}
+    whole = complete(tiny_server.url, **body)
+    chunks = sse_events(tiny_server.url, "/v1/completions",
+                        body | {"stream": True, "stream_options": {"include_usage": True}})
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert chunks[-1]["usage"] == whole["usage"] == {"prompt_tokens": len(whole["choices"][0]["prompt_token_ids"]),
+                                                      "completion_tokens": 20,
+                                                      "total_tokens": whole["usage"]["total_tokens"]}
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == "length" and set(finals[:-1]) == {None}
+
+
+def test_chat_stream_reassembles_and_matches_hf(tiny_server, oracle):
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"model": "a2", "messages": messages, "max_tokens": 10, "temperature": 0}
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body | {"return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert whole["object"] == "chat.completion"
+    prompt_ids = oracle.tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = oracle.tokenizer()(prompt_ids, add_special_tokens=False)["input_ids"]
+    assert whole["prompt_token_ids"] == prompt_ids
+    assert whole["choices"][0]["token_ids"] == oracle.greedy("a2", prompt_ids, 10)
+    chunks = sse_events(tiny_server.url, "/v1/chat/completions", body | {"stream": True})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_n_seed_logprobs_and_stop(tiny_server):
+    url = tiny_server.url
+    # The tiny model's logits are very peaked (decisive greedy tests), so sample hot to see variety.
+    sampled = dict(model="a0", prompt=PROMPTS[0], n=3, temperature=2.0, seed=7, logprobs=2, max_tokens=16)
+    r = complete(url, **sampled)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert r["usage"]["completion_tokens"] == 48
+    assert len({tuple(c["token_ids"]) for c in r["choices"]}) > 1  # distinct samples
+    again = complete(url, **sampled)
+    assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in r["choices"]]  # seeded
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 16
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"])  # top-2 plus the sampled token
+
+    greedy = complete(url, model="a0", prompt=PROMPTS[0], max_tokens=12)["choices"][0]["text"]
+    stop = greedy[3:6]
+    stopped = complete(url, model="a0", prompt=PROMPTS[0], max_tokens=12, stop=[stop])["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    assert stopped["text"] == greedy[: greedy.index(stop)]
+
+
+def test_batch_of_prompts_and_token_prompt(tiny_server):
+    r = complete(tiny_server.url, model="a1", prompt=PROMPTS[:3], n=2)
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    single = complete(tiny_server.url, model="a1", prompt=PROMPTS[1])["choices"][0]
+    assert r["choices"][2]["token_ids"] == r["choices"][3]["token_ids"] == single["token_ids"]
+    by_ids = complete(tiny_server.url, model="a1", prompt=single["prompt_token_ids"])["choices"][0]
+    assert by_ids["token_ids"] == single["token_ids"]
+
+
+def test_models_lists_base_and_adapters(tiny_server):
+    data = httpx.get(f"{tiny_server.url}/v1/models").json()["data"]
+    by_id = {m["id"]: m for m in data}
+    assert by_id["tiny-base"]["parent"] is None
+    assert {"a0", "a1", "a2"} <= set(by_id)
+    assert all(by_id[a]["parent"] == "tiny-base" for a in ("a0", "a1", "a2"))
+
+
+def test_openai_client(tiny_server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused")
+    assert {"tiny-base", "a0"} <= {m.id for m in client.models.list()}
+    c = client.completions.create(model="a0", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == chat.choices[0].message.content
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-adapter", prompt="x", max_tokens=2)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
+    ({"model": "a0", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "a0", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "a0", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "a0", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "a0", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"model": "a0"}, 400, "prompt"),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "a0", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    ({"model": "a0", "prompt": "word " * 600}, 400, "messages"),
+    ({"model": "a0", "prompt": [999999]}, 400, "prompt"),
+])
+def test_completion_errors_are_openai_shaped(tiny_server, body, status, param):
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param and err["message"] and err["type"]
+
+
+def test_malformed_json_and_bad_chat(tiny_server):
+    r = httpx.post(f"{tiny_server.url}/v1/completions", content=b'{"model": "a0", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={"model": "a0", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions",
+                   json={"model": "a0", "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_health_and_metrics(tiny_server):
+    assert httpx.get(f"{tiny_server.url}/health").json()["status"] == "ok"
+    complete(tiny_server.url, model="a1", prompt=PROMPTS[0], max_tokens=4)
+    text = httpx.get(f"{tiny_server.url}/metrics").text
+    for needle in ['dlora_requests_total{adapter="a1",status="ok"}', 'dlora_time_to_first_token_seconds_bucket',
+                   'dlora_time_per_output_token_seconds_count{adapter="a1"}', 'dlora_e2e_request_latency_seconds',
+                   'dlora_requests_running{adapter="a1"} 0.0', 'dlora_adapters_resident{replica="0"}',
+                   'dlora_replica_healthy{replica="0"} 1.0']:
+        assert needle in text, needle
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _unfinished(url: str) -> float:
+    return _metric(httpx.get(f"{url}/metrics").text, "dlora_replica_unfinished_requests")
+
+
+def test_client_disconnect_aborts_in_the_engine(tiny_server):
+    url = tiny_server.url
+    body = {"model": "a2", "prompt": "x", "max_tokens": 500, "ignore_eos": True}
+    t0 = time.monotonic()
+    complete(url, **body)
+    full_run = time.monotonic() - t0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+    closed = time.monotonic()
+    # The engine must drop the request long before it could have finished it by itself.
+    while _unfinished(url) > 0 and time.monotonic() - closed < full_run:
+        time.sleep(0.02)
+    assert _unfinished(url) == 0
+    assert time.monotonic() - closed < full_run / 2, (time.monotonic() - closed, full_run)
+    assert 'dlora_requests_total{adapter="a2",status="aborted"}' in httpx.get(f"{url}/metrics").text

@@ -1,0 +1,76 @@
+import dataclasses
+
+import pytest
+
+from dlora import config
+from dlora.config import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = config.load(None)
+    assert cfg.model.path == config.DEFAULT_MODEL
+    assert cfg.server.host == "127.0.0.1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server.port = 1
+
+
+def test_yaml_fills_sections_and_resolves_paths_against_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    p = write(tmp_path / "sub", """
+model: {path: ../m, dtype: float32, max_model_len: 256}
+engine: {max_loras: 2, max_lora_rank: 8, max_cpu_loras: 4}
+server: {port: 9001, adapter_roots: [../adapters]}
+adapters:
+  - {name: a, path: ../adapters/a, pinned: true}
+""")
+    cfg = config.load(p)
+    assert cfg.model.path == str((tmp_path / "m").resolve())
+    assert cfg.model.dtype == "float32" and cfg.engine.max_loras == 2 and cfg.server.port == 9001
+    assert cfg.server.adapter_roots == (str((tmp_path / "adapters").resolve()),)
+    assert cfg.adapters == (config.AdapterSpec("a", str((tmp_path / "adapters" / "a").resolve()), True),)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: {dtype: float8}", r"model.dtype='float8'"),
+    ("engine: {max_lora_rank: 7}", r"engine.max_lora_rank=7"),
+    ("engine: {max_loras: 8, max_cpu_loras: 4}", r"engine.max_cpu_loras=4"),
+    ("engine: {kv_cache_space_gib: 0.5}", r"engine.kv_cache_space_gib=0.5"),
+    ("engine: {lora_backend: cuda}", r"engine.lora_backend='cuda'"),
+    ("server: {port: 70000}", r"server.port=70000"),
+    ("server: {prot: 1}", r"unknown key\(s\) \['prot'\]"),
+    ("servr: {}", r"unknown top-level key\(s\) \['servr'\]"),
+    ("adapters: [{name: a}]", r"adapters\[0\]"),
+    ("model: [1, 2]", r"model: expected a mapping"),
+])
+def test_bad_values_name_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load(write(tmp_path, text))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(write(tmp_path, "model: {path: [unclosed"))
+
+
+def test_overrides_apply_dotted_keys_and_revalidate():
+    cfg = config.override(config.load(None), {"server.port": 9100, "engine.max_loras": None})
+    assert cfg.server.port == 9100 and cfg.engine.max_loras == config.EngineConfig().max_loras
+    with pytest.raises(ConfigError, match="server.port=-1"):
+        config.override(cfg, {"server.port": -1})
+    with pytest.raises(ConfigError, match="unknown config key 'server.nope'"):
+        config.override(cfg, {"server.nope": 1})
+
+
+def test_admin_token_env_overrides_config(monkeypatch):
+    cfg = config.from_dict({"server": {"admin_token": "from-file"}})
+    assert cfg.admin_token == "from-file"
+    monkeypatch.setenv("DLORA_ADMIN_TOKEN", "from-env")
+    assert cfg.admin_token == "from-env"

@@ -1,0 +1,11 @@
+"""`dlora bench`: a LoRA-aware load-test harness whose flags, printed block and JSON follow `vllm bench serve`.
+
+Modules, one concept each:
+- `popularity`: adapter shares (uniform, distinct, skewed, zipf, powerlaw, dLoRA stride);
+- `arrivals`: Poisson/Gamma(CV) arrival times, diurnal modulation, merged per-adapter streams;
+- `lengths`, `prompts`, `sharegpt`: request lengths (profiles or ShareGPT) and prompt text;
+- `trace`: Azure Functions 2019 per-minute trace replay mapped to adapters as in dLoRA;
+- `workload`: `WorkloadSpec` → `generate_workload` → `list[Request]`, JSONL save/load;
+- `client`: streaming OpenAI client timing TTFT/ITL/E2EL; `runner`: `run_benchmark`, `run_sweep`;
+- `report`, `summary`, `plot`: metrics, the printed block, PNGs; `cli`, `command`: the subcommand.
+"""

@@ -1,0 +1,78 @@
+"""Parameters of the batching policies (dLoRA §4.2, Algorithms 1–3; DESIGN §5 items 1–3).
+
+Units: thresholds are ratios |R_merge| / |B_fcfs| in (0, 1]; credits are seconds (an adapter
+earns one second of credit per second its FCFS-due requests are held back, see credits.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"
+# (the test is strict) yet Alg. 2 can still lower it again from the hypothetical merged throughput.
+THRESHOLD_MIN = 0.05
+THRESHOLD_MAX = 1.0
+
+
+def _require(cond: bool, name: str, value: object, why: str) -> None:
+    if not cond:
+        raise ValueError(f"scheduling.{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    # The FCFS batch size max_bs of Alg. 1/3: at most this many requests are allowed per step.
+    # Set it to the engine's max_num_seqs. `decide(..., max_batch=)` overrides it per call.
+    max_batch: int = 64
+    # Alg. 1 switching thresholds, initial values (Alg. 2 tunes them at break points).
+    # The artifact starts alpha at 1.0 (with >=) and beta at merge/unmerge iteration time 0.556.
+    alpha: float = 0.9  # unmerged -> merged when ratio > alpha
+    beta: float = 0.6  # merged -> unmerged when ratio < beta
+    # Alg. 2 steps (DESIGN §5, the artifact's AIMD constants): merged wins -> threshold - gamma_dec,
+    # unmerged wins -> threshold * gamma_mul.
+    gamma_dec: float = 0.05
+    gamma_mul: float = 1.1
+    min_threshold_gap: float = 0.05  # keep beta <= alpha - gap so a switch is never undone at once
+    # Alg. 2 break point "after processing a set number of iterations" N.
+    break_period_iters: int = 32
+    # Initial switching-cost estimate t_M (DESIGN §5: switch ≈ 0.02 s); replaced by measurements.
+    switch_cost_s: float = 0.02
+    # Prior merged/unmerged iteration-time ratio at equal batch size, used for the mode not yet
+    # measured (DESIGN §5: merged batches modelled at 0.6 of unmerged cost).
+    merged_cost_ratio: float = 0.6
+    # Alg. 3 credits (seconds). Every adapter (and the base model) starts with initial_credit.
+    initial_credit: float = 1.0
+    min_credit_to_merge: float = 0.0  # merge only if credit - this step's cost >= this (line 17)
+    t_starve: float = 2.0  # credit > t_starve -> starving: served first (lines 6-15)
+    t_normal: float = 1.5  # a starving adapter is normal again once credit < t_normal
+    # Not in the paper: credit relaxes toward initial_credit at this rate (credit/s), except for
+    # adapters being held back (see credits.py). 0 gives the paper's closed ledger, where a hot
+    # adapter that spent its credit regains it only when starving adapters are served ahead of it.
+    credit_relax_per_s: float = 0.5
+    # `merged` baseline: the longest stay (iterations) on one adapter while other requests wait.
+    merged_max_iters: int = 256
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
+        _require(0 < self.beta < self.alpha <= THRESHOLD_MAX, "alpha", (self.alpha, self.beta),
+                 f"need 0 < beta < alpha <= {THRESHOLD_MAX}")
+        _require(self.gamma_dec > 0, "gamma_dec", self.gamma_dec, "must be > 0")
+        _require(self.gamma_mul > 1, "gamma_mul", self.gamma_mul, "must be > 1")
+        _require(0 <= self.min_threshold_gap < THRESHOLD_MAX, "min_threshold_gap",
+                 self.min_threshold_gap, f"must be in [0, {THRESHOLD_MAX})")
+        _require(self.break_period_iters >= 1, "break_period_iters", self.break_period_iters,
+                 "must be >= 1")
+        _require(self.switch_cost_s >= 0, "switch_cost_s", self.switch_cost_s, "must be >= 0")
+        _require(self.merged_cost_ratio > 0, "merged_cost_ratio", self.merged_cost_ratio,
+                 "must be > 0")
+        _require(self.t_normal < self.t_starve, "t_normal", self.t_normal,
+                 f"must be < t_starve ({self.t_starve})")
+        _require(self.initial_credit < self.t_normal, "initial_credit", self.initial_credit,
+                 f"must be < t_normal ({self.t_normal}): credit relaxes toward it, and a starving "
+                 "adapter must be able to fall back under t_normal")
+        _require(self.min_credit_to_merge <= self.initial_credit, "min_credit_to_merge",
+                 self.min_credit_to_merge, f"must be <= initial_credit ({self.initial_credit})")
+        _require(self.credit_relax_per_s >= 0, "credit_relax_per_s",
+                 self.credit_relax_per_s, "must be >= 0")
+        _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters,
+                 "must be >= 1")

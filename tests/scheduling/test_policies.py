@@ -1,0 +1,171 @@
+"""Policy behaviour over simulated steps: baselines, contract, and the starvation bound."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dlora.scheduling import (
+    BatchingConfig, DLoRAPolicy, IterationStats, MergedPolicy, Mode, Switch, UnmergedPolicy,
+    check_decision, make_policy, policy_names,
+)
+from tests.scheduling.simlib import StepSim, flat_cost, linear_cost, req, reqs
+
+
+def test_unmerged_allows_every_request_in_fcfs_order():
+    rs = reqs([("A", 3), (None, 2), ("B", 70)])[::-1]
+    d = UnmergedPolicy().decide(rs, now=0.0, max_batch=4)
+    assert d.mode is Mode.UNMERGED and d.switch is Switch.NONE and d.merged_adapter is None
+    assert d.allowed_req_ids == tuple(r.req_id for r in sorted(rs, key=lambda r: r.arrival_time))
+
+
+def test_merged_serves_oldest_model_and_never_mixes():
+    p = MergedPolicy(BatchingConfig(max_batch=8))
+    rs = [req("b0", "B", 0.0), req("a0", "A", 1.0), req("b1", "B", 2.0), req("n0", None, 3.0)]
+    d = p.decide(rs, 0.0)
+    assert (d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) == (
+        Mode.MERGED, "B", Switch.MERGE, ("b0", "b1"))
+    rs = rs[1:3] + rs[3:]  # b0 done: B still has b1, stays merged
+    assert p.decide(rs, 1.0).allowed_req_ids == ("b1",)
+    rs = [r for r in rs if r.adapter != "B"]  # B's queue empty: oldest is A -> UNMERGE then MERGE
+    d = p.decide(rs, 2.0)
+    assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.UNMERGED, Switch.UNMERGE, ("a0",))
+    d = p.decide(rs, 3.0)
+    assert (d.mode, d.merged_adapter, d.switch) == (Mode.MERGED, "A", Switch.MERGE)
+    rs = [r for r in rs if r.adapter != "A"]  # only base left: unmerge, base requests alone
+    d = p.decide(rs, 4.0)
+    assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.UNMERGED, Switch.UNMERGE, ("n0",))
+
+
+def test_merged_moves_on_after_its_bound_while_others_wait():
+    p = MergedPolicy(BatchingConfig(max_batch=8, merged_max_iters=3))
+    rs = [req("a0", "A", 0.0), req("b0", "B", 1.0)]
+    adapters = [p.decide(rs, float(t)).merged_adapter for t in range(8)]
+    # 3 steps on A; 3 steps for B: an unmerge step (B alone, unmerged) and 2 merged; back to A
+    assert adapters == ["A", "A", "A", None, "B", "B", None, "A"]
+    solo = MergedPolicy(BatchingConfig(max_batch=8, merged_max_iters=3))
+    assert {solo.decide([req("a0", "A", 0.0)], float(t)).merged_adapter for t in range(10)} == {"A"}
+
+
+def random_workload(sim: StepSim, seed: int, n: int = 300, adapters: int = 5) -> None:
+    rng = random.Random(seed)
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(40.0)
+        a = rng.choices([None] + [f"l{k}" for k in range(adapters)], weights=[1, 20, 3, 2, 1, 1])[0]
+        sim.add(f"r{i}", a, t, rng.randint(1, 30))
+
+
+@pytest.mark.parametrize("name", policy_names())
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_contract_holds_and_every_request_finishes(name, seed):
+    # StepSim checks every decision: never empty while requests exist, merged never mixes, ...
+    p = make_policy(name, BatchingConfig(max_batch=8, break_period_iters=8))
+    sim = StepSim(p, 8, linear_cost(0.002, 0.001, 0.5), check_max_batch=name != "unmerged")
+    random_workload(sim, seed)
+    sim.run_to_completion()
+    for _, d in sim.decisions:
+        if d.mode is Mode.MERGED:
+            assert d.merged_adapter is not None
+    if name == "dlora":
+        assert any(d.mode is Mode.MERGED for _, d in sim.decisions)  # skewed enough to merge
+        assert any(d.mode is Mode.UNMERGED for _, d in sim.decisions)
+
+
+def test_dlora_is_deterministic():
+    def run():
+        sim = StepSim(DLoRAPolicy(BatchingConfig(max_batch=8)), 8, linear_cost(0.002, 0.001, 0.5))
+        random_workload(sim, 7)
+        sim.run_to_completion()
+        return [(t, d) for t, d in sim.decisions]
+    assert run() == run()
+
+
+def test_no_requests_gives_an_empty_decision_and_keeps_the_mode():
+    p = DLoRAPolicy(BatchingConfig(alpha=0.5, beta=0.3))
+    p.decide(reqs([("A", 4)]), 0.0)
+    d = p.decide([], 1.0)
+    assert d.allowed_req_ids == () and d.mode is Mode.MERGED and d.switch is Switch.NONE
+
+
+def test_failed_merge_is_adopted_from_observe():
+    p = DLoRAPolicy(BatchingConfig(alpha=0.5, beta=0.3))
+    rs = reqs([("A", 4)])
+    assert p.decide(rs, 0.0).switch is Switch.MERGE
+    p.observe(IterationStats(Mode.UNMERGED, None, 4, 0.05))  # the engine could not merge
+    assert (p.mode, p.merged) == (Mode.UNMERGED, None)
+    d = p.decide(rs, 0.05)
+    assert d.switch is Switch.MERGE  # it tries again, from the state the engine is really in
+    check_decision(d, rs)
+
+
+# ---- starvation bound: a flood on one adapter against a cold one ----------------------------
+
+DT = 0.05  # seconds per unmerged step; merged steps take 0.03 s
+
+
+def flood(config: BatchingConfig, cold: dict[str, float], horizon: float = 30.0) -> StepSim:
+    """Adapter A gets 4 new 8-token requests every 0.2 s, more than a step serves, so A always
+    has a backlog; each cold adapter sends one 40-token request at the given time."""
+    cost = lambda mode, n: 0.03 if mode is Mode.MERGED else DT  # noqa: E731
+    sim = StepSim(DLoRAPolicy(config), config.max_batch, cost, switch_time=0.0)
+    for i in range(int(horizon / 0.2)):
+        for j in range(4):
+            sim.add(f"A{i}.{j}", "A", i * 0.2, 8)
+    for name, at in cold.items():
+        sim.add(name, name, at, 40)
+    sim.run_until(horizon)
+    return sim
+
+
+def flood_config(**kw) -> BatchingConfig:
+    base = dict(max_batch=8, alpha=0.6, beta=0.3, initial_credit=1.0, t_starve=2.0, t_normal=1.5,
+                credit_relax_per_s=0.5)
+    return BatchingConfig(**{**base, **kw})
+
+
+def cold_requests(sim: StepSim) -> list:
+    return [r for r in sim.requests if r.adapter != "A"]
+
+
+def test_flood_cannot_hold_a_cold_adapter_back_beyond_t_starve():
+    # "Held back" = inside B_fcfs (FCFS would run it) but not allowed. A cold adapter earns one
+    # second of credit per second held back and starts at initial_credit; it never pays while
+    # normal, and relaxation returns it to initial_credit, so every held-back stretch ends once
+    # credit > t_starve: within t_starve - initial_credit plus the step that crosses it.
+    cfg = flood_config()
+    sim = flood(cfg, {"X": 3.0, "Y": 9.0, "Z": 9.1, "W": 20.0})
+    assert sum(d.mode is Mode.MERGED for _, d in sim.decisions) > len(sim.decisions) / 2
+    bound = cfg.t_starve - cfg.initial_credit + DT + 1e-9
+    for r in cold_requests(sim):
+        assert r.finished_at is not None, r.req_id
+        assert r.held_back_at_first <= bound, r
+        assert r.max_stretch <= bound, r
+    assert max(r.max_stretch for r in cold_requests(sim)) > bound - 2 * DT  # the bound is tight
+
+
+def test_without_starvation_prevention_the_flood_starves_the_cold_adapter():
+    # Control: the same flood with t_starve out of reach and credit relaxing faster than A pays
+    # (one held-back adapter costs A 1 credit/s): X is held back far longer than the bound above.
+    cfg = flood_config(t_starve=1000.0, t_normal=999.0, credit_relax_per_s=2.0)
+    x = cold_requests(flood(cfg, {"X": 3.0}))[0]
+    assert x.max_stretch > 10.0
+
+
+@pytest.mark.parametrize("t_starve", [1.6, 2.0, 3.0])
+def test_starvation_bound_scales_with_t_starve(t_starve):
+    cfg = flood_config(t_starve=t_starve, t_normal=1.1)
+    x = cold_requests(flood(cfg, {"X": 3.0}))[0]
+    expected = t_starve - cfg.initial_credit
+    assert expected - DT <= x.held_back_at_first <= expected + DT + 1e-9
+
+
+@pytest.mark.parametrize("name", ["merged", "dlora"])
+def test_max_batch_per_call_overrides_config_and_must_be_positive(name):
+    p = make_policy(name, BatchingConfig(max_batch=8, alpha=0.5, beta=0.3))
+    rs = reqs([("A", 20)])
+    assert len(p.decide(rs, 0.0, max_batch=3).allowed_req_ids) == 3
+    assert len(p.decide(rs, 0.1).allowed_req_ids) == 8
+    with pytest.raises(ValueError, match="max_batch=0"):
+        p.decide(rs, 0.2, max_batch=0)

@@ -34,11 +34,19 @@ class ReplicaActor:
         self.host = EngineHost(cfg, model_path)
 
     async def start(self) -> int:
-        # Binding this thread is enough: the engine-core process inherits the affinity.
-        if self.core is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {self.core})
         self.host.shutdown()
-        await self.host.start()
+        pin = self.core is not None and hasattr(os, "sched_setaffinity")
+        previous = os.sched_getaffinity(0) if pin else None
+        if pin:
+            # The engine-core process inherits this thread's affinity when it is spawned ...
+            os.sched_setaffinity(0, {self.core})
+        try:
+            await self.host.start()
+        finally:
+            if pin:
+                # ... but this thread then runs vLLM's output handling (detokenising, streaming),
+                # which must not compete with the model on its core.
+                os.sched_setaffinity(0, previous)
         return os.getpid()
 
     async def generate(self, req: GenerateRequest):

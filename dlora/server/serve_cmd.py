@@ -36,13 +36,32 @@ def load_config(args: argparse.Namespace) -> config_mod.DloraConfig:
     return config_mod.override(cfg, overrides)
 
 
+def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
+    """Resolve the model and validate configured adapters now, so mistakes are one-line errors
+    instead of a failed start minutes later."""
+    from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, inspect_adapter
+    from dlora.models.smollm2 import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(cfg.model.path)
+    except (ValueError, FileNotFoundError) as e:
+        raise config_mod.ConfigError(f"model.path={cfg.model.path!r}: {e}") from None
+    base = BaseModelShapes.from_model_dir(model_path)
+    for spec in cfg.adapters:
+        try:
+            inspect_adapter(spec.path, base, cfg.engine.max_lora_rank)
+        except AdapterValidationError as e:
+            raise config_mod.ConfigError(f"adapters: {spec.name!r} ({spec.path}): {e}") from None
+    return config_mod.override(cfg, {"model.path": model_path})
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dlora.server.app import create_app
     from dlora.server.state import build_state
 
-    cfg = load_config(args)
+    cfg = check_before_start(load_config(args))
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(lambda: build_state(cfg))
     uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,

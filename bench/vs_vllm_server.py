@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""dlora vs vLLM's own OpenAI server on the same model, adapters, engine settings and workload.
+
+Both servers run at once (one engine each, both pinned to core 0, which only one of them uses at
+a time); the same streamed mixed-adapter workload is sent to them alternately, `--reps` times each,
+and the medians are compared. Writes bench/results/vs_vllm_server.json (+ .png).
+
+    .venv/bin/python bench/vs_vllm_server.py            # default: 64 requests x 4 adapters, 3 reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dlora import env  # noqa: E402
+from dlora.bench.runner import run_benchmark  # noqa: E402
+from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
+from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms")
+
+
+def make_random_adapters(base: Path, out: Path, n: int, rank: int) -> list[Path]:
+    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = [out / f"r{rank}-{i}" for i in range(n)]
+    if all((p / "adapter_model.safetensors").is_file() for p in paths):
+        return paths
+    for i, p in enumerate(paths):
+        torch.manual_seed(100 + i)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                         init_lora_weights=False)
+        get_peft_model(model, cfg).save_pretrained(p)
+    return paths
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout}s; see {log}")
+
+
+def start(cmd: list[str], log: Path, extra_env: dict[str, str]) -> subprocess.Popen:
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **extra_env})
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def engine_settings(args) -> dict:
+    return {"dtype": "bfloat16", "max_model_len": args.max_model_len, "max_loras": args.num_adapters,
+            "max_lora_rank": args.rank, "max_num_seqs": args.num_prompts, "kv_cache_space_gib": 2,
+            "enforce_eager": not args.compile}
+
+
+def vllm_command(args, base: Path, adapters: list[Path], port: int) -> list[str]:
+    s = engine_settings(args)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base),
+           "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", s["dtype"],
+           "--max-model-len", str(s["max_model_len"]), "--enable-lora", "--max-loras", str(s["max_loras"]),
+           "--max-lora-rank", str(s["max_lora_rank"]), "--max-num-seqs", str(s["max_num_seqs"]),
+           "--disable-log-stats", "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
+    return cmd + (["--enforce-eager"] if s["enforce_eager"] else [])
+
+
+def dlora_config(args, base: Path, adapters: list[Path], port: int, state: Path) -> dict:
+    s = engine_settings(args)
+    return {
+        "model": {"path": str(base), "served_name": "base", "dtype": s["dtype"], "max_model_len": s["max_model_len"]},
+        "engine": {"max_loras": s["max_loras"], "max_lora_rank": s["max_lora_rank"], "max_cpu_loras": s["max_loras"],
+                   "kv_cache_space_gib": s["kv_cache_space_gib"], "max_num_seqs": s["max_num_seqs"],
+                   "enforce_eager": s["enforce_eager"]},
+        "server": {"port": port, "state_dir": str(state)},
+        "cluster": {"num_replicas": 1, "cpu_cores": [0]},
+        "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
+    }
+
+
+def run_once(url: str, requests) -> dict:
+    r = run_benchmark(url, requests, ignore_eos=True, disable_tqdm=True, print_result=False,
+                      percentile_metrics=("ttft", "tpot", "itl"), percentiles=(50.0, 90.0, 99.0))
+    return {k: r[k] for k in METRICS} | {"completed": r["completed"], "duration": r["duration"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, key, label in zip(axes, ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
+                              ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms")):
+        names = list(results["median"])
+        ax.bar(names, [results["median"][n][key] for n in names], color=["#4477aa", "#cc6677"])
+        for n_i, n in enumerate(names):
+            ax.scatter([n_i] * len(results["runs"][n]), [r[key] for r in results["runs"][n]], color="k", s=8)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"dlora vs vLLM server: {results['workload']['num_prompts']} streamed requests over "
+                 f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="let both engines use torch.compile (no --enforce-eager)")
+    ap.add_argument("--out", default=str(RESULTS / "vs_vllm_server.json"))
+    args = ap.parse_args()
+
+    base = prepare_smollm2()
+    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", args.num_adapters, args.rank)
+    work = Path(env.cache_dir()) / "bench-run"
+    work.mkdir(parents=True, exist_ok=True)
+    ports = {"vllm": 8311, "dlora": 8312}
+    cfg_path = work / "dlora.yaml"
+    cfg_path.write_text(yaml.safe_dump(dlora_config(args, base, adapters, ports["dlora"], work / "state")))
+
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    procs = {
+        "vllm": start(vllm_command(args, base, adapters, ports["vllm"]), work / "vllm.log", vllm_env),
+        "dlora": start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg_path)],
+                       work / "dlora.log", {}),
+    }
+    try:
+        for name, proc in procs.items():
+            wait_healthy(f"http://127.0.0.1:{ports[name]}", proc, work / f"{name}.log")
+        spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
+                            distribution="distinct", input_len=args.input_len, output_len=args.output_len,
+                            request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
+        requests = generate_workload(spec)
+        runs: dict[str, list[dict]] = {"dlora": [], "vllm": []}
+        for name in ("dlora", "vllm"):  # warm both engines (first-shape oneDNN primitive builds)
+            run_once(f"http://127.0.0.1:{ports[name]}", requests[: args.num_adapters * 2])
+        for rep in range(args.reps):
+            order = ("dlora", "vllm") if rep % 2 == 0 else ("vllm", "dlora")
+            for name in order:
+                m = run_once(f"http://127.0.0.1:{ports[name]}", requests)
+                runs[name].append(m)
+                print(f"rep {rep} {name:5s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
+                      f" TPOT p50 {m['median_tpot_ms']:.1f} ms", flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+    median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
+    result = {
+        "command": shlex.join([sys.executable.replace(str(ROOT) + "/", ""), *sys.argv]),
+        "vllm_command": shlex.join(vllm_command(args, base, adapters, ports["vllm"])),
+        "dlora_config": dlora_config(args, base, adapters, ports["dlora"], work / "state"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "workload": {"num_prompts": args.num_prompts, "num_adapters": args.num_adapters, "rank": args.rank,
+                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": "inf",
+                     "popularity": "distinct (round-robin)", "ignore_eos": True, "stream": True},
+        "reps": args.reps,
+        "runs": runs,
+        "median": median,
+        "summary": {
+            "throughput_ratio": median["dlora"]["output_throughput"] / median["vllm"]["output_throughput"],
+            "ttft_ratio_vllm_over_dlora": median["vllm"]["median_ttft_ms"] / median["dlora"]["median_ttft_ms"],
+            "tpot_ratio_vllm_over_dlora": median["vllm"]["median_tpot_ms"] / median["dlora"]["median_tpot_ms"],
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

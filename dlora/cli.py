@@ -24,8 +24,15 @@ class UsageError(Exception):
     """Bad user input to a subcommand; printed as one line, exit code 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse errors as one line naming the bad flag (no usage dump), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlora", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="dlora", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(sub)
@@ -34,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # blame the subcommand, whose --help lists what it accepts
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

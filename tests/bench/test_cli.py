@@ -1,7 +1,7 @@
 """`dlora bench` flags: bad input gives one line and exit 2; runs save vLLM-named JSON, plots, sweeps.
 
-Runs through `dlora.bench.__main__` (the subcommand with the top-level dispatcher's error handling),
-in-process except where a real process is needed (exit status of the module, Ctrl-C).
+Runs through the real `dlora` dispatcher (`dlora.cli.main`), in-process except where a real process
+is needed (exit status of the module, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from dlora.bench.__main__ import main as bench_main
+from dlora.cli import main as dlora_main
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def bench(capsys, *argv):
     try:
-        code = bench_main(list(argv))
+        code = dlora_main(["bench", *argv])
     except SystemExit as e:  # argparse's own errors
         code = e.code
     cap = capsys.readouterr()

@@ -1,0 +1,128 @@
+"""Per-replica cost model: how many seconds of engine work a replica has outstanding.
+
+Dispatch (§5.1 of the dLoRA paper) compares replicas by *estimated pending time*, and the
+co-migration ILP (§5.2) balances the same quantity, so both read it from here. A step of
+continuous batching costs roughly
+
+    t(step) = per_iteration_s + per_decode_token_s * decode_tokens + per_prefill_token_s * prefill_tokens
+
+so a request's remaining work is its unprefilled prompt times the prefill cost plus its remaining
+output times the decode cost, with the per-step overhead shared by a full batch (`max_batch`).
+Counting every request at full-batch cost makes its work independent of what else runs on the
+replica, so pending time is additive and the ILP stays linear; it underestimates the latency of a nearly
+idle replica, which is harmless because load balancing only matters when replicas are busy.
+Requests of the replica's merged adapter run at `merged_ratio` (0.6, DESIGN §5) of that. The coefficients
+start from priors and are refitted from the replica's measured steps (`IterationSample`) by
+least squares pulled towards the priors, so one step size seen so far cannot produce a wild fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlora.cluster.monitor_types import AdapterName, IterationSample, RequestLoad, ReplicaView
+
+MIN_SAMPLES = 8  # unmerged steps needed before the fit replaces the priors
+MIN_MERGED_SAMPLES = 3
+RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """Coefficients of the step-time model (priors: tiny Llama on one CPU core, DESIGN §2)."""
+
+    per_iteration_s: float = 0.004  # fixed cost of a step: scheduling, sampling, Python
+    per_decode_token_s: float = 0.001  # marginal cost of one more sequence in a decode step
+    per_prefill_token_s: float = 0.0002  # cost of one prompt (or re-prefilled) token
+    merged_ratio: float = 0.6  # merged step cost / unmerged step cost (DESIGN §5)
+    adapter_load_s: float = 0.02  # add_lora (~3 ms) + an actor round trip, rounded up
+    max_batch: int = 32  # sequences per step (vLLM max_num_seqs)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"CostParams.{f.name} must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("CostParams.max_batch must be >= 1")
+
+
+def request_work(p: CostParams, req: RequestLoad, merged: bool = False) -> float:
+    """Seconds of engine time `req` still needs on a replica (merged: its adapter is folded in)."""
+    prefill = 0 if req.running else req.prompt_tokens + req.output_tokens
+    per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
+    work = prefill * p.per_prefill_token_s + req.remaining_output_tokens * per_token
+    return work * p.merged_ratio if merged else work
+
+
+def recompute_s(p: CostParams, req: RequestLoad) -> float:
+    """Extra seconds a migration costs the target: a running request's KV is rebuilt by prefill."""
+    return req.context_tokens * p.per_prefill_token_s if req.running else 0.0
+
+
+def pending_time(p: CostParams, view: ReplicaView) -> float:
+    """Seconds of queued + running work on the replica (the load dispatch and the ILP balance)."""
+    merged = view.merged_adapter
+    return sum(request_work(p, r, merged is not None and r.adapter == merged) for r in view.requests)
+
+
+def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Seconds before `adapter` can run on the replica: zero if resident (or the base model)."""
+    return 0.0 if view.holds(adapter) else p.adapter_load_s
+
+
+class ReplicaCostModel:
+    """The fitted `CostParams` of one replica, updated from its measured steps."""
+
+    def __init__(self, prior: CostParams | None = None, window: int = 256) -> None:
+        self.prior = prior or CostParams()
+        self.params = self.prior
+        self._unmerged: deque[IterationSample] = deque(maxlen=window)
+        self._merged: deque[IterationSample] = deque(maxlen=window)
+
+    def observe(self, sample: IterationSample) -> None:
+        if sample.seconds <= 0 or sample.num_seqs <= 0:
+            return
+        (self._merged if sample.merged else self._unmerged).append(sample)
+        self.params = self._fit()
+
+    def _fit(self) -> CostParams:
+        p = self.prior
+        if len(self._unmerged) >= MIN_SAMPLES:
+            p = _fit_linear(p, list(self._unmerged))
+        if len(self._merged) >= MIN_MERGED_SAMPLES:
+            p = dataclasses.replace(p, merged_ratio=_fit_merged_ratio(p, list(self._merged)))
+        return p
+
+
+def _features(s: IterationSample) -> tuple[float, float, float]:
+    return 1.0, float(s.decode_tokens), float(s.prefill_tokens)
+
+
+def _fit_linear(prior: CostParams, samples: list[IterationSample]) -> CostParams:
+    """Least squares with a weak ridge towards the prior (0.1% of the data's weight), clamped >= 0.
+
+    Why the ridge: steps often all have the same batch size, which makes the plain normal
+    equations singular; the prior then decides how the time splits between the coefficients,
+    while directions the data does determine are fitted almost as plain least squares.
+    """
+    x = np.array([_features(s) for s in samples])
+    y = np.array([s.seconds for s in samples])
+    theta0 = np.array([prior.per_iteration_s, prior.per_decode_token_s, prior.per_prefill_token_s])
+    reg = np.diag(np.maximum(RIDGE * (x * x).sum(axis=0), 1e-12))
+    theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ theta0)
+    a, b, c = (max(0.0, float(v)) for v in theta)
+    return dataclasses.replace(prior, per_iteration_s=a, per_decode_token_s=b, per_prefill_token_s=c)
+
+
+def _fit_merged_ratio(p: CostParams, merged: list[IterationSample]) -> float:
+    """Median of measured merged step time over the unmerged model's prediction for that step."""
+    ratios = []
+    for s in merged:
+        predicted = float(np.dot(_features(s), [p.per_iteration_s, p.per_decode_token_s, p.per_prefill_token_s]))
+        if predicted > 0:
+            ratios.append(s.seconds / predicted)
+    return float(np.clip(np.median(ratios), 0.05, 1.5)) if ratios else p.merged_ratio

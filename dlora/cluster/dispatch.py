@@ -1,0 +1,121 @@
+"""Which replica a new request goes to (dLoRA §5.1, "adapter-aware dispatch").
+
+Why pending time and not request counts: a burst for one adapter piles onto the few replicas
+holding it, while sending it elsewhere costs an adapter load. dLoRA sends each request to the
+replica with the shortest *estimated pending time*: the replica's queued + running work (cost
+model), plus the adapter load time where the adapter is absent, plus the request's own work
+there (cheaper where its adapter is merged). So a holder wins ties and small differences, and
+a burst spills over to non-holders, which then load the adapter, once the holders fall behind.
+A replica whose KV use is at or above `kv_high` counts as overloaded and is skipped while any
+other can take the request, and a non-holder with no free adapter slot cannot take it at all.
+
+The round-robin and least-loaded policies are the baselines of `bench/cluster_balancing`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dlora.cluster.cost_model import CostParams, load_time, pending_time, request_work
+from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+
+KV_HIGH = 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchDecision:
+    replica_id: int
+    load_adapter: bool  # the adapter is absent there: load it before the request may run
+    pending_s: float  # estimated pending time on that replica, load and own work included
+
+
+class NoEligibleReplica(RuntimeError):
+    """No healthy replica can take the request (none holds its adapter nor has a free slot)."""
+
+
+def _can_take(view: ReplicaView, req: RequestLoad) -> bool:
+    return view.healthy and (view.holds(req.adapter) or view.free_adapter_slots() > 0)
+
+
+def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
+    """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work."""
+    merged = req.adapter is not None and req.adapter == view.merged_adapter
+    return pending_time(params, view) + load_time(params, view, req.adapter) + request_work(params, req, merged)
+
+
+class DispatchPolicy(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def choose(
+        self, replicas: Sequence[ReplicaView], req: RequestLoad, params: Mapping[int, CostParams]
+    ) -> DispatchDecision:
+        """The replica for `req` (`params` maps replica_id to its cost model; missing = priors)."""
+
+    def _decide(self, view: ReplicaView, req: RequestLoad, params: Mapping[int, CostParams]) -> DispatchDecision:
+        p = params.get(view.replica_id, CostParams())
+        return DispatchDecision(view.replica_id, not view.holds(req.adapter), estimate(view, req, p))
+
+    @staticmethod
+    def _eligible(replicas: Sequence[ReplicaView], req: RequestLoad) -> list[ReplicaView]:
+        eligible = [v for v in replicas if _can_take(v, req)]
+        if not eligible:
+            raise NoEligibleReplica(f"no healthy replica holds {req.adapter!r} or has a free adapter slot")
+        return eligible
+
+
+class ProactiveDispatch(DispatchPolicy):
+    """Shortest estimated pending time among replicas that are not overloaded (dLoRA)."""
+
+    name = "proactive"
+
+    def __init__(self, kv_high: float = KV_HIGH) -> None:
+        self.kv_high = kv_high
+
+    def choose(self, replicas, req, params):
+        eligible = self._eligible(replicas, req)
+        calm = [v for v in eligible if v.kv_fraction < self.kv_high] or eligible
+        decisions = [self._decide(v, req, params) for v in calm]
+        return min(decisions, key=lambda d: (d.pending_s, d.load_adapter, d.replica_id))
+
+
+class RoundRobinDispatch(DispatchPolicy):
+    """Cycle over the replicas holding the adapter (all of them for the base model); a static
+    placement baseline: it never loads an adapter when some replica holds it."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, replicas, req, params):
+        eligible = self._eligible(replicas, req)
+        holders = [v for v in eligible if v.holds(req.adapter)] or eligible
+        pick = sorted(holders, key=lambda v: v.replica_id)[next(self._counter) % len(holders)]
+        return self._decide(pick, req, params)
+
+
+class LeastLoadedDispatch(DispatchPolicy):
+    """Fewest unfinished requests, adapter-blind (what the router did before dLoRA dispatch)."""
+
+    name = "least_loaded"
+
+    def choose(self, replicas, req, params):
+        pick = min(self._eligible(replicas, req), key=lambda v: (v.num_requests, v.replica_id))
+        return self._decide(pick, req, params)
+
+
+DISPATCH_POLICIES: dict[str, type[DispatchPolicy]] = {
+    cls.name: cls for cls in (ProactiveDispatch, RoundRobinDispatch, LeastLoadedDispatch)
+}
+
+
+def make_dispatch_policy(name: str) -> DispatchPolicy:
+    try:
+        return DISPATCH_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown dispatch policy {name!r}: supported are {', '.join(DISPATCH_POLICIES)}") from None

@@ -1,0 +1,116 @@
+"""Snapshots of the cluster that the balancer's pure functions read: no Ray, no engine, no clock.
+
+The router (or the monitor) builds one `ReplicaView` per replica from what it already tracks for
+each in-flight request (prompt length, tokens received, adapter) plus the replica's reported
+stats (KV use, resident and merged adapters). Dispatch, placement and co-migration only read
+these, so they are unit-tested without engines and the same code runs in `dlora serve` and in
+the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+AdapterName = str | None  # an adapter name, or None for the base model (resident everywhere)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One unfinished request on a replica, as the router sees it."""
+
+    request_id: str
+    adapter: AdapterName
+    prompt_tokens: int
+    output_tokens: int  # generated so far (received by the router)
+    expected_output_tokens: int  # total output expected: max_tokens or a per-adapter estimate
+    running: bool  # admitted by the engine (holds KV); False while queued
+    arrival_time: float = 0.0  # seconds, same clock as the `now` passed to the triggers
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose KV the request holds once running (re-prefilled if it migrates)."""
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return max(0, self.expected_output_tokens - self.output_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica at one instant.
+
+    `kv_usage` is the engine's measured fraction of KV blocks in use; when None (e.g. in a unit
+    test) it is derived from the running requests' context tokens over `kv_capacity_tokens`.
+    `adapter_slots` is how many adapters the replica may hold at once (vLLM's max_loras / the
+    adapter memory budget); idle residents are evictable, adapters with requests are not.
+    """
+
+    replica_id: int
+    requests: tuple[RequestLoad, ...] = ()
+    resident_adapters: frozenset[str] = frozenset()
+    merged_adapter: str | None = None
+    kv_capacity_tokens: int = 1 << 20
+    adapter_slots: int = 1 << 20
+    kv_usage: float | None = None
+    healthy: bool = True
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for r in self.requests if not r.running)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return sum(r.context_tokens for r in self.requests if r.running)
+
+    @property
+    def kv_fraction(self) -> float:
+        if self.kv_usage is not None:
+            return self.kv_usage
+        return self.kv_used_tokens / max(1, self.kv_capacity_tokens)
+
+    def holds(self, adapter: AdapterName) -> bool:
+        return adapter is None or adapter in self.resident_adapters
+
+    def adapters_in_use(self) -> frozenset[str]:
+        """Adapters with requests here: the engine cannot evict these to make room."""
+        return frozenset(r.adapter for r in self.requests if r.adapter is not None)
+
+    def free_adapter_slots(self) -> int:
+        """Adapters that can still be loaded (idle residents count as free: LRU evicts them)."""
+        return max(0, self.adapter_slots - len(self.adapters_in_use()))
+
+
+@dataclass(frozen=True, slots=True)
+class IterationSample:
+    """One engine step as measured by a replica; the cost model is fitted from these."""
+
+    num_seqs: int  # sequences in the step's batch
+    prefill_tokens: int  # prompt tokens computed in the step
+    decode_tokens: int  # tokens generated in the step (one per decoding sequence)
+    seconds: float  # wall time of the step, merge/unmerge excluded
+    merged: bool = False  # ran with an adapter folded into the base weights
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """All replicas at one instant, plus what the balancer knows about adapters."""
+
+    replicas: tuple[ReplicaView, ...]
+    # adapter name -> memory it takes on a replica, in KV-token equivalents (bytes / KV bytes per
+    # token); adapters not listed use `default_adapter_tokens`.
+    adapter_tokens: Mapping[str, int] = field(default_factory=dict)
+    default_adapter_tokens: int = 0
+
+    def adapter_size(self, adapter: AdapterName) -> int:
+        if adapter is None:
+            return 0
+        return self.adapter_tokens.get(adapter, self.default_adapter_tokens)
+
+    def healthy(self) -> tuple[ReplicaView, ...]:
+        return tuple(r for r in self.replicas if r.healthy)

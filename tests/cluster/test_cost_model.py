@@ -1,0 +1,71 @@
+import pytest
+
+from dlora.cluster.cost_model import (
+    CostParams, ReplicaCostModel, load_time, pending_time, recompute_s, request_work,
+)
+from dlora.cluster.monitor_types import IterationSample
+from tests.cluster.balancer_factories import make_replica, make_request
+
+P = CostParams(per_iteration_s=0.0032, per_decode_token_s=0.001, per_prefill_token_s=0.0002, max_batch=32)
+
+
+def test_request_work_counts_prefill_only_while_queued_and_discounts_merged():
+    per_token = 0.001 + 0.0032 / 32
+    queued = make_request("q", prompt=100, expected=50)
+    running = make_request("r", prompt=100, output=20, expected=50, running=True)
+    assert request_work(P, queued) == pytest.approx(100 * 0.0002 + 50 * per_token)
+    assert request_work(P, running) == pytest.approx(30 * per_token)
+    assert request_work(P, running, merged=True) == pytest.approx(0.6 * 30 * per_token)
+    assert recompute_s(P, running) == pytest.approx(120 * 0.0002)
+    assert recompute_s(P, queued) == 0.0
+
+
+def test_pending_time_sums_requests_with_the_merged_discount_and_load_time_only_if_absent():
+    reqs = [make_request("1", "a", running=True, output=10), make_request("2", "b", running=True, output=10)]
+    plain = make_replica(0, reqs, resident={"a", "b"})
+    merged = make_replica(0, reqs, resident={"a", "b"}, merged_adapter="a")
+    total = sum(request_work(P, r) for r in reqs)
+    assert pending_time(P, plain) == pytest.approx(total)
+    assert pending_time(P, merged) == pytest.approx(total - 0.4 * request_work(P, reqs[0]))
+    assert load_time(P, plain, "a") == 0.0 and load_time(P, plain, None) == 0.0
+    assert load_time(P, plain, "z") == P.adapter_load_s
+
+
+def test_fit_recovers_step_coefficients_from_varied_steps():
+    true = (0.003, 0.0008, 0.00015)
+    model = ReplicaCostModel(CostParams())
+    for i in range(64):
+        decode, prefill = 1 + (i * 7) % 32, (i * 37) % 300
+        t = true[0] + true[1] * decode + true[2] * prefill
+        model.observe(IterationSample(num_seqs=decode, prefill_tokens=prefill, decode_tokens=decode, seconds=t))
+    got = model.params
+    assert got.per_iteration_s == pytest.approx(true[0], rel=0.05)
+    assert got.per_decode_token_s == pytest.approx(true[1], rel=0.05)
+    assert got.per_prefill_token_s == pytest.approx(true[2], rel=0.05)
+
+
+def test_fit_with_a_single_step_shape_stays_nonnegative_and_predicts_it():
+    model = ReplicaCostModel(CostParams())
+    for _ in range(20):
+        model.observe(IterationSample(num_seqs=16, prefill_tokens=0, decode_tokens=16, seconds=0.05))
+    p = model.params
+    assert min(p.per_iteration_s, p.per_decode_token_s, p.per_prefill_token_s) >= 0
+    assert p.per_iteration_s + 16 * p.per_decode_token_s == pytest.approx(0.05, rel=0.1)
+
+
+def test_priors_hold_until_enough_samples_and_merged_ratio_is_measured():
+    model = ReplicaCostModel(P)
+    model.observe(IterationSample(8, 0, 8, 0.02))
+    assert model.params == P
+    for i in range(16):
+        n = 4 + i
+        model.observe(IterationSample(n, 0, n, 0.0032 + 0.001 * n))
+        model.observe(IterationSample(n, 0, n, 0.5 * (0.0032 + 0.001 * n), merged=True))
+    assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05)
+
+
+def test_invalid_params_are_rejected():
+    with pytest.raises(ValueError):
+        CostParams(per_decode_token_s=-1)
+    with pytest.raises(ValueError):
+        CostParams(max_batch=0)

@@ -1,0 +1,85 @@
+import pytest
+
+from dlora.cluster.cost_model import CostParams, request_work
+from dlora.cluster.dispatch import (
+    DISPATCH_POLICIES, NoEligibleReplica, ProactiveDispatch, make_dispatch_policy,
+)
+from tests.cluster.balancer_factories import make_replica, make_request, many
+
+P = CostParams(adapter_load_s=0.02)
+PARAMS = {0: P, 1: P, 2: P}
+NEW = make_request("new", "a", prompt=50, expected=50)
+
+
+def choose(replicas, req=NEW, params=PARAMS):
+    return ProactiveDispatch().choose(replicas, req, params)
+
+
+def test_holder_wins_when_loads_are_equal():
+    d = choose([make_replica(0, resident={"a"}), make_replica(1)])
+    assert (d.replica_id, d.load_adapter) == (0, False)
+
+
+def test_holder_wins_while_its_extra_backlog_is_below_the_adapter_load_time():
+    small = make_request("x", "a", prompt=0, expected=10, running=True)  # ~10 ms of work
+    assert request_work(P, small) < P.adapter_load_s
+    d = choose([make_replica(0, [small], resident={"a"}), make_replica(1)])
+    assert (d.replica_id, d.load_adapter) == (0, False)
+
+
+def test_overloaded_holder_sends_the_request_elsewhere_with_an_adapter_load():
+    backlog = many("h", 20, "a", running=True, expected=200)
+    other = make_replica(1, many("o", 2, "b", running=True), resident={"b"})
+    d = choose([make_replica(0, backlog, resident={"a"}), other])
+    assert (d.replica_id, d.load_adapter) == (1, True)
+    assert d.pending_s > P.adapter_load_s
+
+
+def test_holder_at_the_kv_threshold_is_skipped_even_with_less_work():
+    d = choose([make_replica(0, resident={"a"}, kv_usage=0.90), make_replica(1, many("o", 3, "b", running=True))])
+    assert (d.replica_id, d.load_adapter) == (1, True)
+    d = choose([make_replica(0, resident={"a"}, kv_usage=0.8999), make_replica(1, many("o", 3, "b", running=True))])
+    assert d.replica_id == 0
+
+
+def test_every_replica_overloaded_falls_back_to_the_shortest_pending_time():
+    d = choose([make_replica(0, many("h", 5), resident={"a"}, kv_usage=0.95), make_replica(1, kv_usage=0.97)])
+    assert d.replica_id == 1
+
+
+def test_non_holder_without_a_free_adapter_slot_cannot_take_it():
+    full = make_replica(1, [make_request("b0", "b", running=True)], resident={"b"}, adapter_slots=1)
+    d = choose([make_replica(0, many("h", 20, "a", running=True, expected=200), resident={"a"}), full])
+    assert d.replica_id == 0
+    with pytest.raises(NoEligibleReplica):
+        choose([full])
+
+
+def test_merged_holder_is_cheaper_and_base_requests_need_no_load():
+    backlog = many("h", 4, "b", running=True)
+    plain = make_replica(0, backlog, resident={"a", "b"})
+    merged = make_replica(1, backlog, resident={"a", "b"}, merged_adapter="a")
+    assert choose([plain, merged]).replica_id == 1
+    base = make_request("base", None)
+    d = choose([make_replica(0, backlog), make_replica(1, backlog + many("x", 1, "b"))], req=base)
+    assert (d.replica_id, d.load_adapter) == (0, False)
+
+
+def test_unhealthy_replicas_are_never_chosen():
+    d = choose([make_replica(0, resident={"a"}, healthy=False), make_replica(1)])
+    assert (d.replica_id, d.load_adapter) == (1, True)
+
+
+def test_round_robin_cycles_over_holders_and_least_loaded_ignores_adapters():
+    replicas = [make_replica(0, resident={"a"}), make_replica(1), make_replica(2, resident={"a"})]
+    rr = make_dispatch_policy("round_robin")
+    assert [rr.choose(replicas, NEW, PARAMS).replica_id for _ in range(4)] == [0, 2, 0, 2]
+    replicas[0] = make_replica(0, many("h", 3), resident={"a"})
+    d = make_dispatch_policy("least_loaded").choose(replicas, NEW, PARAMS)
+    assert (d.replica_id, d.load_adapter) == (1, True)
+
+
+def test_registry_names_and_unknown_name_error():
+    assert set(DISPATCH_POLICIES) == {"proactive", "round_robin", "least_loaded"}
+    with pytest.raises(ValueError, match="supported are proactive, round_robin, least_loaded"):
+        make_dispatch_policy("random")

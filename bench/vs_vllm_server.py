@@ -15,14 +15,10 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,55 +29,11 @@ from dlora.bench.runner import run_benchmark  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from servers import make_random_adapters, start, stop, wait_healthy  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms")
-
-
-def make_random_adapters(base: Path, out: Path, n: int, rank: int) -> list[Path]:
-    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    paths = [out / f"r{rank}-{i}" for i in range(n)]
-    if all((p / "adapter_model.safetensors").is_file() for p in paths):
-        return paths
-    for i, p in enumerate(paths):
-        torch.manual_seed(100 + i)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                         init_lora_weights=False)
-        get_peft_model(model, cfg).save_pretrained(p)
-    return paths
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s; see {log}")
-
-
-def start(cmd: list[str], log: Path, extra_env: dict[str, str]) -> subprocess.Popen:
-    print(f"$ {shlex.join(cmd)}", flush=True)
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **extra_env})
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def engine_settings(args) -> dict:

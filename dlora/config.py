@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from dlora import env
+from dlora.scheduling import BatchingConfig, policy_names
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -102,14 +103,58 @@ class ClusterConfig:
     ray_address: str | None = None
     # CPU cores to pin replicas to, one per replica (CPU only); empty means 0, 1, ... in order.
     cpu_cores: tuple[int, ...] = ()
+    # proactive (shortest estimated pending time, dLoRA) | least_loaded | round_robin
+    dispatch: str = "proactive"
+    # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
+    # lives on one replica (registry id mod N) and its requests only go there (a baseline).
+    placement: str = "dynamic"
+    migration: bool = True  # reactive request-adapter co-migration between replicas
+    migration_interval_s: float = 10.0  # at most one migration round per interval
+    migration_solver: str = "auto"  # auto (HiGHS if installed, else CBC) | highs | cbc | greedy
+    migration_time_limit_s: float = 0.05  # hard limit on one solve; greedy fallback after it
+    migration_top_k: int = 2  # overloaded and underloaded replicas considered per round
+    count_imbalance: int = 16  # trigger: unfinished-request counts differ by more than this
+    queue_delay_s: float = 2.0  # trigger: a queued request waited this long while another replica is idle
+    monitor_interval_s: float = 1.0  # how often replica stats are read
+    placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
 
     def __post_init__(self) -> None:
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
+        _check(self.dispatch in ("proactive", "least_loaded", "round_robin"), "cluster.dispatch", self.dispatch,
+               "must be one of proactive, least_loaded, round_robin")
+        _check(self.placement in ("dynamic", "static"), "cluster.placement", self.placement,
+               "must be dynamic or static")
+        _check(self.migration_solver in ("auto", "highs", "cbc", "greedy"), "cluster.migration_solver",
+               self.migration_solver, "must be one of auto, highs, cbc, greedy")
+        for key in ("migration_interval_s", "migration_time_limit_s", "monitor_interval_s", "queue_delay_s",
+                    "placement_interval_s"):
+            _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
+        _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
 
 
 @dataclass(frozen=True)
-class SchedulingConfig:
+class SchedulingConfig(BatchingConfig):
+    """`scheduling:` = the batching policy's name plus its parameters (`dlora.scheduling.BatchingConfig`,
+    the one definition of them, with its defaults and checks)."""
+
+    # unmerged (vLLM's behaviour) | merged (one adapter at a time) | dlora (Algorithms 1-3)
     policy: str = "unmerged"
+
+    def __post_init__(self) -> None:
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check(self.policy in policy_names(), "scheduling.policy", self.policy,
+               f"must be one of {', '.join(policy_names())}")
+
+    def batching(self) -> BatchingConfig:
+        """The policy parameters alone (what `make_policy` takes)."""
+        return BatchingConfig(**{f.name: getattr(self, f.name) for f in fields(BatchingConfig)})
+
+    def to_engine(self) -> dict[str, Any]:
+        """Plain values for vLLM's `additional_config` (JSON-hashed, sent to the engine process)."""
+        return {"policy": self.policy, **dataclasses.asdict(self.batching())}
 
 
 @dataclass(frozen=True)

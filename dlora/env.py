@@ -58,7 +58,21 @@ DLORA_TEST_KEEP_LOGS = EnvVar(
     "DLORA_TEST_KEEP_LOGS", False, _bool, "tests print server logs even when they pass",
 )
 
-ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS]
+LORA_BACKENDS = ("vllm", "triton", "einsum")
+
+
+def _lora_backend(raw: str) -> str:
+    if raw not in LORA_BACKENDS:
+        raise ValueError(f"expected one of {', '.join(LORA_BACKENDS)}")
+    return raw
+
+
+DLORA_LORA_BACKEND = EnvVar(
+    "DLORA_LORA_BACKEND", "vllm", _lora_backend,
+    "LoRA backend of a replica's engine; set from engine.lora_backend by the replica's runtime env",
+)
+
+ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND]
 
 
 def cache_dir() -> Path:

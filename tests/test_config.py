@@ -74,3 +74,37 @@ def test_admin_token_env_overrides_config(monkeypatch):
     assert cfg.admin_token == "from-file"
     monkeypatch.setenv("DLORA_ADMIN_TOKEN", "from-env")
     assert cfg.admin_token == "from-env"
+
+
+def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
+    from dlora.scheduling import BatchingConfig
+
+    cfg = config.load(write(tmp_path, "scheduling: {policy: dlora, alpha: 0.8, beta: 0.5, t_starve: 3.0}"))
+    s = cfg.scheduling
+    assert (s.policy, s.alpha, s.beta, s.t_starve) == ("dlora", 0.8, 0.5, 3.0)
+    assert s.batching() == BatchingConfig(alpha=0.8, beta=0.5, t_starve=3.0)
+    assert s.to_engine() == {"policy": "dlora", **dataclasses.asdict(s.batching())}
+    defaults = config.load(None).scheduling
+    assert defaults.policy == "unmerged" and defaults.batching() == BatchingConfig()
+    assert config.override(cfg, {"scheduling.merged_max_iters": 4}).scheduling.merged_max_iters == 4
+
+
+@pytest.mark.parametrize("text, match", [
+    ("scheduling: {policy: fifo}", r"scheduling.policy='fifo': must be one of unmerged, merged, dlora"),
+    ("scheduling: {alpha: 0.5, beta: 0.6}", r"scheduling.alpha="),
+    ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
+    ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
+    ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
+])
+def test_bad_scheduling_values_name_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load(write(tmp_path, text))
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    for path in sorted(root.glob("*.yaml")):
+        config.load(path)
+    assert config.load(root / "default.yaml").scheduling.policy == "dlora"

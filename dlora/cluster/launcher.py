@@ -9,6 +9,7 @@ import ray
 
 from dlora import env
 from dlora.config import DloraConfig
+from dlora.replica import lora_backend
 from dlora.replica.ray_replica import RayReplica, create_replica
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def replica_cores(cfg: DloraConfig) -> list[int | None]:
 def create_replicas(cfg: DloraConfig, model_path: str) -> list[RayReplica]:
     init_ray(cfg)
     gpu = cluster_has_gpus(cfg.cluster.num_replicas)
+    lora_backend.check(cfg.engine.lora_backend, gpu=gpu, enforce_eager=cfg.engine.enforce_eager)
     cores = [None] * cfg.cluster.num_replicas if gpu else replica_cores(cfg)
     log.info("creating %d replica(s) on %s", cfg.cluster.num_replicas, "GPUs" if gpu else f"cores {cores}")
     return [create_replica(i, cfg, model_path, cores[i], gpu) for i in range(cfg.cluster.num_replicas)]

@@ -1,10 +1,15 @@
-"""The router: picks a replica for each request, owns its token state, survives replica failures.
+"""The router: picks a replica for each request, owns its token state, moves it when told to.
 
-NOTE on the request life cycle: the router keeps the prompt ids and every token id received. If
-the replica fails mid-stream (actor died, restarted, or its engine died), the request is resubmitted
-to a healthy replica as `prompt + generated` with `max_tokens` reduced by what was generated, so the
-client's stream continues with no duplicated or missing tokens. The failed replica is rebuilt in the
-background and its adapters are loaded again before it takes new work.
+NOTE on the request life cycle: the router keeps the prompt ids and every token id received. A
+request leaves its replica in two ways, and both continue the same way — it is resubmitted to
+another replica as `prompt + generated` with `max_tokens` reduced by what was generated, so the
+client's stream goes on with no duplicated or missing tokens:
+  * migration: the balancer sets `migrate_to` and aborts the request on its replica; the engine
+    ends the stream with finish_reason "abort", which the router swallows;
+  * failure: the replica's actor died or restarted, or its engine died (`ReplicaFailure`); the
+    replica is rebuilt in the background and its pinned adapters are loaded again.
+Replicas are chosen by a dispatch policy (dlora/cluster/dispatch.py) over `ReplicaView`s that the
+router builds from its own request table and the replicas' last reported stats.
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
+from dlora.cluster.cost_model import CostParams
+from dlora.cluster.dispatch import make_dispatch_policy
+from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
 log = logging.getLogger(__name__)
@@ -29,6 +38,7 @@ class Replica(Protocol):
 
     async def start(self) -> None: ...
     def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]: ...
+    async def abort(self, request_id: str) -> None: ...
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None: ...
     async def remove_adapter(self, int_id: int) -> bool: ...
     async def stats(self) -> ReplicaStats: ...
@@ -43,25 +53,37 @@ class NoReplicaError(RuntimeError):
 class ReplicaSlot:
     replica: Replica
     healthy: bool = False
-    inflight: int = 0
-    loaded: set[int] = field(default_factory=set)  # adapter ids added (engine LRU may still evict)
+    loaded: dict[int, str] = field(default_factory=dict)  # adapter id -> name (engine LRU may evict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     recovering: asyncio.Task | None = None
     restarts: int = 0
+    last_stats: ReplicaStats | None = None
+
+    @property
+    def replica_id(self) -> int:
+        return self.replica.replica_id
 
 
 @dataclass
 class RequestState:
     request: GenerateRequest
+    arrival: float
     generated: list[int] = field(default_factory=list)
     resubmissions: int = 0
+    slot: ReplicaSlot | None = None
+    engine_request_id: str | None = None  # the id on the current replica
+    migrate_to: int | None = None
+    migrated: bool = False  # the last stream ended because of a migration
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter.name if self.request.adapter else None
 
     def continuation(self) -> GenerateRequest:
-        """The request to send after a failure: the prompt grows by what was generated."""
+        """The request to send after a move: the prompt grows by what was generated."""
         s = self.request.sampling
-        sampling = dataclasses.replace(
-            s, max_tokens=s.max_tokens - len(self.generated), min_tokens=max(0, s.min_tokens - len(self.generated))
-        )
+        n = len(self.generated)
+        sampling = dataclasses.replace(s, max_tokens=s.max_tokens - n, min_tokens=max(0, s.min_tokens - n))
         return dataclasses.replace(
             self.request,
             request_id=f"{self.request.request_id}-r{self.resubmissions}",
@@ -69,14 +91,40 @@ class RequestState:
             sampling=sampling,
         )
 
+    def load(self) -> RequestLoad:
+        return RequestLoad(
+            request_id=self.request.request_id, adapter=self.adapter,
+            prompt_tokens=len(self.request.prompt_token_ids), output_tokens=len(self.generated),
+            expected_output_tokens=self.request.sampling.max_tokens, running=bool(self.generated),
+            arrival_time=self.arrival,
+        )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    dispatch: str = "proactive"
+    # static: each adapter lives on one replica (id mod N) and only goes there — the baseline
+    # placement dLoRA compares against; dynamic: any replica, adapters loaded where needed.
+    static_placement: bool = False
+    adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
+    kv_capacity_tokens: int = 1 << 17  # per replica, until the engine reports its own
+    max_batch: int = 64
+
 
 class Router:
-    def __init__(self, replicas: list[Replica], pinned_adapters: callable = lambda: []):
+    def __init__(self, replicas: list[Replica], pinned_adapters: Callable[[], list[AdapterRef]] = list,
+                 cfg: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.slots = [ReplicaSlot(r) for r in replicas]
+        self.cfg = cfg or RouterConfig()
+        self.dispatcher = make_dispatch_policy(self.cfg.dispatch)
+        self.clock = clock
         # Returns the AdapterRefs that must be resident on every replica (pinned ones).
         self._pinned_adapters = pinned_adapters
+        self.requests: dict[str, RequestState] = {}
         self.inflight_by_adapter: Counter[str] = Counter()
-        self._loading: dict[tuple[int, int], asyncio.Task] = {}
+        self.counters: Counter[str] = Counter()  # resubmissions, migrations, ...
+        self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
+        self._loading: dict[tuple[int, int], asyncio.Future] = {}
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,10 +135,11 @@ class Router:
         await slot.replica.start()
         slot.loaded.clear()
         for ref in self._pinned_adapters():
-            await self._load(slot, ref, pinned=True)
+            if not self.cfg.static_placement or self.home(ref) is slot:
+                await self._load(slot, ref, pinned=True)
         slot.healthy = True
         slot.ready.set()
-        log.info("replica %d ready in %.1f s", slot.replica.replica_id, time.monotonic() - t0)
+        log.info("replica %d ready in %.1f s", slot.replica_id, time.monotonic() - t0)
 
     async def shutdown(self) -> None:
         for s in self.slots:
@@ -98,8 +147,11 @@ class Router:
                 s.recovering.cancel()
         await asyncio.gather(*(s.replica.shutdown() for s in self.slots), return_exceptions=True)
 
+    def slot(self, replica_id: int) -> ReplicaSlot:
+        return next(s for s in self.slots if s.replica_id == replica_id)
+
     def _mark_failed(self, slot: ReplicaSlot) -> None:
-        if not slot.healthy and slot.recovering:
+        if slot.recovering:
             return
         slot.healthy = False
         slot.ready.clear()
@@ -114,96 +166,171 @@ class Router:
                 slot.recovering = None
                 return
             except Exception as e:  # keep trying: Ray may still be restarting the actor process
-                log.warning("replica %d restart failed (%s); retrying in %.0f s", slot.replica.replica_id, e, delay)
+                log.warning("replica %d restart failed (%s); retrying in %.0f s", slot.replica_id, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 15.0)
 
     # ---- adapters ---------------------------------------------------------------------------
     async def _load(self, slot: ReplicaSlot, ref: AdapterRef, pinned: bool = False) -> None:
-        key = (slot.replica.replica_id, ref.int_id)
-        task = self._loading.get(key)
-        if task is None:
-            task = asyncio.ensure_future(slot.replica.add_adapter(ref, pinned))
-            self._loading[key] = task
-        try:
-            await asyncio.shield(task)
-            slot.loaded.add(ref.int_id)
-        finally:
-            if task.done():
-                self._loading.pop(key, None)
+        """Load once per (replica, adapter) even when many requests ask at the same time."""
+        key = (slot.replica_id, ref.int_id)
+        fut = self._loading.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(slot.replica.add_adapter(ref, pinned))
+            self._loading[key] = fut
+            fut.add_done_callback(lambda _: self._loading.pop(key, None))
+        await asyncio.shield(fut)
+        slot.loaded[ref.int_id] = ref.name
+
+    async def load_on(self, replica_id: int, ref: AdapterRef) -> None:
+        await self._load(self.slot(replica_id), ref)
+
+    def home(self, ref: AdapterRef) -> ReplicaSlot:
+        """The adapter's replica under static placement."""
+        return self.slots[ref.int_id % len(self.slots)]
 
     async def load_everywhere(self, ref: AdapterRef, pinned: bool = False) -> None:
-        """Load on every healthy replica; raises the first engine error (nothing half-registered)."""
-        await asyncio.gather(*(self._load(s, ref, pinned) for s in self.slots if s.healthy))
+        """Load on every healthy replica (its home only, under static placement); raises the first
+        engine error, so nothing is half-registered."""
+        targets = [self.home(ref)] if self.cfg.static_placement else [s for s in self.slots if s.healthy]
+        await asyncio.gather(*(self._load(s, ref, pinned) for s in targets))
 
     async def unload_everywhere(self, int_id: int) -> None:
         for s in self.slots:
             if s.healthy and int_id in s.loaded:
                 await s.replica.remove_adapter(int_id)
-            s.loaded.discard(int_id)
+            s.loaded.pop(int_id, None)
+
+    # ---- views for the balancer -------------------------------------------------------------
+    def views(self) -> list[ReplicaView]:
+        by_slot: dict[int, list[RequestLoad]] = {s.replica_id: [] for s in self.slots}
+        for st in self.requests.values():
+            if st.slot is not None:
+                by_slot[st.slot.replica_id].append(st.load())
+        return [self._view(s, tuple(by_slot[s.replica_id])) for s in self.slots]
+
+    def _view(self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...]) -> ReplicaView:
+        batching = slot.last_stats.batching if slot.last_stats else None
+        return ReplicaView(
+            replica_id=slot.replica_id, requests=requests, resident_adapters=frozenset(slot.loaded.values()),
+            merged_adapter=batching.merged_adapter if batching else None,
+            kv_capacity_tokens=self.cfg.kv_capacity_tokens, adapter_slots=self.cfg.adapter_slots,
+            healthy=slot.healthy,
+        )
+
+    def adapter_rates(self, window_s: float) -> dict[str, float]:
+        """Requests per second per adapter over the last `window_s` seconds."""
+        since = self.clock() - window_s
+        counts = Counter(a for t, a in self.arrivals if t >= since and a is not None)
+        return {a: n / window_s for a, n in counts.items()}
+
+    def cost_params(self) -> dict[int, CostParams]:
+        return {s.replica_id: CostParams(max_batch=self.cfg.max_batch) for s in self.slots}
 
     # ---- requests ---------------------------------------------------------------------------
-    async def _pick(self) -> ReplicaSlot:
-        healthy = [s for s in self.slots if s.healthy]
-        if not healthy:
-            waiters = [asyncio.ensure_future(s.ready.wait()) for s in self.slots]
-            try:
-                done, _ = await asyncio.wait(waiters, timeout=RECOVERY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
-            healthy = [s for s in self.slots if s.healthy]
-            if not healthy:
-                raise NoReplicaError(f"no replica recovered within {RECOVERY_TIMEOUT_S:.0f} s")
-        return min(healthy, key=lambda s: s.inflight)
+    async def _wait_for_any_replica(self) -> None:
+        waiters = [asyncio.ensure_future(s.ready.wait()) for s in self.slots]
+        try:
+            await asyncio.wait(waiters, timeout=RECOVERY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        if not any(s.healthy for s in self.slots):
+            raise NoReplicaError(f"no replica recovered within {RECOVERY_TIMEOUT_S:.0f} s")
+
+    async def _choose(self, state: RequestState) -> ReplicaSlot:
+        if not any(s.healthy for s in self.slots):
+            await self._wait_for_any_replica()
+        if state.migrate_to is not None:
+            target = self.slot(state.migrate_to)
+            state.migrate_to = None
+            if target.healthy:
+                return target
+        if self.cfg.static_placement and state.request.adapter is not None:
+            home = self.home(state.request.adapter)
+            if not home.healthy:
+                await home.ready.wait()
+            return home
+        healthy = [v for v in self.views() if v.healthy]
+        decision = self.dispatcher.choose(healthy, state.load(), self.cost_params())
+        return self.slot(decision.replica_id)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        """Stream a request's deltas; replica failures are hidden by resubmission."""
-        from dlora.replica.ray_replica import ReplicaFailure
-
-        state = RequestState(req)
-        adapter = req.adapter.name if req.adapter else ""
+        """Stream a request's deltas; migrations and replica failures are hidden by resubmission."""
+        state = RequestState(req, arrival=self.clock())
+        self.arrivals.append((state.arrival, state.adapter))
+        adapter = state.adapter or ""
+        self.requests[req.request_id] = state
         self.inflight_by_adapter[adapter] += 1
         try:
             current = req
             while True:
-                slot = await self._pick()
+                slot = await self._choose(state)
                 try:
                     async for delta in self._run_on(slot, current, state):
                         yield delta
-                    return
+                        if delta.finished:
+                            return
+                    if not state.migrated:  # the stream ended without saying why: report, don't loop
+                        yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
+                        return
+                    state.migrated = False
+                    self.counters["migrations"] += 1
                 except ReplicaFailure as e:
                     log.warning("request %s: %s; resubmitting after %d tokens", req.request_id, e, len(state.generated))
                     self._mark_failed(slot)
-                    state.resubmissions += 1
-                    current = state.continuation()
-                    if current.sampling.max_tokens <= 0:
-                        yield Delta(token_ids=[], text="", finished=True, finish_reason="length")
-                        return
+                    self.counters["resubmissions"] += 1
+                state.resubmissions += 1
+                current = state.continuation()
+                if current.sampling.max_tokens <= 0:
+                    yield Delta(token_ids=[], text="", finished=True, finish_reason="length")
+                    return
         finally:
+            del self.requests[req.request_id]
             self.inflight_by_adapter[adapter] -= 1
             if self.inflight_by_adapter[adapter] <= 0:
                 del self.inflight_by_adapter[adapter]
 
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
-        slot.inflight += 1
+        """Deltas from one replica; returns without a finished delta when the request was migrated."""
+        state.slot, state.engine_request_id = slot, req.request_id
         try:
             if req.adapter is not None and req.adapter.int_id not in slot.loaded:
                 await self._load(slot, req.adapter)
             async for delta in slot.replica.generate(req):
                 state.generated.extend(delta.token_ids)
+                if delta.finished and delta.finish_reason == "abort" and state.migrate_to is not None:
+                    state.migrated = True
+                    if delta.token_ids:
+                        yield dataclasses.replace(delta, finished=False, finish_reason=None)
+                    return
                 yield delta
         finally:
-            slot.inflight -= 1
+            state.slot = None
 
-    async def replica_stats(self) -> list[ReplicaStats]:
+    async def migrate(self, request_id: str, dst_replica_id: int) -> bool:
+        """Move a running request to another replica (abort here, continue there)."""
+        state = self.requests.get(request_id)
+        if (state is None or state.slot is None or state.migrate_to is not None
+                or state.slot.replica_id == dst_replica_id or not self.slot(dst_replica_id).healthy):
+            return False
+        state.migrate_to = dst_replica_id
+        await state.slot.replica.abort(state.engine_request_id)
+        return True
+
+    async def refresh_stats(self) -> list[ReplicaStats]:
         out = []
         for s in self.slots:
-            if not s.healthy:
-                out.append(ReplicaStats(replica_id=s.replica.replica_id, num_unfinished=0, healthy=False))
-                continue
-            try:
-                out.append(await s.replica.stats())
-            except Exception:
-                out.append(ReplicaStats(replica_id=s.replica.replica_id, num_unfinished=0, healthy=False))
+            st = None
+            if s.healthy:
+                try:
+                    st = await s.replica.stats()
+                except Exception:
+                    st = None
+            st = st or ReplicaStats(replica_id=s.replica_id, num_unfinished=0, healthy=False)
+            s.last_stats = st if st.healthy else s.last_stats
+            out.append(st)
         return out
+
+    async def replica_stats(self) -> list[ReplicaStats]:
+        return await self.refresh_stats()

@@ -11,11 +11,16 @@ import logging
 from typing import AsyncIterator
 
 from dlora.config import DloraConfig
-from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
+from dlora.replica.messages import (
+    AdapterRef, BatchingState, Delta, GenerateRequest, SamplingSpec, TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "dlora.replica.vllm_ext.DloraWorkerExtension"
+SCHEDULER = "dlora.replica.dlora_scheduler.DloraScheduler"
+# additional_config key under which the batching policy's settings reach the engine-core process
+BATCHING_CONFIG_KEY = "dlora_batching"
 
 
 def build_engine_args(cfg: DloraConfig, model_path: str):
@@ -37,6 +42,11 @@ def build_engine_args(cfg: DloraConfig, model_path: str):
         enforce_eager=e.enforce_eager,
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
+        scheduler_cls=SCHEDULER,
+        # The scheduler switches weights in-band and must see each step's result before planning
+        # the next one (CPU forces this anyway; see dlora_scheduler.py for GPU).
+        async_scheduling=False,
+        additional_config={BATCHING_CONFIG_KEY: cfg.scheduling.to_engine()},
     )
 
 
@@ -96,6 +106,8 @@ class EngineHost:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.engine = AsyncLLM.from_engine_args(build_engine_args(self.cfg, self.model_path))
+        # Install the worker hooks for merged/unmerged switching, then let the scheduler merge.
+        await self.engine.engine_core.call_utility_async("dlora_setup")
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -127,13 +139,19 @@ class EngineHost:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
         await self.engine.add_lora(_lora_request(ref))
         if pinned:
-            await self.engine.pin_lora(ref.int_id)
+            # Host cache only: vLLM's pin_lora also pins a device slot, which its scheduler does not
+            # count, so a batch of max_loras other adapters then fails inside the engine.
+            await self.engine.collective_rpc("dlora_pin_lora", args=(ref.int_id,))
 
     async def remove_adapter(self, int_id: int) -> bool:
         return await self.engine.remove_lora(int_id)
 
     async def resident_adapter_ids(self) -> list[int]:
         return sorted(await self.engine.list_loras())
+
+    async def batching_state(self) -> BatchingState:
+        """The merged/unmerged state kept by the scheduler inside the engine-core process."""
+        return BatchingState.from_dict(await self.engine.engine_core.call_utility_async("dlora_batching_state"))
 
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests() if self.engine else 0

@@ -67,9 +67,55 @@ class Delta:
     stop_reason: str | int | None = None
 
 
+# Upper bounds (seconds) of the merge/unmerge time histogram; the engine counts, /metrics renders.
+SWITCH_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class SwitchTimes:
+    """Measured durations of one kind of weight switch (merge or unmerge) since the engine started."""
+
+    count: int = 0
+    total_seconds: float = 0.0
+    bucket_counts: tuple[int, ...] = ()  # cumulative, one per SWITCH_SECONDS_BUCKETS bound
+    recent: tuple[float, ...] = ()  # the latest durations, newest last
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SwitchTimes":
+        return cls(int(d["count"]), float(d["total_seconds"]), tuple(d["bucket_counts"]), tuple(d["recent"]))
+
+
+@dataclass(frozen=True)
+class BatchingState:
+    """A replica's merged/unmerged batching state, read from its engine core (`dlora_scheduler.py`)."""
+
+    policy: str
+    mode: str  # "unmerged" | "merged": what the weights are now
+    merged_adapter: str | None
+    num_switches: int  # merges + unmerges applied
+    merge_failures: int
+    switch_times: dict[str, SwitchTimes]  # "merge" / "unmerge"
+    credits: dict[str, float] = field(default_factory=dict)  # adapter ("" = base model) -> seconds
+    starving: tuple[str, ...] = ()
+    alpha: float | None = None
+    beta: float | None = None
+    switch_cost: float | None = None  # the policy's current estimate t_M, seconds
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchingState":
+        return cls(
+            policy=d["policy"], mode=d["mode"], merged_adapter=d["merged_adapter"],
+            num_switches=int(d["num_switches"]), merge_failures=int(d["merge_failures"]),
+            switch_times={op: SwitchTimes.from_dict(t) for op, t in d["switch_times"].items()},
+            credits={str(k): float(v) for k, v in d["credits"].items()}, starving=tuple(d["starving"]),
+            alpha=d["alpha"], beta=d["beta"], switch_cost=d["switch_cost"],
+        )
+
+
 @dataclass
 class ReplicaStats:
     replica_id: int
     num_unfinished: int
     resident_adapter_ids: list[int] = field(default_factory=list)
     healthy: bool = True
+    batching: BatchingState | None = None

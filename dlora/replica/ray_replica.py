@@ -17,13 +17,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
+from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
 log = logging.getLogger(__name__)
-
-
-class ReplicaFailure(RuntimeError):
-    """The replica (actor or engine) failed; the request may be resubmitted elsewhere."""
 
 
 @ray.remote
@@ -68,7 +65,15 @@ class ReplicaActor:
             replica_id=self.replica_id,
             num_unfinished=self.host.num_unfinished(),
             resident_adapter_ids=await self.host.resident_adapter_ids(),
+            batching=await self._batching_state(),
         )
+
+    async def _batching_state(self):
+        try:
+            return await self.host.batching_state()
+        except Exception as e:  # metrics only: a failed read must not make the replica look dead
+            log.warning("replica %d: cannot read the batching state: %s", self.replica_id, e)
+            return None
 
     async def shutdown(self) -> None:
         self.host.shutdown()
@@ -111,6 +116,9 @@ class RayReplica:
                 ray.cancel(gen)
                 self.actor.abort.remote(req.request_id)
 
+    async def abort(self, request_id: str) -> None:
+        await self._call(self.actor.abort.remote(request_id))
+
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         await self._call(self.actor.add_adapter.remote(ref, pinned))
 
@@ -146,6 +154,7 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_HOST_IP": "127.0.0.1",
         "TOKENIZERS_PARALLELISM": "false",
+        "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by vllm_ext via lora_backend.install
     }
     return {"env_vars": env}
 

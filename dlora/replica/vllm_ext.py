@@ -1,19 +1,187 @@
 """dlora's worker extension for vLLM (`worker_extension_cls`).
 
 vLLM imports this module inside the engine's worker process before the model is built, which is
-where dlora's fixes to vLLM's CPU LoRA path must be in force. Methods added here become RPCs that the
-replica calls through `collective_rpc`; vLLM forbids overriding Worker attributes, so every name
-carries a `dlora_` prefix.
+where dlora's fixes to vLLM's CPU LoRA path must be in force. Methods added here become RPCs
+(`collective_rpc`); vLLM forbids overriding Worker attributes, so every name carries a `dlora_`
+prefix, and the hooks on the model runner are instance-attribute wrappers installed by
+`dlora_install` (called once by the engine core right after start-up, see `dlora_scheduler.py`):
+
+- `execute_model`: applies the step's in-band merge/unmerge commands (`inband.py`) before the
+  forward pass, so the weights change together with the batch the scheduler chose for them, and
+  hands the worker's reports (ok/failed, seconds) back on that step's ModelRunnerOutput;
+- `sample_tokens`: the same hand-back when vLLM splits a step into execute + sample;
+- `_set_active_loras`: while adapter X is merged, X's lora id is mapped to 0 (no LoRA), since
+  its delta is in the weights already (applying both would count it twice).
 """
 
 from __future__ import annotations
 
-from dlora.replica import cpu_lora_fix
+import contextlib
+import copy
+import logging
+import time
+
+from dlora import env
+from dlora.replica import cpu_lora_fix, lora_backend
+from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
+from dlora.replica.merge import CheckpointTensors, MergeError, WeightMerger
 
 cpu_lora_fix.install()
+lora_backend.install(env.DLORA_LORA_BACKEND.get())  # engine.lora_backend, before the model is built
+
+log = logging.getLogger(__name__)
+
+# vLLM warns about every module a reload leaves alone; a dlora reload leaves most alone on purpose.
+_PARTIAL_RELOAD_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded",
+    "vllm.model_executor.model_loader.reload.layerwise": "%s: Failed to load weights",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload():
+    filters = [(logging.getLogger(name), _DropMessage(prefix)) for name, prefix in _PARTIAL_RELOAD_WARNINGS.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+
+
+class _Switcher:
+    """The worker-side state: the merger, the lora-id remap and the reports of the current step."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.runner = worker.model_runner
+        self._merger: WeightMerger | None = None
+        self.merged_adapter: str | None = None
+        self.remap: frozenset[int] = frozenset()
+        self.pending: list[SwitchReport] = []  # reports of the step in progress
+        self.applied = 0
+
+    # ---- hooks ---------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        runner = self.runner
+        orig_execute, orig_sample, orig_set = (
+            runner.execute_model, runner.sample_tokens, runner._set_active_loras)
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            cmds = getattr(scheduler_output, CMDS_ATTR, None)
+            if cmds:
+                self.pending = [self.apply(c) for c in cmds]
+            return self.attach(orig_execute(scheduler_output, *args, **kwargs))
+
+        def sample_tokens(*args, **kwargs):
+            return self.attach(orig_sample(*args, **kwargs))
+
+        def set_active_loras(prompt_mapping, token_mapping, lora_requests, *args, **kwargs):
+            remap = self.remap
+            if remap:
+                prompt_mapping = tuple(0 if i in remap else i for i in prompt_mapping)
+                token_mapping = tuple(0 if i in remap else i for i in token_mapping)
+                lora_requests = {r for r in lora_requests if r.lora_int_id not in remap}
+            return orig_set(prompt_mapping, token_mapping, lora_requests, *args, **kwargs)
+
+        runner.execute_model = execute_model
+        runner.sample_tokens = sample_tokens
+        runner._set_active_loras = set_active_loras
+
+    def attach(self, output):
+        """Put the pending reports on the step's ModelRunnerOutput (None: sample_tokens will come)."""
+        if output is None or not self.pending:
+            return output
+        # Early-return outputs may be a shared module-level constant: never mutate that one.
+        output = copy.copy(output)
+        setattr(output, REPORTS_ATTR, self.pending)
+        self.pending = []
+        return output
+
+    # ---- switching -----------------------------------------------------------------------------
+
+    def merger(self) -> WeightMerger:
+        if self._merger is None:
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            worker = self.worker
+            model = self.runner.get_model()
+
+            def reload(items):
+                with _quiet_partial_reload():
+                    reload_weights(worker.vllm_config, model, weights_iterator=items, weights_path=None,
+                                   is_checkpoint_format=True)
+
+            checkpoint = CheckpointTensors(worker.vllm_config.model_config.model)
+            self._merger = WeightMerger(checkpoint, reload, getattr(model, "packed_modules_mapping", {}),
+                                        worker.vllm_config.model_config.dtype)
+        return self._merger
+
+    def apply(self, cmd: SwitchCommand) -> SwitchReport:
+        t0 = time.perf_counter()
+        if cmd.op == MERGE:
+            try:
+                self.merger().merge(cmd.path)
+            except MergeError as e:
+                # The merger restored the base weights; the step runs the adapter unmerged.
+                self.merged_adapter, self.remap = None, frozenset()
+                log.warning("merge of adapter %r failed, staying unmerged: %s", cmd.adapter, e)
+                return SwitchReport(MERGE, cmd.adapter, False, time.perf_counter() - t0, str(e))
+            self.merged_adapter, self.remap = cmd.adapter, frozenset({cmd.lora_int_id})
+        elif cmd.op == UNMERGE:
+            if self._merger is not None:
+                self._merger.unmerge()  # raises only if the pristine reload fails: engine stops
+            self.merged_adapter, self.remap = None, frozenset()
+        else:
+            raise ValueError(f"unknown dlora switch command {cmd!r}")
+        self.applied += 1
+        return SwitchReport(cmd.op, cmd.adapter, True, time.perf_counter() - t0)
 
 
 class DloraWorkerExtension:
     def dlora_ping(self) -> str:
         """Proves the extension is mixed into the worker (used by tests and health checks)."""
         return "dlora"
+
+    def dlora_pin_lora(self, lora_id: int) -> bool:
+        """Pin a loaded adapter in the host (CPU) LoRA cache only, never evicted from it.
+
+        vLLM's `pin_lora` also pins it in a device slot, which the scheduler does not count: with
+        max_loras=2 and one pinned adapter, a step with two other adapters evicts one of them while
+        activating the other and dies with a KeyError in `convert_mapping`.
+        """
+        self.model_runner.lora_manager._adapter_manager._pin_lora_in_cpu_cache(lora_id)
+        return True
+
+    def dlora_install(self) -> bool:
+        """Install the model-runner hooks; idempotent. Returns True if it installed them now."""
+        if getattr(self, "_dlora_switcher", None) is not None:
+            return False
+        self._dlora_switcher = _Switcher(self)
+        self._dlora_switcher.install()
+        return True
+
+    def dlora_apply(self, op: str, adapter: str | None = None, path: str | None = None,
+                    lora_int_id: int = 0) -> dict:
+        """Apply one switch command out of band (tests; serving uses the in-band path)."""
+        self.dlora_install()
+        report = self._dlora_switcher.apply(SwitchCommand(op, adapter, path, lora_int_id))
+        return {"op": report.op, "ok": report.ok, "seconds": report.seconds, "error": report.error}
+
+    def dlora_state(self) -> dict:
+        s = getattr(self, "_dlora_switcher", None)
+        if s is None:
+            return {"installed": False}
+        return {"installed": True, "merged_adapter": s.merged_adapter, "remap": sorted(s.remap),
+                "applied": s.applied}

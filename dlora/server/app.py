@@ -23,6 +23,7 @@ async def _refresh_gauges(state: ServerState) -> None:
         m.replica_healthy.labels(rid).set(1 if st.healthy else 0)
         m.replica_unfinished.labels(rid).set(st.num_unfinished)
         m.adapters_resident.labels(rid).set(len(st.resident_adapter_ids))
+        m.batching.update(rid, st.batching if st.healthy else None)
 
 
 def create_app(make_state: Callable[[], Awaitable[ServerState]]) -> FastAPI:
@@ -32,7 +33,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]]) -> FastAPI:
         try:
             yield
         finally:
-            await app.state.dlora.router.shutdown()
+            await app.state.dlora.close()
 
     app = FastAPI(title="dlora", lifespan=lifespan)
     errors.install(app)

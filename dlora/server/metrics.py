@@ -6,6 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, BatchingState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -35,6 +38,9 @@ class Metrics:
                                         ["replica"], registry=r)
         self.resubmissions = Counter("dlora_request_resubmissions", "Requests resubmitted after a replica failure",
                                      registry=r)
+        # Merged/unmerged batching: the engines keep the state, refreshed on each scrape.
+        self.batching = BatchingCollector()
+        r.register(self.batching)
 
     def track(self, adapter: str, prompt_tokens: int) -> "RequestTracker":
         self.prompt_tokens.labels(adapter).inc(prompt_tokens)
@@ -80,3 +86,55 @@ class RequestTracker:
                 self.m.tpot.labels(self.adapter).observe((end - self.first_token) / (self.tokens - 1))
         self.m.e2e.labels(self.adapter).observe(end - self.start)
         self.m.requests.labels(self.adapter, status).inc()
+
+
+class BatchingCollector:
+    """Renders each replica's `BatchingState` (read from its engine) as Prometheus families.
+
+    The engine owns the counts (switches, the switch-time histogram), so they are exported as
+    they are, not re-accumulated here; a restarted replica starts from zero like any counter.
+    """
+
+    MODE_VALUE = {"unmerged": 0, "merged": 1}
+
+    def __init__(self) -> None:
+        self.states: dict[str, BatchingState] = {}
+
+    def update(self, replica: str, state: BatchingState | None) -> None:
+        if state is None:
+            self.states.pop(replica, None)
+        else:
+            self.states[replica] = state
+
+    def describe(self):
+        return []  # families depend on the replicas seen; nothing to pre-register
+
+    def collect(self):
+        mode = GaugeMetricFamily("dlora_batching_mode", "Weights of the replica: 0 unmerged, 1 one adapter merged",
+                                 labels=["replica"])
+        merged = GaugeMetricFamily("dlora_merged_adapter", "1 for the adapter merged into the replica's weights",
+                                   labels=["replica", "adapter"])
+        switches = CounterMetricFamily("dlora_switches", "Merges and unmerges applied", labels=["replica"])
+        failures = CounterMetricFamily("dlora_merge_failures", "Merges that failed (the replica stayed unmerged)",
+                                       labels=["replica"])
+        seconds = HistogramMetricFamily("dlora_switch_seconds", "Time to merge or unmerge one adapter",
+                                        labels=["replica", "op"])
+        credit = GaugeMetricFamily("dlora_adapter_credit", "Credit of an adapter in the dlora policy (seconds; "
+                                   "adapter \"\" is the base model)", labels=["replica", "adapter"])
+        threshold = GaugeMetricFamily("dlora_batching_threshold", "The dlora policy's switching thresholds",
+                                      labels=["replica", "threshold"])
+        for rid, st in sorted(self.states.items()):
+            mode.add_metric([rid], self.MODE_VALUE.get(st.mode, 0))
+            if st.merged_adapter is not None:
+                merged.add_metric([rid, st.merged_adapter], 1)
+            switches.add_metric([rid], st.num_switches)
+            failures.add_metric([rid], st.merge_failures)
+            for op, t in sorted(st.switch_times.items()):
+                buckets = [(str(b), float(n)) for b, n in zip(SWITCH_SECONDS_BUCKETS, t.bucket_counts)]
+                seconds.add_metric([rid, op], buckets + [("+Inf", float(t.count))], t.total_seconds)
+            for adapter, c in sorted(st.credits.items()):
+                credit.add_metric([rid, adapter], c)
+            for name, value in (("alpha", st.alpha), ("beta", st.beta)):
+                if value is not None:
+                    threshold.add_metric([rid, name], value)
+        yield from (mode, merged, switches, failures, seconds, credit, threshold)

@@ -41,7 +41,9 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
     instead of a failed start minutes later."""
     from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, inspect_adapter
     from dlora.models.smollm2 import resolve_model_path
+    from dlora.replica import lora_backend
 
+    lora_backend.check_config(cfg)
     try:
         model_path = resolve_model_path(cfg.model.path)
     except (ValueError, FileNotFoundError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,8 +10,9 @@ from pathlib import Path
 
 from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.validate import BaseModelShapes
-from dlora.cluster.adapters import AdapterManager
-from dlora.cluster.router import Router
+from dlora.cluster.adapters import AdapterManager, ref_of
+from dlora.cluster.balancer import Balancer
+from dlora.cluster.router import Router, RouterConfig
 from dlora.config import DloraConfig
 from dlora.server.metrics import Metrics
 
@@ -26,7 +28,18 @@ class ServerState:
     router: Router
     adapters: AdapterManager
     metrics: Metrics
+    balancer: Balancer
     created: int = field(default_factory=lambda: int(time.time()))
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def start_background(self) -> None:
+        self._tasks.append(asyncio.create_task(self.balancer.run()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.router.shutdown()
 
     @property
     def vocab_size(self) -> int:
@@ -52,7 +65,11 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = base_model_name(cfg, model_path)
     manager_box: list[AdapterManager] = []
-    router = Router(replicas or create_replicas(cfg, model_path), pinned_adapters=lambda: manager_box[0].pinned_refs())
+    router_cfg = RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
+                              adapter_slots=cfg.engine.max_cpu_loras,
+                              max_batch=cfg.engine.max_num_seqs)
+    router = Router(replicas or create_replicas(cfg, model_path), cfg=router_cfg,
+                    pinned_adapters=lambda: manager_box[0].pinned_refs())
     adapters = AdapterManager(
         registry=AdapterRegistry(cfg.state_dir),
         router=router,
@@ -65,6 +82,8 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     await router.start()
     for problem in await adapters.restore(cfg.adapters):
         log.error("%s", problem)
-    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, Metrics())
+    balancer = Balancer(router, adapter_ref=lambda n: ref_of(adapters.lookup(n)), cfg=cfg.cluster)
+    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, Metrics(), balancer)
+    state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
     return state

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""dlora's `einsum` LoRA backend vs vLLM's default CPU LoRA path, in the real server.
+
+Two dlora servers with identical configs except `engine.lora_backend` (`vllm` and `einsum`) run at
+once, both pinned to core 0, which only one of them uses at a time; the same streamed
+mixed-adapter workload as bench/vs_vllm_server.py is sent to them alternately, `--reps` times
+each, and the medians are compared. Writes bench/results/lora_backend_cpu.json.
+
+    .venv/bin/python bench/lora_backend_cpu.py          # default: 64 requests x 4 adapters, 5 reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from dlora import env  # noqa: E402
+from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
+from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
+from servers import make_random_adapters, start_dlora, stop, wait_healthy  # noqa: E402
+from vs_vllm_server import METRICS, dlora_config, run_once  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+BACKENDS = ("vllm", "einsum")
+# the workload of bench/vs_vllm_server.py, with more repetitions (the machine is shared and noisy)
+DEFAULTS = {"num_prompts": 64, "num_adapters": 4, "rank": 8, "input_len": 64, "output_len": 64,
+            "max_model_len": 2048, "reps": 5}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for key, default in DEFAULTS.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=default)
+    ap.add_argument("--out", default=str(RESULTS / "lora_backend_cpu.json"))
+    args = ap.parse_args()
+    args.compile = False  # dlora's backends need enforce_eager
+
+    base = prepare_smollm2()
+    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", args.num_adapters, args.rank)
+    work = Path(env.cache_dir()) / "bench-run-lora-backend"
+    work.mkdir(parents=True, exist_ok=True)
+    ports = {"vllm": 8321, "einsum": 8322}
+    configs = {}
+    for name in BACKENDS:
+        cfg = dlora_config(args, base, adapters, ports[name], work / f"state-{name}")
+        cfg["engine"]["lora_backend"] = name
+        configs[name] = cfg
+    procs = {name: start_dlora(configs[name], work, name) for name in BACKENDS}
+    try:
+        for name, proc in procs.items():
+            wait_healthy(f"http://127.0.0.1:{ports[name]}", proc, work / f"{name}.log")
+        spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
+                            distribution="distinct", input_len=args.input_len, output_len=args.output_len,
+                            request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
+        requests = generate_workload(spec)
+        runs: dict[str, list[dict]] = {name: [] for name in BACKENDS}
+        for name in BACKENDS:  # warm both engines (first-shape oneDNN primitive builds)
+            run_once(f"http://127.0.0.1:{ports[name]}", requests[: args.num_adapters * 2])
+        for rep in range(args.reps):
+            for name in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
+                m = run_once(f"http://127.0.0.1:{ports[name]}", requests)
+                m["loadavg_1m"] = os.getloadavg()[0]
+                runs[name].append(m)
+                print(f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
+                      f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})", flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    in_use = {name: f"Using PunicaWrapper{'Einsum' if name == 'einsum' else 'CPU'}."
+              in (work / f"{name}.log").read_text(errors="replace") for name in BACKENDS}
+
+    median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
+    per_rep = [e["output_throughput"] / v["output_throughput"] for e, v in zip(runs["einsum"], runs["vllm"])]
+    result = {
+        "command": shlex.join([sys.executable.replace(str(ROOT) + "/", ""), *sys.argv]),
+        "dlora_config": configs["einsum"],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "note": "shared 2-core machine with other CPU-heavy work running; both engines on core 0, "
+                            "runs alternate so both see the same background load on average"},
+        "workload": {"num_prompts": args.num_prompts, "num_adapters": args.num_adapters, "rank": args.rank,
+                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": "inf",
+                     "popularity": "distinct (round-robin)", "ignore_eos": True, "stream": True},
+        "wrapper_in_use_per_log": in_use,
+        "reps": args.reps,
+        "runs": runs,
+        "median": median,
+        "summary": {
+            "throughput_ratio_einsum_over_vllm": median["einsum"]["output_throughput"] / median["vllm"]["output_throughput"],
+            "per_rep_throughput_ratio": per_rep,
+            "tpot_ratio_vllm_over_einsum": median["vllm"]["median_tpot_ms"] / median["einsum"]["median_tpot_ms"],
+            "ttft_ratio_vllm_over_einsum": median["vllm"]["median_ttft_ms"] / median["einsum"]["median_ttft_ms"],
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

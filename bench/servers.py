@@ -1,0 +1,68 @@
+"""Shared pieces of the benchmark scripts: random adapters for a base model, server processes."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+def make_random_adapters(base: Path, out: Path, n: int, rank: int) -> list[Path]:
+    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = [out / f"r{rank}-{i}" for i in range(n)]
+    for i, p in enumerate(paths):
+        if (p / "adapter_model.safetensors").is_file():
+            continue
+        torch.manual_seed(100 + i)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                         init_lora_weights=False)
+        get_peft_model(model, cfg).save_pretrained(p)
+    return paths
+
+
+def start(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(extra_env or {})})
+
+
+def start_dlora(cfg: dict, workdir: Path, name: str) -> subprocess.Popen:
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(path)], workdir / f"{name}.log")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout}s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,117 @@
+"""The balancer loop: read replica stats, and run a co-migration round when a trigger fires.
+
+Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), then
+checks dLoRA's triggers (KV pressure, request-count imbalance, queueing delay; at most one round per
+`migration_interval_s`). A round solves the relaxed co-migration ILP off the event loop, loads the
+planned adapters on their targets, then moves each planned request (abort + resubmit, see router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dlora.cluster.migration_ilp import MigrationPlan, plan_migration
+from dlora.cluster.migration_problem import MigrationConfig
+from dlora.cluster.migration_trigger import Trigger, TriggerConfig, check_trigger
+from dlora.cluster.monitor_types import ClusterView
+from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
+from dlora.cluster.router import Router
+from dlora.config import ClusterConfig
+from dlora.replica.messages import AdapterRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MigrationRound:
+    trigger: Trigger
+    plan: MigrationPlan
+    moved: int
+
+
+@dataclass
+class Balancer:
+    router: Router
+    adapter_ref: Callable[[str], AdapterRef]  # name -> what an engine needs to load it
+    cfg: ClusterConfig
+    rounds: deque[MigrationRound] = field(default_factory=lambda: deque(maxlen=64))
+    last_round_at: float | None = None
+    last_preload_at: float | None = None
+    preloads: list[PlacementPlan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trigger_cfg = TriggerConfig(interval_s=self.cfg.migration_interval_s,
+                                         count_imbalance=self.cfg.count_imbalance,
+                                         queue_delay_s=self.cfg.queue_delay_s)
+        self.migration_cfg = MigrationConfig(top_k=self.cfg.migration_top_k, solver=self.cfg.migration_solver,
+                                             time_limit_s=self.cfg.migration_time_limit_s)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.monitor_interval_s)
+            try:
+                await self.router.refresh_stats()
+                if self.cfg.migration:
+                    await self.maybe_migrate()
+                if self.cfg.placement == "dynamic":
+                    await self.maybe_preload()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("balancer round failed")
+
+    async def maybe_migrate(self) -> MigrationRound | None:
+        now = self.router.clock()
+        views = self.router.views()
+        trigger = check_trigger(views, now, self.last_round_at, self.trigger_cfg)
+        if trigger is None:
+            return None
+        self.last_round_at = now
+        plan = await asyncio.to_thread(plan_migration, ClusterView(tuple(views)), self.router.cost_params(),
+                                       self.migration_cfg)
+        moved = await self.execute(plan)
+        done = MigrationRound(trigger, plan, moved)
+        self.rounds.append(done)
+        log.info("migration round (%s: %s): %s in %.1f ms, moved %d of %d planned, loaded %d adapter(s)",
+                 trigger.reason, trigger.detail, plan.solver, plan.solve_ms, moved, len(plan.moves), len(plan.loads))
+        return done
+
+    async def execute(self, plan: MigrationPlan) -> int:
+        """Adapters first (a moved request must find its adapter), then the moves."""
+        for adapter, replica_id in plan.loads:
+            await self.router.load_on(replica_id, self.adapter_ref(adapter))
+        moved = 0
+        for request_id, _, dst in plan.moves:
+            moved += await self.router.migrate(request_id, dst)
+        return moved
+
+    async def maybe_preload(self) -> PlacementPlan | None:
+        """Long-term preload: copy adapters to raise the minimum burst tolerance (placement.py).
+
+        Memory is counted in adapter slots here: each replica may hold `adapter_slots` adapters
+        (vLLM's host cache), every adapter takes one, and a request takes one unit of capacity.
+        """
+        now = self.router.clock()
+        if self.last_preload_at is not None and now - self.last_preload_at < self.cfg.placement_interval_s:
+            return None
+        self.last_preload_at = now
+        rates = self.router.adapter_rates(self.cfg.placement_interval_s)
+        if not rates:
+            return None
+        slots = self.router.cfg.adapter_slots
+        replicas = [PlacementReplica(s.replica_id, memory_tokens=2 * slots, adapter_budget_tokens=slots,
+                                     resident=frozenset(s.loaded.values()))
+                    for s in self.router.slots if s.healthy]
+        demands = [AdapterDemand(a, r, size_tokens=1) for a, r in rates.items()]
+        plan = plan_placement(replicas, demands, tokens_per_request=1.0)
+        for adapter, replica_id in plan.loads:
+            await self.router.load_on(replica_id, self.adapter_ref(adapter))
+        self.preloads.append(plan)
+        if plan.loads:
+            log.info("preloaded %s (min burst tolerance %.2f -> %.2f)", plan.loads, plan.min_tolerance_before,
+                     plan.min_tolerance_after)
+        return plan

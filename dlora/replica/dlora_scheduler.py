@@ -1,0 +1,340 @@
+"""The batching policy inside vLLM's scheduler (`scheduler_cls`): one decision per engine step.
+
+Each `schedule()`:
+1. one `RequestView` per unfinished request (running and waiting) -> `policy.decide()`;
+2. safety, whatever the policy said: a merge is vetoed while the worker hooks are not installed or
+   shortly after that adapter failed to merge; if the allowed requests cannot make progress (none
+   running and no free slot, or the previous restricted step scheduled nothing) the step falls
+   back to unmerged FCFS over everything; running requests beyond `max_loras` distinct adapters
+   wait (vLLM asserts on that, and hidden requests make it possible);
+3. the requests not allowed are hidden from `running`/`waiting` while `super().schedule()` runs,
+   then put back: they keep their KV blocks and their RUNNING status, and are never preempted
+   (only visible requests are preemption victims);
+4. if the weights must change, in-band `SwitchCommand`s go on this step's SchedulerOutput, so the
+   worker changes the weights right before the forward pass of exactly the batch chosen for them.
+   While adapter X is merged only X's requests are ever scheduled: a base or other-adapter request
+   on merged weights would compute wrong outputs and cache wrong KV under its normal prefix hash.
+   X's own blocks are shared across the two weight states, which is the same function (fp32:
+   identical tokens; bf16: rounding-level differences, as with any batch-shape change).
+
+`update_from_output()` reads the worker's `SwitchReport`s (merge failed -> the replica is unmerged,
+that adapter is not merged again for `MERGE_RETRY_S`) and feeds `policy.observe()` the measured
+iteration time and switch time.
+
+The policy's name and parameters arrive through vLLM's `additional_config`
+(`engine.BATCHING_CONFIG_KEY`). Importing this module in the engine-core process (vLLM does, to
+resolve `scheduler_cls`) adds two EngineCore utilities, reached with
+`engine_core.call_utility_async(...)`: `dlora_setup` (install the worker hooks, enable switching)
+and `dlora_batching_state` (a plain dict for /metrics).
+
+GPU note: this subclasses the synchronous `Scheduler`. vLLM forces synchronous scheduling on CPU;
+`engine.build_engine_args` also turns `async_scheduling` off elsewhere, since with `AsyncScheduler`
+the next step is scheduled before the previous one's reports (a failed merge) are known. An
+`AsyncScheduler` variant would need the weight state to be tracked one step ahead (untested).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.request_queue import create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request, RequestStatus
+
+from dlora.replica.engine import BATCHING_CONFIG_KEY
+from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
+from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
+from dlora.scheduling import (
+    BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
+)
+from dlora.scheduling.dynamic_batching import fcfs_key
+
+log = logging.getLogger(__name__)
+
+MERGE_RETRY_S = 30.0  # after a failed merge, that adapter runs unmerged for this long
+RECENT_SWITCHES = 64  # durations kept per kind for the batching state
+
+
+def policy_from(additional_config) -> tuple[str, BatchingConfig]:
+    settings = dict((additional_config or {}).get(BATCHING_CONFIG_KEY) or {"policy": "unmerged"})
+    name = settings.pop("policy")
+    return name, BatchingConfig(**settings)
+
+
+def _view(r: Request) -> RequestView:
+    return RequestView(
+        req_id=r.request_id,
+        adapter=r.lora_request.lora_name if r.lora_request else None,
+        arrival_time=r.arrival_time,
+        num_prompt_tokens=r.num_prompt_tokens,
+        num_computed_tokens=r.num_computed_tokens,
+        num_output_tokens=r.num_output_tokens,
+        running=r.status == RequestStatus.RUNNING,
+    )
+
+
+def _lora_id(r: Request) -> int | None:
+    lr = r.lora_request
+    return lr.lora_int_id if lr is not None and lr.lora_int_id > 0 else None
+
+
+class SwitchHistogram:
+    def __init__(self) -> None:
+        self.count, self.total = 0, 0.0
+        self.buckets = [0] * len(SWITCH_SECONDS_BUCKETS)  # non-cumulative here
+        self.recent: deque[float] = deque(maxlen=RECENT_SWITCHES)
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        i = bisect.bisect_left(SWITCH_SECONDS_BUCKETS, seconds)
+        if i < len(self.buckets):
+            self.buckets[i] += 1
+        self.recent.append(seconds)
+
+    def to_dict(self) -> dict:
+        cumulative, running = [], 0
+        for n in self.buckets:
+            running += n
+            cumulative.append(running)
+        return {"count": self.count, "total_seconds": self.total, "bucket_counts": cumulative,
+                "recent": list(self.recent)}
+
+
+@dataclass
+class _Plan:
+    """What this step runs: the visible requests (priority order) and the weights they need."""
+
+    visible: list[str]
+    target: str | None  # adapter merged for this step (None = base weights)
+    cmds: list[SwitchCommand] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    started: float
+    cmds: list[SwitchCommand]
+    restricted: bool  # some unfinished requests were hidden
+
+
+class DloraScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        name, config = policy_from(self.vllm_config.additional_config)
+        self.batching_policy = make_policy(name, config)
+        self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
+        self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
+        self._dlora_switching = False  # the worker hooks are installed (dlora_setup)
+        self._dlora_weights: str | None = None  # adapter merged on the worker
+        self._dlora_blocked: dict[str, float] = {}  # adapter -> monotonic time it may merge again
+        self._dlora_step: _Step | None = None
+        self._dlora_stalled = False
+        self._dlora_switches = 0
+        self._dlora_failures = 0
+        self._dlora_times = {MERGE: SwitchHistogram(), UNMERGE: SwitchHistogram()}
+        log.info("dlora batching policy %r: %s", name, config)
+
+    # ---- control (EngineCore utilities) ------------------------------------------------------
+
+    def dlora_enable_switching(self) -> None:
+        self._dlora_switching = True
+
+    def dlora_state(self) -> dict:
+        snap = self.batching_policy.snapshot()
+        merged = self._dlora_weights
+        return {
+            "policy": snap.policy,
+            "mode": (Mode.MERGED if merged else Mode.UNMERGED).value,
+            "merged_adapter": merged,
+            "num_switches": self._dlora_switches,
+            "merge_failures": self._dlora_failures,
+            "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
+            "credits": {("" if a is None else a): c for a, c in snap.credits.items()},
+            "starving": sorted("" if a is None else a for a in snap.starving),
+            "alpha": snap.alpha,
+            "beta": snap.beta,
+            "switch_cost": snap.switch_cost,
+        }
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False):
+        started = time.perf_counter()
+        requests = [*self.running, *self.waiting, *self.kv_holding_waiting]
+        if not requests:
+            return super().schedule(throttle_prefills)
+        plan = self._dlora_plan(requests)
+        out, restricted = self._dlora_schedule_visible(plan.visible, throttle_prefills)
+        if plan.cmds:
+            setattr(out, CMDS_ATTR, plan.cmds)
+        self._dlora_weights = plan.target  # corrected by the worker's reports if a merge fails
+        self._dlora_step = _Step(started, plan.cmds, restricted)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        ended = time.perf_counter()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        step, self._dlora_step = self._dlora_step, None
+        if step is not None:
+            self._dlora_observe(step, scheduler_output, model_runner_output, ended)
+        return outputs
+
+    # ---- deciding ----------------------------------------------------------------------------
+
+    def _dlora_plan(self, requests: list[Request]) -> _Plan:
+        by_id = {r.request_id: r for r in requests}
+        views = [_view(r) for r in requests]
+        decision = self.batching_policy.decide(views, time.time(), self._dlora_max_batch)
+        try:
+            check_decision(decision, views, self._dlora_max_batch)
+        except ValueError as e:
+            log.error("batching policy broke its contract (%s); running unmerged FCFS this step", e)
+            decision = Decision(Mode.UNMERGED, None, tuple(v.req_id for v in sorted(views, key=fcfs_key)))
+        target = decision.merged_adapter if decision.mode is Mode.MERGED else None
+        allowed = list(decision.allowed_req_ids)
+        if target is not None and target != self._dlora_weights and not self._dlora_may_merge(target):
+            target = None  # run the adapter's requests unmerged; observe() tells the policy
+        if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
+            target = None
+            allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
+        plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id), target)
+        if target != self._dlora_weights:
+            if self._dlora_weights is not None:
+                plan.cmds.append(SwitchCommand(UNMERGE, self._dlora_weights))
+            if target is not None:
+                lr = next(by_id[i].lora_request for i in plan.visible)
+                plan.cmds.append(SwitchCommand(MERGE, target, lr.lora_path, lr.lora_int_id))
+        return plan
+
+    def _dlora_may_merge(self, adapter: str) -> bool:
+        if not self._dlora_switching:
+            return False
+        until = self._dlora_blocked.get(adapter)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self._dlora_blocked[adapter]
+        return True
+
+    def _dlora_can_progress(self, allowed: list[str], by_id: dict[str, Request]) -> bool:
+        """False when the allowed requests cannot run at all (the engine would spin on empty steps)."""
+        if not allowed:
+            return False
+        if any(by_id[i].status == RequestStatus.RUNNING for i in allowed):
+            return True
+        occupied = len(self.running) + self.num_waiting_for_streaming_input
+        return occupied < self.max_num_active_reqs
+
+    def _dlora_fit_lora_slots(self, allowed: list[str], by_id: dict[str, Request]) -> list[str]:
+        """Hide running requests whose adapter would exceed max_loras distinct adapters this step.
+
+        vLLM schedules every visible running request and asserts that they use at most max_loras
+        adapters; with requests hidden, more adapters than that can be running. Waiting requests
+        stay: vLLM's admission check counts adapters itself.
+        """
+        if self._dlora_max_loras is None:
+            return allowed
+        loras: set[int] = set()
+        kept = []
+        for rid in allowed:
+            r = by_id[rid]
+            lid = _lora_id(r)
+            if lid is not None and r.status == RequestStatus.RUNNING and lid not in loras:
+                if len(loras) >= self._dlora_max_loras:
+                    continue
+                loras.add(lid)
+            kept.append(rid)
+        return kept
+
+    # ---- hiding --------------------------------------------------------------------------------
+
+    def _dlora_schedule_visible(self, visible_order: list[str], throttle_prefills: bool):
+        visible = set(visible_order)
+        running, waiting, holding = self.running, self.waiting, self.kv_holding_waiting
+        hidden_running = [r for r in running if r.request_id not in visible]
+        hidden_waiting = [r for r in waiting if r.request_id not in visible]
+        hidden_holding = [r for r in holding if r.request_id not in visible]
+        if not (hidden_running or hidden_waiting or hidden_holding):
+            return super().schedule(throttle_prefills), False
+        rank = {rid: i for i, rid in enumerate(visible_order)}
+        self.running = [r for r in running if r.request_id in visible]
+        self.waiting = create_request_queue(self.policy)
+        for r in sorted((r for r in waiting if r.request_id in visible), key=lambda r: rank[r.request_id]):
+            self.waiting.add_request(r)
+        self.kv_holding_waiting = create_request_queue(self.policy)
+        for r in holding:
+            if r.request_id in visible:
+                self.kv_holding_waiting.add_request(r)
+        # Hidden running requests still hold a model-runner slot.
+        self.max_num_active_reqs -= len(hidden_running)
+        try:
+            out = super().schedule(throttle_prefills)
+        finally:
+            self.max_num_active_reqs += len(hidden_running)
+            # self.running is now the visible ones minus the preempted, plus the newly admitted.
+            after = {id(r) for r in self.running}
+            before = {id(r) for r in running}
+            self.running = ([r for r in running if id(r) in after or r.request_id not in visible]
+                            + [r for r in self.running if id(r) not in before])
+            for r in hidden_waiting:
+                self.waiting.add_request(r)
+            for r in hidden_holding:
+                self.kv_holding_waiting.add_request(r)
+        return out, True
+
+    # ---- after the step ----------------------------------------------------------------------
+
+    def _dlora_observe(self, step: _Step, scheduler_output, model_runner_output, ended: float) -> None:
+        reports: list[SwitchReport] = list(getattr(model_runner_output, REPORTS_ATTR, None) or [])
+        if step.cmds and len(reports) != len(step.cmds):
+            # Without reports the commands were not applied (the hooks apply and report together).
+            log.error("worker did not report %d dlora switch command(s); switching disabled", len(step.cmds))
+            self._dlora_switching = False
+            self._dlora_weights = None
+        for report in reports:
+            if report.ok:
+                self._dlora_switches += 1
+                self._dlora_times[report.op].observe(report.seconds)
+            else:
+                self._dlora_failures += 1
+                self._dlora_weights = None
+                if report.adapter is not None:
+                    self._dlora_blocked[report.adapter] = time.monotonic() + MERGE_RETRY_S
+        merged = self._dlora_weights
+        self.batching_policy.observe(IterationStats(
+            mode=Mode.MERGED if merged else Mode.UNMERGED,
+            merged_adapter=merged,
+            num_requests=len(scheduler_output.num_scheduled_tokens),
+            iteration_time=ended - step.started,
+            switch_time=sum(r.seconds for r in reports),
+            num_tokens=scheduler_output.total_num_scheduled_tokens,
+        ))
+        self._dlora_stalled = step.restricted and scheduler_output.total_num_scheduled_tokens == 0
+        if not (self.running or self.waiting or self.kv_holding_waiting):
+            # Idle from now on (schedule() is not called): close the step in the policy's clock,
+            # so the idle gap is not taken for the duration of this step.
+            self.batching_policy.decide([], time.time(), self._dlora_max_batch)
+
+
+# ---- EngineCore utilities (added in the engine-core process when vLLM imports this module) ------
+
+def _dlora_setup(self) -> list:
+    """Install the worker hooks, then let the scheduler merge. Returns each worker's install result."""
+    results = self.model_executor.collective_rpc("dlora_install")
+    self.scheduler.dlora_enable_switching()
+    return list(results)
+
+
+def _dlora_batching_state(self) -> dict:
+    return self.scheduler.dlora_state()
+
+
+for _name, _fn in (("dlora_setup", _dlora_setup), ("dlora_batching_state", _dlora_batching_state)):
+    if not hasattr(EngineCore, _name):
+        setattr(EngineCore, _name, _fn)

@@ -1,0 +1,184 @@
+"""dlora's batched-LoRA kernels (`dlora_kernels`) behind vLLM 0.32.0's punica-wrapper seam.
+
+vLLM routes every LoRA linear layer through one `PunicaWrapper` object per model: the runner calls
+`update_metadata(mapping, ...)` once per step (token -> adapter slot), then each layer calls
+`add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices)`. The classes here
+keep vLLM's constructor and metadata, build one `LoRABatchMeta` per step from
+`token_lora_indices`, and compute `add_lora_linear` with `dlora_kernels.add_lora`:
+
+- `PunicaWrapperEinsum` (CPU): subclass of `PunicaWrapperCPU`, the one-hot einsum form;
+- `PunicaWrapperTriton` (CUDA): subclass of `PunicaWrapperGPU`, dlora's SGMV/BGMV Triton kernels
+  (built on first access, so importing this module never imports vLLM's GPU wrapper).
+
+Embeddings, logits, MoE and the tensor-parallel (sharded) layers, which call `add_shrink` /
+`add_expand` directly, stay with the parent class. `lora_backend.install` makes vLLM pick them.
+
+NOTE on the weight layout: vLLM stacks each slice's adapters zero-padded to max rank R,
+`lora_a_stacked[i]`: [N, 1, R, H_in], `lora_b_stacked[i]`: [N, 1, H_out, R] (N = max_loras slots).
+A is already dlora's packed layout with ranks (R,) * N, so it is *viewed* as [N*R, H_in] without a
+copy. Packed B is rows of B_n transposed, [N*R, H_out], which no view of vLLM's tensor gives, so a
+transposed copy is cached per stacked tensor and rebuilt when the tensor's version counter moves
+(`set_lora` / `reset_lora` write into it in place, which bumps it). The cache costs as much memory
+as vLLM's B stacks (about 20 MB for SmolLM2-135M with 4 slots of rank 16). Padded rank rows are
+zero, so they change nothing but cost FLOPs, exactly as in vLLM's own ops.
+
+Token index -1 means "no adapter"; those rows are never read or written (vLLM's CPU torch ops get
+this wrong, see cpu_lora_fix.py; the kernels skip them natively). A step whose tokens all have -1
+does no LoRA work at all.
+
+Both wrappers need eager execution (`engine.enforce_eager`, checked at start by `lora_backend`):
+the per-step metadata is built on the host, which neither torch.compile nor CUDA graphs replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+from dlora_kernels import LoRABatchMeta, PackedLoRA, add_lora
+
+# Under "vllm." so the line goes through vLLM's log handler inside the engine process (the root
+# logger there has none, and dlora INFO lines would be dropped).
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+class DloraLinearMixin:
+    """The shared override: per-step `LoRABatchMeta` + `add_lora_linear` on dlora_kernels.
+
+    Put it before the vLLM wrapper class in the bases; `kernel_backend` names the dlora_kernels
+    backend ("einsum" or "triton").
+    """
+
+    kernel_backend: str = "einsum"
+
+    # ---- per-step metadata ----------------------------------------------------------------------
+
+    def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        self._dlora_build_meta()
+
+    def _dlora_build_meta(self) -> None:
+        """One LoRABatchMeta for the step: segmented (SGMV) when some run of tokens shares an
+        adapter, per-token (BGMV) otherwise. Einsum ignores segments; Triton picks its kernel by it."""
+        idx = self.token_lora_indices
+        self._dlora_sub_metas: dict[int, LoRABatchMeta] = {}
+        if idx.numel() == 0:
+            self._dlora_meta, self._dlora_active = None, False
+            return
+        adapters, lens = torch.unique_consecutive(idx, return_counts=True)
+        adapters_l, lens_l = adapters.tolist(), lens.tolist()
+        self._dlora_active = any(a >= 0 for a in adapters_l)
+        if max(lens_l) > 1:
+            self._dlora_meta = LoRABatchMeta.prefill(lens_l, adapters_l, device=idx.device)
+        else:
+            self._dlora_meta = LoRABatchMeta.decode(idx, device=idx.device)
+
+    def _dlora_meta_for(self, num_tokens: int) -> LoRABatchMeta | None:
+        """The step's metadata for `num_tokens` rows of x (None: no row of them uses an adapter).
+        Rows beyond the mapping (padding) get no adapter."""
+        meta: LoRABatchMeta | None = getattr(self, "_dlora_meta", None)
+        if meta is None or not self._dlora_active:
+            return None
+        if num_tokens >= meta.num_tokens:
+            return meta
+        sub = self._dlora_sub_metas.get(num_tokens)
+        if sub is None:
+            idx = meta.token_indices[:num_tokens]
+            sub = LoRABatchMeta.decode(idx, device=idx.device)
+            self._dlora_sub_metas[num_tokens] = sub
+        return sub if sub.active_rows is None or sub.active_rows.numel() else None
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
+        """vLLM's padded stacks of one slice as a PackedLoRA: A viewed, B transposed (cached)."""
+        cache: dict = self.__dict__.setdefault("_dlora_pack_cache", {})
+        key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape))
+        version = _version(b_stacked)
+        hit = cache.get(key)
+        if hit is not None and version is not None and hit[0] == version:
+            return hit[1]
+        n, _, r, h_in = a_stacked.shape
+        h_out = b_stacked.shape[2]
+        a = a_stacked.view(n * r, h_in) if a_stacked.is_contiguous() else a_stacked.reshape(n * r, h_in)
+        b = b_stacked[:, 0].transpose(1, 2).contiguous().view(n * r, h_out)
+        offsets = torch.arange(n + 1, dtype=torch.int32, device=a.device) * r
+        packed = PackedLoRA(a, b, offsets, (r,) * n)
+        if version is not None:
+            cache[key] = (version, packed)
+        elif not getattr(self, "_dlora_warned_uncached", False):
+            self._dlora_warned_uncached = True
+            log.warning("LoRA B stacks are inference tensors (no version counter): the %s backend "
+                        "re-packs B on every call", self.kernel_backend)
+        return packed
+
+    # ---- the LoRA linear ------------------------------------------------------------------------
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                        lora_b_stacked: tuple[torch.Tensor, ...], scale: float,
+                        output_slices: tuple[int, ...], *, buffer=None, **kwargs: Any) -> None:
+        """y[:, slice i] += scale * B_n(t) @ (A_n(t) @ x[t]) for every token t with an adapter.
+
+        Same contract as vLLM's: y [T, sum(output_slices)] updated in place, x [T, H_in]; with
+        `add_inputs=False` (vLLM's dual-stream path) each slice is written instead of added to.
+        `buffer` is accepted and ignored (the kernels keep their own rank-r intermediate).
+        """
+        assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
+        add_inputs = kwargs.get("add_inputs", True)
+        if not add_inputs:
+            y.zero_()
+        meta = self._dlora_meta_for(x.size(0))
+        if meta is None:
+            return
+        t = meta.num_tokens
+        xs = x[:t] if x.size(0) != t else x
+        ys = y[:t] if y.size(0) != t else y
+        if xs.dtype != lora_a_stacked[0].dtype:
+            xs = xs.to(lora_a_stacked[0].dtype)
+        if not getattr(self, "_dlora_logged", False):
+            self._dlora_logged = True
+            log.info("dlora LoRA backend %s (%s) applies its first LoRA batch: %d tokens, %d slots",
+                     self.kernel_backend, type(self).__name__, t, lora_a_stacked[0].shape[0])
+        offset = 0
+        for a_stacked, b_stacked, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+            lora = self._dlora_packed(a_stacked, b_stacked)
+            add_lora(ys[:, offset:offset + size], xs, lora, meta, scale, backend=self.kernel_backend)
+            offset += size
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+class PunicaWrapperEinsum(DloraLinearMixin, PunicaWrapperCPU):
+    """vLLM's CPU wrapper with the LoRA linears on dlora's one-hot einsum kernels."""
+
+    kernel_backend = "einsum"
+
+
+def _triton_wrapper_class() -> type:
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU  # CUDA builds of vLLM
+
+    class PunicaWrapperTriton(DloraLinearMixin, PunicaWrapperGPU):
+        """vLLM's GPU wrapper with the LoRA linears on dlora's SGMV/BGMV Triton kernels."""
+
+        kernel_backend = "triton"
+
+    PunicaWrapperTriton.__module__ = __name__
+    PunicaWrapperTriton.__qualname__ = "PunicaWrapperTriton"
+    return PunicaWrapperTriton
+
+
+def __getattr__(name: str):
+    # vLLM resolves the wrapper by its dotted path, i.e. getattr on this module.
+    if name == "PunicaWrapperTriton":
+        cls = _triton_wrapper_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

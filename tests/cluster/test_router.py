@@ -1,0 +1,186 @@
+"""Router behaviour on in-process replicas: dispatch, migration, crash recovery, adapter loads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dlora.cluster.balancer import Balancer
+from dlora.cluster.router import Router, RouterConfig
+from dlora.config import ClusterConfig
+from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
+from dlora.replica.sim_replica import SimReplica, reference_tokens
+
+A = AdapterRef("a", 1, "/x/a")
+B = AdapterRef("b", 2, "/x/b")
+
+
+def request(rid: str, adapter=A, n: int = 20, prompt=(1, 2, 3)) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(prompt), SamplingSpec(max_tokens=n), adapter)
+
+
+async def collect(router: Router, req: GenerateRequest) -> list[int]:
+    out, finished = [], 0
+    async for d in router.generate(req):
+        out += d.token_ids
+        finished += d.finished
+    assert finished == 1  # exactly one final delta reaches the client
+    return out
+
+
+def make(n=2, step_s=0.002, dispatch="proactive", pinned=()):
+    replicas = [SimReplica(i, step_s=step_s) for i in range(n)]
+    router = Router(replicas, pinned_adapters=lambda: list(pinned), cfg=RouterConfig(dispatch=dispatch))
+    return router, replicas
+
+
+def test_requests_complete_and_adapters_load_once_per_replica():
+    async def run():
+        router, replicas = make(n=1)
+        await router.start()
+        outs = await asyncio.gather(*(collect(router, request(f"r{i}")) for i in range(5)))
+        assert all(o == reference_tokens("a", (1, 2, 3), 20) for o in outs)
+        assert replicas[0].add_calls == 1
+        assert router.requests == {} and not router.inflight_by_adapter
+    asyncio.run(run())
+
+
+def test_migration_continues_the_stream_exactly():
+    async def run():
+        router, replicas = make()
+        await router.start()
+        req = request("m", n=40)
+        task = asyncio.create_task(collect(router, req))
+        while len(router.requests.get("m").generated if "m" in router.requests else []) < 5:
+            await asyncio.sleep(0.001)
+        src = router.requests["m"].slot.replica_id
+        assert await router.migrate("m", 1 - src)
+        out = await task
+        assert out == reference_tokens("a", (1, 2, 3), 40)
+        assert router.counters["migrations"] == 1
+        assert A.int_id in replicas[1 - src].loaded  # the adapter was loaded on the target
+    asyncio.run(run())
+
+
+def test_migrate_refuses_unknown_same_or_unhealthy_targets():
+    async def run():
+        router, _ = make()
+        await router.start()
+        assert not await router.migrate("nope", 1)
+        task = asyncio.create_task(collect(router, request("x", n=30)))
+        while "x" not in router.requests or router.requests["x"].slot is None:
+            await asyncio.sleep(0.001)
+        here = router.requests["x"].slot.replica_id
+        assert not await router.migrate("x", here)
+        router.slot(1 - here).healthy = False
+        assert not await router.migrate("x", 1 - here)
+        router.slot(1 - here).healthy = True
+        assert await task == reference_tokens("a", (1, 2, 3), 30)
+    asyncio.run(run())
+
+
+def test_killed_replica_loses_no_request_and_comes_back():
+    async def run():
+        router, replicas = make(pinned=[B])
+        await router.start()
+        reqs = [request(f"k{i}", adapter=[A, B, None][i % 3], n=30, prompt=(i, 7)) for i in range(6)]
+        tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+        await asyncio.sleep(0.02)
+        replicas[0].kill()
+        outs = await asyncio.gather(*tasks)
+        for r, out in zip(reqs, outs):
+            assert out == reference_tokens(r.adapter.name if r.adapter else None, r.prompt_token_ids, 30)
+        assert router.counters["resubmissions"] >= 1
+        for _ in range(200):
+            if router.slots[0].healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert router.slots[0].healthy and replicas[0].started == 2
+        assert B.int_id in replicas[0].loaded  # pinned adapters are restored on restart
+    asyncio.run(run())
+
+
+def test_all_replicas_dead_waits_for_recovery():
+    async def run():
+        router, replicas = make(n=1)
+        await router.start()
+        task = asyncio.create_task(collect(router, request("w", n=25)))
+        await asyncio.sleep(0.01)
+        replicas[0].kill()
+        assert await task == reference_tokens("a", (1, 2, 3), 25)
+    asyncio.run(run())
+
+
+def test_proactive_dispatch_prefers_the_holder_until_it_is_busy():
+    async def run():
+        router, replicas = make(step_s=0.01)
+        await router.start()
+        await router.load_on(1, B)
+        first = asyncio.create_task(collect(router, request("b0", adapter=B, n=10)))
+        await asyncio.sleep(0.005)
+        assert router.requests["b0"].slot.replica_id == 1  # replica 1 holds b: no load needed
+        await first
+    asyncio.run(run())
+
+
+def test_balancer_moves_work_from_the_busy_replica():
+    async def run():
+        router, replicas = make(step_s=0.001, dispatch="round_robin")
+        await router.start()
+        cfg = ClusterConfig(num_replicas=2, migration_interval_s=0.01, count_imbalance=4)
+        balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+        router.slot(1).healthy = False  # everything lands on replica 0 ...
+        # long requests: the priors then value moving some at well above 0.05 s each
+        tasks = [asyncio.create_task(collect(router, request(f"q{i}", n=600, prompt=(i,)))) for i in range(10)]
+        await asyncio.sleep(0.02)
+        router.slot(1).healthy = True  # ... until replica 1 comes back idle
+        done = await balancer.maybe_migrate()
+        assert done is not None and done.trigger.reason == "count"
+        assert done.moved > 0 and all(dst == 1 for _, _, dst in done.plan.moves)
+        outs = await asyncio.gather(*tasks)
+        assert outs == [reference_tokens("a", (i,), 600) for i in range(10)]
+        assert router.counters["migrations"] == done.moved
+    asyncio.run(run())
+
+
+def test_static_placement_keeps_each_adapter_on_its_home_replica():
+    async def run():
+        replicas = [SimReplica(i) for i in range(2)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", static_placement=True))
+        await router.start()
+        await router.load_everywhere(A)
+        await router.load_everywhere(B)
+        assert list(replicas[0].loaded) == [B.int_id] and list(replicas[1].loaded) == [A.int_id]
+        seen = []
+
+        async def one(i):
+            req = request(f"s{i}", adapter=A, n=5)
+            task = asyncio.create_task(collect(router, req))
+            while f"s{i}" not in router.requests or router.requests[f"s{i}"].slot is None:
+                await asyncio.sleep(0.001)
+            seen.append(router.requests[f"s{i}"].slot.replica_id)
+            await task
+
+        await asyncio.gather(*(one(i) for i in range(4)))
+        assert seen == [1, 1, 1, 1]
+    asyncio.run(run())
+
+
+def test_preload_copies_the_hot_adapter_to_the_replica_without_it():
+    async def run():
+        router, replicas = make()
+        await router.start()
+        await router.load_on(0, A)
+        await router.load_on(0, B)
+        await router.load_on(1, B)
+        cfg = ClusterConfig(num_replicas=2, placement_interval_s=5.0)
+        balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+        for i in range(6):  # "a" is hot, and only replica 0 holds it
+            await collect(router, request(f"p{i}", adapter=A, n=2))
+        await collect(router, request("pb", adapter=B, n=2))
+        plan = await balancer.maybe_preload()
+        assert ("a", 1) in plan.loads and plan.min_tolerance_after > plan.min_tolerance_before
+        assert A.int_id in replicas[1].loaded
+        assert await balancer.maybe_preload() is None  # not again within the interval
+    asyncio.run(run())

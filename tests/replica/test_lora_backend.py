@@ -1,0 +1,236 @@
+"""The dlora LoRA backends behind vLLM's punica-wrapper seam, without an engine.
+
+`PunicaWrapperEinsum.add_lora_linear` must equal vLLM's `PunicaWrapperCPU` (with dlora's -1 fix)
+and an fp64 loop on vLLM's padded stacked layout, for prefill (segmented) and decode (per-token)
+metadata, mixed slots and -1 tokens; `lora_backend.install` must switch the class vLLM's selector
+builds and give the platform back its own method afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlora import env
+from dlora.config import DloraConfig, EngineConfig
+from dlora.replica import cpu_lora_fix, lora_backend
+from dlora.replica.punica_dlora import DloraLinearMixin, PunicaWrapperEinsum
+
+SLOTS, R, H_IN = 3, 8, 16
+SLICES = (12, 4, 4)              # a QKV-like layer: three stacked (A, B) pairs, one output row
+IDS = [11, 12, 13]               # lora id in each slot
+RANKS = [8, 4, 8]                # real ranks, zero-padded to R like vLLM's set_lora does
+PREFILL = (11, 11, 11, 0, 0, 13, 13, 12, 0, 11)   # vLLM lora ids per token, 0 = base model
+DECODE = (13, 0, 11, 12, 0, 13)
+CASES = [pytest.param(PREFILL, True, id="prefill"), pytest.param(DECODE, False, id="decode")]
+
+
+def stacks(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a = tuple(torch.zeros(SLOTS, 1, R, H_IN, dtype=dtype) for _ in SLICES)
+    b = tuple(torch.zeros(SLOTS, 1, s, R, dtype=dtype) for s in SLICES)
+    for i, size in enumerate(SLICES):
+        for n, r in enumerate(RANKS):
+            a[i][n, 0, :r] = torch.randn(r, H_IN, generator=g, dtype=dtype)
+            b[i][n, 0, :, :r] = torch.randn(size, r, generator=g, dtype=dtype)
+    return a, b
+
+
+def slot_of(mapping) -> list[int]:
+    return [IDS.index(m) if m > 0 else -1 for m in mapping]
+
+
+def reference(y0, x, a, b, mapping, scale):
+    """fp64 loop: y[t, slice i] += scale * B_i[n] @ A_i[n] @ x[t] for tokens with slot n >= 0."""
+    y = y0.double().clone()
+    for t, n in enumerate(slot_of(mapping)):
+        if n < 0:
+            continue
+        off = 0
+        for i, size in enumerate(SLICES):
+            y[t, off:off + size] += scale * (b[i][n, 0].double() @ (a[i][n, 0].double() @ x[t].double()))
+            off += size
+    return y
+
+
+def wrapper(cls, mapping, is_prefill):
+    from vllm.lora.layers import LoRAMapping
+
+    w = cls(64, 8, "cpu")
+    w.update_metadata(LoRAMapping(mapping, mapping, is_prefill=is_prefill), list(IDS), SLOTS, 100)
+    return w
+
+
+def inputs(t, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, H_IN, generator=g), torch.randn(t, sum(SLICES), generator=g)
+
+
+def run(cls, mapping, is_prefill, a, b, scale=0.5, **kwargs):
+    x, y0 = inputs(len(mapping))
+    y = y0.clone()
+    wrapper(cls, mapping, is_prefill).add_lora_linear(y, x, a, b, scale, SLICES, **kwargs)
+    return x, y0, y
+
+
+@pytest.mark.parametrize("mapping,is_prefill", CASES)
+def test_einsum_wrapper_equals_vllm_cpu_and_fp64(mapping, is_prefill):
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    cpu_lora_fix.install()  # vLLM's CPU ops are only right for -1 tokens with dlora's fix
+    a, b = stacks()
+    x, y0, ours = run(PunicaWrapperEinsum, mapping, is_prefill, a, b)
+    _, _, theirs = run(PunicaWrapperCPU, mapping, is_prefill, a, b)
+    want = reference(y0, x, a, b, mapping, 0.5)
+    torch.testing.assert_close(ours.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs.double(), want, rtol=1e-5, atol=1e-5)
+    base = torch.tensor(slot_of(mapping)) < 0
+    assert torch.equal(ours[base], y0[base])  # -1 rows: not a bit changed
+    assert not torch.equal(ours[~base], y0[~base])
+
+
+@pytest.mark.parametrize("mapping,is_prefill", CASES)
+def test_meta_is_segmented_for_runs_and_per_token_otherwise(mapping, is_prefill):
+    w = wrapper(PunicaWrapperEinsum, mapping, is_prefill)
+    meta = w._dlora_meta
+    assert meta.is_segmented == is_prefill  # PREFILL has runs of one adapter, DECODE has none
+    assert meta.token_indices.tolist() == slot_of(mapping)
+
+
+def test_a_batch_without_adapters_is_left_alone():
+    a, b = stacks()
+    _, y0, y = run(PunicaWrapperEinsum, (0, 0, 0, 0), True, a, b)
+    assert torch.equal(y, y0)
+
+
+def test_add_inputs_false_writes_the_delta():
+    a, b = stacks()
+    x, y0, y = run(PunicaWrapperEinsum, DECODE, False, a, b, add_inputs=False)
+    want = reference(torch.zeros_like(y0), x, a, b, DECODE, 0.5)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_beyond_the_mapping_get_no_adapter():
+    a, b = stacks()
+    x, y0 = inputs(len(DECODE) + 3)
+    y = y0.clone()
+    wrapper(PunicaWrapperEinsum, DECODE, False).add_lora_linear(y, x, a, b, 1.0, SLICES)
+    assert torch.equal(y[len(DECODE):], y0[len(DECODE):])
+    want = reference(y0[:len(DECODE)], x[:len(DECODE)], a, b, DECODE, 1.0)
+    torch.testing.assert_close(y[:len(DECODE)].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_b_is_cached_and_follows_in_place_updates():
+    a, b = stacks()
+    w = wrapper(PunicaWrapperEinsum, PREFILL, True)
+    assert w._dlora_packed(a[0], b[0]) is w._dlora_packed(a[0], b[0])  # no re-pack per layer call
+    x, y0 = inputs(len(PREFILL))
+    w.add_lora_linear(y0.clone(), x, a, b, 1.0, SLICES)
+    # what vLLM's set_lora does: overwrite a slot through a view, which bumps the version counter
+    new_a, new_b = stacks(seed=7)
+    for i in range(len(SLICES)):
+        a[i][2, 0].copy_(new_a[i][2, 0])
+        b[i][2, 0, :, :4].copy_(new_b[i][2, 0, :, :4])
+        b[i][2, 0, :, 4:] = 0
+    y = y0.clone()
+    w.add_lora_linear(y, x, a, b, 1.0, SLICES)
+    torch.testing.assert_close(y.double(), reference(y0, x, a, b, PREFILL, 1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_tensors_are_repacked_instead_of_cached():
+    with torch.inference_mode():
+        a, b = stacks()
+        x, y0, y = run(PunicaWrapperEinsum, PREFILL, True, a, b)
+    torch.testing.assert_close(y.double(), reference(y0, x, a, b, PREFILL, 0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mapping,is_prefill", CASES)
+def test_triton_kernels_behind_the_same_override(mapping, is_prefill, monkeypatch):
+    """The Triton wrapper's linear path (the mixin with backend "triton") under Triton's CPU
+    interpreter. Its vLLM parent, PunicaWrapperGPU, needs CUDA, so the mixin sits on the CPU
+    wrapper here; the override code is the same."""
+    pytest.importorskip("triton")
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from tests.kernels.kernels_testlib import TRITON_INTERPRETED
+
+    assert TRITON_INTERPRETED
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    class TritonOnCPU(DloraLinearMixin, PunicaWrapperCPU):
+        kernel_backend = "triton"
+
+    a, b = stacks()
+    x, y0, y = run(TritonOnCPU, mapping, is_prefill, a, b)
+    torch.testing.assert_close(y.double(), reference(y0, x, a, b, mapping, 0.5), rtol=1e-4, atol=1e-4)
+    base = torch.tensor(slot_of(mapping)) < 0
+    assert torch.equal(y[base], y0[base])
+
+
+# ---- install / uninstall / checks ----------------------------------------------------------------
+
+@pytest.fixture
+def restore_platform():
+    from vllm.platforms import current_platform
+
+    before = current_platform.get_punica_wrapper()
+    own = type(current_platform).__dict__.get("get_punica_wrapper")
+    yield current_platform
+    lora_backend.uninstall()
+    assert current_platform.get_punica_wrapper() == before
+    assert type(current_platform).__dict__.get("get_punica_wrapper") is own
+
+
+def test_install_switches_the_class_vllms_selector_builds(restore_platform):
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    from vllm.lora.punica_wrapper.punica_selector import get_punica_wrapper
+
+    platform = restore_platform
+    own = type(platform).__dict__.get("get_punica_wrapper")
+    assert lora_backend.install("einsum") is True
+    assert lora_backend.install("einsum") is False  # idempotent
+    assert lora_backend.installed() == "einsum"
+    assert platform.get_punica_wrapper() == lora_backend.WRAPPERS["einsum"]
+    assert type(get_punica_wrapper(64, 8, "cpu")) is PunicaWrapperEinsum
+
+    assert lora_backend.install("vllm") is True  # `vllm` = vLLM's own wrapper again
+    assert lora_backend.installed() == "vllm"
+    assert type(platform).__dict__.get("get_punica_wrapper") is own
+    assert type(get_punica_wrapper(64, 8, "cpu")) is PunicaWrapperCPU
+    assert lora_backend.uninstall() is False
+
+
+def test_triton_is_refused_on_cpu_even_with_the_interpreter(restore_platform, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(lora_backend.LoRABackendError, match="needs CUDA GPUs.*einsum"):
+        lora_backend.install("triton")
+    assert lora_backend.installed() == "vllm"
+    with pytest.raises(lora_backend.LoRABackendError, match="unknown LoRA backend"):
+        lora_backend.install("cuda")
+
+
+def test_start_checks():
+    lora_backend.check("vllm", gpu=False, enforce_eager=False)
+    lora_backend.check("einsum", gpu=False, enforce_eager=True)
+    lora_backend.check("triton", gpu=True, enforce_eager=True)
+    with pytest.raises(lora_backend.LoRABackendError, match="needs CUDA GPUs"):
+        lora_backend.check("triton", gpu=False, enforce_eager=True)
+    with pytest.raises(lora_backend.LoRABackendError, match="enforce_eager"):
+        lora_backend.check("einsum", gpu=False, enforce_eager=False)
+    if not torch.cuda.is_available():  # `dlora serve`'s one-line pre-start error on this machine
+        with pytest.raises(lora_backend.LoRABackendError, match="needs CUDA GPUs"):
+            lora_backend.check_config(DloraConfig(engine=EngineConfig(lora_backend="triton")))
+
+
+def test_the_choice_reaches_the_replica_env(monkeypatch):
+    from dlora.replica.ray_replica import replica_runtime_env
+
+    cfg = DloraConfig(engine=EngineConfig(lora_backend="einsum"))
+    assert replica_runtime_env(cfg)["env_vars"]["DLORA_LORA_BACKEND"] == "einsum"
+    monkeypatch.setenv("DLORA_LORA_BACKEND", "einsum")
+    assert env.DLORA_LORA_BACKEND.get() == "einsum"
+    monkeypatch.setenv("DLORA_LORA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="DLORA_LORA_BACKEND"):
+        env.DLORA_LORA_BACKEND.get()
+    monkeypatch.delenv("DLORA_LORA_BACKEND")
+    assert env.DLORA_LORA_BACKEND.get() == "vllm"

@@ -1,0 +1,153 @@
+"""Merged/unmerged switching inside a real vLLM engine (in-process, tiny model, fp32).
+
+Checks what outputs alone could miss: while an adapter is merged no other request is ever
+scheduled, hidden requests are never preempted, and the base weights come back bit-exactly
+(identical logprobs) after any sequence of merges, unmerges and failed merges.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dlora import config
+from dlora.replica.engine import BATCHING_CONFIG_KEY, SCHEDULER, WORKER_EXTENSION
+from dlora.replica.inband import CMDS_ATTR
+from dlora.replica.merge import read_adapter
+
+ADAPTERS = ("a0", "a1", "a2")
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    """One in-process engine with dlora's scheduler and worker extension; `merged` policy that
+    changes models every step (a merge or unmerge in the middle of most generations)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM
+
+    scheduling = config.from_dict({"scheduling": {"policy": "merged", "merged_max_iters": 1}}).scheduling
+    engine = LLM(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
+                 max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
+                 scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
+                 additional_config={BATCHING_CONFIG_KEY: scheduling.to_engine()})
+    core = engine.llm_engine.engine_core.engine_core
+    assert core.dlora_setup() == [True]
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    mp.undo()
+
+
+def lora(tiny_model, name):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, ADAPTERS.index(name) + 1, str(tiny_model.adapters[name]))
+
+
+def params(logprobs=None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+
+
+def base_logprobs(llm):
+    out = llm.generate(["The quick brown", "x = 1\n"], params(logprobs=3), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+            for o in out]
+
+
+def record_steps(scheduler):
+    """Wrap the scheduler instance: per step, (weights merged during it, adapters it scheduled)."""
+    steps = []
+    orig = scheduler.update_from_output
+
+    def update_from_output(scheduler_output, model_runner_output):
+        ran = {scheduler.requests[i].lora_request.lora_name if scheduler.requests[i].lora_request else None
+               for i in scheduler_output.num_scheduled_tokens}
+        steps.append((scheduler._dlora_weights, ran, bool(getattr(scheduler_output, CMDS_ATTR, None))))
+        return orig(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = update_from_output
+    return steps, lambda: setattr(scheduler, "update_from_output", orig)
+
+
+def test_mixed_workload_switching_every_step(llm, tiny_model, oracle):
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    before = base_logprobs(llm)
+    jobs = [(a, p) for a in (None, *ADAPTERS) for p in PROMPTS]
+    steps, unwrap = record_steps(scheduler)
+    try:
+        outs = llm.generate([p for _, p in jobs], params(),
+                            lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False)
+    finally:
+        unwrap()
+    # Only the merged adapter's requests ran on merged weights.
+    merged_steps = [(w, ran) for w, ran, _ in steps if w is not None]
+    assert merged_steps and all(ran <= {w} for w, ran in merged_steps)
+    assert sum(1 for *_, cmd in steps if cmd) >= 10
+    assert scheduler.dlora_state()["num_switches"] >= 10
+    assert all(r.num_preemptions == 0 for r in scheduler.requests.values())
+    tok = oracle.tokenizer()
+    for (adapter, prompt), o in zip(jobs, outs):
+        assert list(o.outputs[0].token_ids) == oracle.greedy(adapter, tok(prompt)["input_ids"], MAX_TOKENS), adapter
+    assert base_logprobs(llm) == before
+
+
+def test_out_of_band_merges_and_failures_restore_the_base_exactly(llm, tiny_model, tmp_path):
+    before = base_logprobs(llm)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model.adapters["a1"], broken)
+    (broken / "adapter_model.safetensors").unlink()
+    sequence = [("merge", "a0"), ("merge", "a2"), ("unmerge", None), ("merge", "a1"), ("merge", "broken"),
+                ("merge", "a2"), ("unmerge", None), ("unmerge", None)]
+    for op, name in sequence:
+        path = str(broken if name == "broken" else tiny_model.adapters[name]) if name else None
+        (report,) = llm.collective_rpc("dlora_apply", args=(op, name, path, 1))
+        assert report["ok"] == (name != "broken"), report
+    (state,) = llm.collective_rpc("dlora_state")
+    assert state["merged_adapter"] is None and state["remap"] == []
+    assert base_logprobs(llm) == before
+
+
+def test_merged_weights_serve_the_adapter_without_lora(llm, tiny_model, oracle):
+    """Merged + remapped, an adapter's requests equal HF + PEFT (its delta counted exactly once)."""
+    a2 = lora(tiny_model, "a2")
+    assert read_adapter(a2.lora_path).factors  # a2 also targets gate/up/down
+    (report,) = llm.collective_rpc("dlora_apply", args=("merge", "a2", a2.lora_path, a2.lora_int_id))
+    assert report["ok"]
+    try:
+        outs = llm.generate(PROMPTS, params(), lora_request=[a2] * len(PROMPTS), use_tqdm=False)
+    finally:
+        llm.collective_rpc("dlora_apply", args=("unmerge",))
+    tok = oracle.tokenizer()
+    for prompt, o in zip(PROMPTS, outs):
+        assert list(o.outputs[0].token_ids) == oracle.greedy("a2", tok(prompt)["input_ids"], MAX_TOKENS)
+
+
+def test_pinned_adapter_does_not_take_a_device_slot(llm, tiny_model, oracle):
+    """dlora pins in the host cache only: with max_loras=2 and a0 pinned, a batch of a1 + a2 runs.
+
+    (vLLM's own pin_lora also pins a device slot that its scheduler does not count; the same
+    batch then dies with a KeyError inside the engine.)"""
+    from dlora.scheduling import make_policy
+
+    a0 = lora(tiny_model, "a0")
+    llm.llm_engine.add_lora(a0)
+    assert llm.collective_rpc("dlora_pin_lora", args=(a0.lora_int_id,)) == [True]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    policy, scheduler.batching_policy = scheduler.batching_policy, make_policy("unmerged")
+    try:
+        llm.generate([PROMPTS[0]], params(), lora_request=[a0], use_tqdm=False)  # a0 in a slot
+        jobs = [(a, p) for p in PROMPTS for a in ("a1", "a2")]
+        outs = llm.generate([p for _, p in jobs], params(), lora_request=[lora(tiny_model, a) for a, _ in jobs],
+                            use_tqdm=False)
+    finally:
+        scheduler.batching_policy = policy
+    tok = oracle.tokenizer()
+    for (adapter, prompt), o in zip(jobs, outs):
+        assert list(o.outputs[0].token_ids) == oracle.greedy(adapter, tok(prompt)["input_ids"], MAX_TOKENS), adapter

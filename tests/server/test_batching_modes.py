@@ -1,0 +1,161 @@
+"""Merged/unmerged batching through a real server: greedy outputs equal HF + PEFT under every policy.
+
+Three servers (tiny model, fp32): `unmerged` (the shared `tiny_server`), `merged` with
+`merged_max_iters: 1` (it changes models every step, so nearly every generation is interrupted
+by a merge or unmerge), and `dlora` with thresholds and credits set to switch often. Both switching
+configs are for testing only; the defaults switch far less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+
+import httpx
+import pytest
+
+from tests import harness
+
+ADAPTERS = ("a0", "a1", "a2")
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
+BASE_PROMPTS = ["The quick brown", "x = 1\n"]
+MAX_TOKENS = 20
+
+FORCED = {
+    "merged": {"policy": "merged", "merged_max_iters": 1},
+    "dlora": {"policy": "dlora", "alpha": 0.2, "beta": 0.1, "t_starve": 0.12, "t_normal": 0.08,
+              "initial_credit": 0.04, "break_period_iters": 4},
+}
+
+
+@pytest.fixture(scope="module", params=["unmerged", "merged", "dlora"])
+def server(request, tiny_model, tmp_path_factory):
+    if request.param == "unmerged":
+        yield request.param, request.getfixturevalue("tiny_server")
+        return
+    tmp = tmp_path_factory.mktemp(f"batching-{request.param}")
+    roots = [str(tiny_model.base.parent), str(tmp)]
+    srv = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
+                                                  scheduling=FORCED[request.param],
+                                                  **{"server.adapter_roots": roots}))
+    srv.scratch = tmp
+    yield request.param, srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(oracle):
+    """HF + PEFT greedy ids per (adapter, prompt), computed once for all servers."""
+    tok = oracle.tokenizer()
+    return {(a, p): oracle.greedy(a, tok(p)["input_ids"], MAX_TOKENS)
+            for a in (None, *ADAPTERS) for p in PROMPTS + BASE_PROMPTS}
+
+
+def completions(url, jobs, **extra):
+    """All (model, prompt) jobs at once; returns the choices in order."""
+    async def run():
+        async with httpx.AsyncClient(timeout=180) as c:
+            async def one(model, prompt):
+                r = await c.post(f"{url}/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "return_token_ids": True, **extra})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+            return await asyncio.gather(*(one(m, p) for m, p in jobs))
+    return asyncio.run(run())
+
+
+def base_alone(url):
+    """Base-model requests one at a time (same batch shapes every call), with logprobs."""
+    out = []
+    for p in BASE_PROMPTS:
+        (choice,) = completions(url, [("tiny-base", p)], logprobs=2)
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]))
+    return out
+
+
+def metric(url, name, **labels):
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if m and ",".join(sorted(m.group(1).split(","))) == want:
+            return float(m.group(2))
+    return None
+
+
+def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, expected):
+    policy, srv = server
+    before = base_alone(srv.url)
+    switches_before = metric(srv.url, "dlora_switches_total", replica="0")
+    jobs = [(a or "tiny-base", p) for p in PROMPTS for a in (None, *ADAPTERS)]
+    for (model, prompt), choice in zip(jobs, completions(srv.url, jobs)):
+        adapter = None if model == "tiny-base" else model
+        assert choice["token_ids"] == expected[(adapter, prompt)], (policy, model, prompt)
+    switches = metric(srv.url, "dlora_switches_total", replica="0") - switches_before
+    if policy == "unmerged":
+        assert switches == 0
+    else:
+        assert switches >= 4, f"{policy} switched only {switches} times"
+        assert metric(srv.url, "dlora_switch_seconds_count", replica="0", op="merge") >= 2
+    # The base model after all those merges and unmerges: same ids, bit-identical logprobs.
+    after = base_alone(srv.url)
+    assert after == before
+    assert [ids for ids, *_ in after] == [expected[(None, p)] for p in BASE_PROMPTS]
+
+
+def test_batching_metrics(server):
+    policy, srv = server
+    assert metric(srv.url, "dlora_batching_mode", replica="0") in (0.0, 1.0)
+    assert metric(srv.url, "dlora_merge_failures_total", replica="0") == 0
+    if policy == "dlora":
+        assert 0 < metric(srv.url, "dlora_batching_threshold", replica="0", threshold="alpha") <= 1
+
+
+def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_model, expected):
+    policy, srv = server
+    if policy != "merged":
+        pytest.skip("one switching server is enough")
+    copy = srv.scratch / "a3copy"
+    shutil.copytree(tiny_model.adapters["a1"], copy)
+    r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    shutil.rmtree(copy)  # registered and loaded by the engine; a merge must now fail
+    jobs = [("a1copy", p) for p in PROMPTS] + [("a0", p) for p in PROMPTS] + [("tiny-base", PROMPTS[0])]
+    for (model, prompt), choice in zip(jobs, completions(srv.url, jobs)):
+        adapter = {"a1copy": "a1", "tiny-base": None}.get(model, model)
+        assert choice["token_ids"] == expected[(adapter, prompt)], model
+    assert metric(srv.url, "dlora_merge_failures_total", replica="0") >= 1
+    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+    # Still switching for the other adapters, and still exact.
+    jobs = [(a, p) for p in PROMPTS[:2] for a in ("tiny-base", *ADAPTERS)]
+    for (model, prompt), choice in zip(jobs, completions(srv.url, jobs)):
+        assert choice["token_ids"] == expected[(None if model == "tiny-base" else model, prompt)], model
+
+
+def test_batching_collector_renders_the_engine_state():
+    """The /metrics families from one replica's BatchingState (credits only exist while requests do)."""
+    from dlora.replica.messages import BatchingState, SwitchTimes
+    from dlora.server.metrics import Metrics
+
+    m = Metrics()
+    buckets = (0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2)
+    state = BatchingState("dlora", "merged", "a0", 3, 1,
+                          {"merge": SwitchTimes(2, 0.05, buckets, (0.02, 0.03)),
+                           "unmerge": SwitchTimes(1, 0.01, (0, 1) + (1,) * 9, (0.01,))},
+                          {"a0": 0.5, "": 1.25}, ("",), 0.9, 0.6, 0.02)
+    m.batching.update("0", state)
+    text = m.render().decode()
+    for line in ['dlora_batching_mode{replica="0"} 1.0', 'dlora_merged_adapter{adapter="a0",replica="0"} 1.0',
+                 'dlora_switches_total{replica="0"} 3.0', 'dlora_merge_failures_total{replica="0"} 1.0',
+                 'dlora_switch_seconds_bucket{le="0.02",op="merge",replica="0"} 1.0',
+                 'dlora_switch_seconds_count{op="merge",replica="0"} 2.0',
+                 'dlora_switch_seconds_sum{op="unmerge",replica="0"} 0.01',
+                 'dlora_adapter_credit{adapter="",replica="0"} 1.25',
+                 'dlora_adapter_credit{adapter="a0",replica="0"} 0.5',
+                 'dlora_batching_threshold{replica="0",threshold="beta"} 0.6']:
+        assert line in text, line
+    m.batching.update("0", None)  # replica down: its series disappear
+    assert "dlora_batching_mode{" not in m.render().decode()

@@ -16,7 +16,7 @@ import yaml
 
 from dlora import env
 
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 420  # generous: engines start in ~35 s alone, minutes on a busy machine
 
 
 def free_port() -> int:

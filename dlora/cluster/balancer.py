@@ -42,6 +42,9 @@ class Balancer:
     last_round_at: float | None = None
     last_preload_at: float | None = None
     preloads: list[PlacementPlan] = field(default_factory=list)
+    # Hooks for /metrics (the balancer knows nothing of Prometheus).
+    on_round: Callable[[MigrationRound], None] = lambda r: None
+    on_preload: Callable[[PlacementPlan], None] = lambda p: None
 
     def __post_init__(self) -> None:
         self.trigger_cfg = TriggerConfig(interval_s=self.cfg.migration_interval_s,
@@ -76,6 +79,7 @@ class Balancer:
         moved = await self.execute(plan)
         done = MigrationRound(trigger, plan, moved)
         self.rounds.append(done)
+        self.on_round(done)
         log.info("migration round (%s: %s): %s in %.1f ms, moved %d of %d planned, loaded %d adapter(s)",
                  trigger.reason, trigger.detail, plan.solver, plan.solve_ms, moved, len(plan.moves), len(plan.loads))
         return done
@@ -111,6 +115,7 @@ class Balancer:
         for adapter, replica_id in plan.loads:
             await self.router.load_on(replica_id, self.adapter_ref(adapter))
         self.preloads.append(plan)
+        self.on_preload(plan)
         if plan.loads:
             log.info("preloaded %s (min burst tolerance %.2f -> %.2f)", plan.loads, plan.min_tolerance_before,
                      plan.min_tolerance_after)

@@ -214,6 +214,7 @@ class Router:
         return ReplicaView(
             replica_id=slot.replica_id, requests=requests, resident_adapters=frozenset(slot.loaded.values()),
             merged_adapter=batching.merged_adapter if batching else None,
+            kv_usage=batching.kv_usage if batching else None,
             kv_capacity_tokens=self.cfg.kv_capacity_tokens, adapter_slots=self.cfg.adapter_slots,
             healthy=slot.healthy,
         )

@@ -159,6 +159,10 @@ class DloraScheduler(Scheduler):
             "alpha": snap.alpha,
             "beta": snap.beta,
             "switch_cost": snap.switch_cost,
+            # queue state for the balancer's views and /metrics
+            "kv_usage": self.kv_cache_manager.usage,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
         }
 
     # ---- the step ----------------------------------------------------------------------------

@@ -4,6 +4,9 @@ A merge replaces every touched base weight W by W + s·B@A (s = alpha/r, or alph
 rsLoRA), computed in fp32 from the base *checkpoint's* W, never from the live parameters (which
 may be merged already, or prepacked for the CPU GEMM kernels). An unmerge reloads the checkpoint's
 own tensors, so the weights are bit-identical to the first load however many merges came before.
+Where the engine can capture a module's compute state (`KernelStates`: on CPU, the prepacked GEMM
+closure), unmerge instead puts back the very objects captured before the merge, and re-merging
+the last merged adapter puts back its merged objects: the same result without a reload.
 
 vLLM fuses projections (q/k/v into qkv_proj, gate/up into gate_up_proj), and its in-place reload
 rebuilds a fused layer from *all* of its shards: a merge therefore reloads every shard of each
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -80,6 +85,15 @@ def read_adapter(path: str | Path) -> LoraFactors:
     if not factors:
         raise MergeError(f"adapter {str(d)!r} holds no LoRA weights")
     return LoraFactors(lora_scale(config), factors)
+
+
+def _adapter_key(path: str) -> tuple:
+    """Identity of an adapter's files (a re-written adapter is not taken for the cached one)."""
+    try:
+        st = os.stat(Path(path) / ADAPTER_WEIGHTS)
+    except OSError as e:
+        raise MergeError(f"cannot read adapter {path!r}: {e}") from e
+    return (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -137,11 +151,32 @@ class CheckpointTensors:
         return len(self._pristine)
 
 
+class KernelStates(Protocol):
+    """Engine hook for switching without a reload: the compute state of engine modules.
+
+    `capture(modules)` returns an opaque state per module that holds everything the module computes
+    with (None if that is not possible, e.g. the weights live in tensors the next reload overwrites);
+    `apply(states)` puts captured states back. Only for states captured from this same model.
+    """
+
+    def capture(self, modules: list[str]) -> dict[str, Any] | None: ...
+
+    def apply(self, states: dict[str, Any]) -> None: ...
+
+
 class WeightMerger:
-    """At most one adapter merged at a time; `merge`/`unmerge` are all-or-nothing."""
+    """At most one adapter merged at a time; `merge`/`unmerge` are all-or-nothing.
+
+    With `kernels`, the base state of every module a merge touches is captured before its first
+    merge, so unmerge puts those very objects back instead of reloading (bit-identical by
+    construction), and the merged state of the last merged adapter is kept (within
+    `cache_bytes`), so merging it again is a swap too. A failed reload is always repaired by a
+    full pristine reload.
+    """
 
     def __init__(self, checkpoint: CheckpointTensors, reload: Reload,
-                 packed_modules: Mapping[str, Iterable[str]], dtype: torch.dtype | None = None):
+                 packed_modules: Mapping[str, Iterable[str]], dtype: torch.dtype | None = None,
+                 kernels: KernelStates | None = None, cache_bytes: int = 0):
         self.checkpoint = checkpoint
         self.dtype = dtype  # the model's: merged weights are rounded to it once, here
         self._reload = reload
@@ -151,31 +186,80 @@ class WeightMerger:
             self._groups.setdefault(fused_module(name, self._packed), []).append(name)
         self.merged: str | None = None  # path of the merged adapter
         self._touched: list[str] = []  # checkpoint names whose live values differ from pristine
+        self._kernels = kernels
+        self._cache_bytes = cache_bytes
+        self._base_states: dict[str, Any] = {}  # module -> its state with pristine weights
+        self._cached: tuple[tuple, list[str], dict[str, Any]] | None = None  # (adapter key, names, states)
+        self.reloads = 0  # merges and unmerges that went through the engine's reload
 
     def merge(self, adapter_path: str) -> None:
         """Fold the adapter in (unmerging any other first). Raises MergeError, weights unchanged."""
         if self.merged is not None:
             self.unmerge()
+        key = _adapter_key(adapter_path)
+        if self._cached is not None and self._cached[0] == key:
+            _, names, states = self._cached
+            self._touched = names
+            self._swap_in(states)
+            self.merged = adapter_path
+            return
         lora = read_adapter(adapter_path)
         items = self._merged_items(lora, adapter_path)
-        self._touched = [n for n, _ in items]
+        names = [n for n, _ in items]
+        modules = self._modules(names)
+        if self._kernels is not None:
+            self._capture_base(modules)
+        self._touched = names
         try:
             self._reload(items)
+            self.reloads += 1
         except Exception as e:
-            self._restore()  # an exception here propagates: the engine must not serve on
+            self._restore(full=True)  # an exception here propagates: the engine must not serve on
             raise MergeError(f"reloading merged weights failed, base restored: {e}") from e
         self.merged = adapter_path
+        self._remember(key, names, modules, items)
 
     def unmerge(self) -> None:
-        """Reload the pristine tensors of everything the last merge touched (no-op when unmerged)."""
+        """Put back the pristine weights of everything the last merge touched (no-op when unmerged)."""
         self._restore()
         self.merged = None
 
-    def _restore(self) -> None:
-        if self._touched:
+    def _restore(self, full: bool = False) -> None:
+        if not self._touched:
+            return
+        modules = self._modules(self._touched)
+        if not full and all(m in self._base_states for m in modules):
+            self._kernels.apply({m: self._base_states[m] for m in modules})
+        else:
             self._reload(sorted(self.checkpoint.get(self._touched).items(),
                                 key=lambda kv: self._load_order(kv[0])))
-            self._touched = []
+            self.reloads += 1
+        self._touched = []
+
+    def _swap_in(self, states: dict[str, Any]) -> None:
+        try:
+            self._kernels.apply(states)
+        except Exception as e:
+            self._restore(full=True)
+            raise MergeError(f"restoring cached merged weights failed, base restored: {e}") from e
+
+    def _capture_base(self, modules: list[str]) -> None:
+        missing = [m for m in modules if m not in self._base_states]
+        if missing:
+            states = self._kernels.capture(missing)
+            if states is not None:
+                self._base_states.update(states)
+
+    def _remember(self, key: tuple, names: list[str], modules: list[str], items) -> None:
+        self._cached = None  # the previous adapter's merged state is released first
+        if self._kernels is None or sum(t.numel() * t.element_size() for _, t in items) > self._cache_bytes:
+            return
+        states = self._kernels.capture(modules)
+        if states is not None:
+            self._cached = (key, names, states)
+
+    def _modules(self, names: Iterable[str]) -> list[str]:
+        return sorted({fused_module(n, self._packed) for n in names})
 
     def _merged_items(self, lora: LoraFactors, path: str) -> list[tuple[str, torch.Tensor]]:
         unknown = sorted(n for n in lora.factors if n not in self.checkpoint)

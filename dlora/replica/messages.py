@@ -100,6 +100,9 @@ class BatchingState:
     alpha: float | None = None
     beta: float | None = None
     switch_cost: float | None = None  # the policy's current estimate t_M, seconds
+    kv_usage: float | None = None  # fraction of KV blocks in use
+    num_running: int = 0  # requests the engine scheduler holds as running / waiting
+    num_waiting: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchingState":
@@ -109,6 +112,8 @@ class BatchingState:
             switch_times={op: SwitchTimes.from_dict(t) for op, t in d["switch_times"].items()},
             credits={str(k): float(v) for k, v in d["credits"].items()}, starving=tuple(d["starving"]),
             alpha=d["alpha"], beta=d["beta"], switch_cost=d["switch_cost"],
+            kv_usage=d.get("kv_usage"), num_running=int(d.get("num_running", 0)),
+            num_waiting=int(d.get("num_waiting", 0)),
         )
 
 

@@ -59,6 +59,39 @@ def _quiet_partial_reload():
             logger.removeFilter(f)
 
 
+# Merged kernels of the last merged adapter are kept for a cheap re-merge up to this size.
+MERGED_CACHE_BYTES = 512 * 2**20
+
+
+class _CpuKernels:
+    """`KernelStates` for vLLM's CPU linear layers: after loading, the weight lives only in the
+    prepacked GEMM closure `layer.cpu_linear` (the `weight` parameter is emptied), so that closure
+    is the module's whole compute state."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def _layer(self, name: str):
+        from vllm.lora.layers import BaseLayerWithLoRA
+
+        module = self.model.get_submodule(name)
+        return module.base_layer if isinstance(module, BaseLayerWithLoRA) else module
+
+    def capture(self, modules):
+        states = {}
+        for name in modules:
+            layer = self._layer(name)
+            fn, weight = getattr(layer, "cpu_linear", None), getattr(layer, "weight", None)
+            if fn is None or weight is None or weight.numel() != 0 or getattr(layer, "bias", None) is not None:
+                return None  # the weights are (also) in tensors a reload overwrites in place
+            states[name] = fn
+        return states
+
+    def apply(self, states) -> None:
+        for name, fn in states.items():
+            self._layer(name).cpu_linear = fn
+
+
 class _Switcher:
     """The worker-side state: the merger, the lora-id remap and the reports of the current step."""
 
@@ -114,18 +147,20 @@ class _Switcher:
     def merger(self) -> WeightMerger:
         if self._merger is None:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
+            from vllm.platforms import current_platform
 
-            worker = self.worker
+            config = self.worker.vllm_config
             model = self.runner.get_model()
 
             def reload(items):
                 with _quiet_partial_reload():
-                    reload_weights(worker.vllm_config, model, weights_iterator=items, weights_path=None,
+                    reload_weights(config, model, weights_iterator=items, weights_path=None,
                                    is_checkpoint_format=True)
 
-            checkpoint = CheckpointTensors(worker.vllm_config.model_config.model)
+            checkpoint = CheckpointTensors(config.model_config.model)
+            kernels = _CpuKernels(model) if current_platform.is_cpu() else None
             self._merger = WeightMerger(checkpoint, reload, getattr(model, "packed_modules_mapping", {}),
-                                        worker.vllm_config.model_config.dtype)
+                                        config.model_config.dtype, kernels, MERGED_CACHE_BYTES)
         return self._merger
 
     def apply(self, cmd: SwitchCommand) -> SwitchReport:
@@ -174,7 +209,8 @@ class DloraWorkerExtension:
 
     def dlora_apply(self, op: str, adapter: str | None = None, path: str | None = None,
                     lora_int_id: int = 0) -> dict:
-        """Apply one switch command out of band (tests; serving uses the in-band path)."""
+        """Apply one switch command out of band (tests only: the scheduler does not learn of it;
+        serving uses the in-band path)."""
         self.dlora_install()
         report = self._dlora_switcher.apply(SwitchCommand(op, adapter, path, lora_int_id))
         return {"op": report.op, "ok": report.ok, "seconds": report.seconds, "error": report.error}
@@ -184,4 +220,4 @@ class DloraWorkerExtension:
         if s is None:
             return {"installed": False}
         return {"installed": True, "merged_adapter": s.merged_adapter, "remap": sorted(s.remap),
-                "applied": s.applied}
+                "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,15 @@ async def _refresh_gauges(state: ServerState) -> None:
         m.replica_unfinished.labels(rid).set(st.num_unfinished)
         m.adapters_resident.labels(rid).set(len(st.resident_adapter_ids))
         m.batching.update(rid, st.batching if st.healthy else None)
+        if st.healthy and st.batching is not None:
+            m.replica_kv_usage.labels(rid).set(st.batching.kv_usage or 0.0)
+            m.replica_running.labels(rid).set(st.batching.num_running)
+            m.replica_waiting.labels(rid).set(st.batching.num_waiting)
+    routed = Counter(s.slot.replica_id for s in state.router.requests.values() if s.slot is not None)
+    for slot in state.router.slots:
+        m.replica_routed.labels(str(slot.replica_id)).set(routed.get(slot.replica_id, 0))
+        m.cluster.restarts[str(slot.replica_id)] = slot.restarts
+    m.cluster.counters = dict(state.router.counters)
 
 
 def create_app(make_state: Callable[[], Awaitable[ServerState]]) -> FastAPI:

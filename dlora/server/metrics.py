@@ -36,8 +36,23 @@ class Metrics:
         self.replica_healthy = Gauge("dlora_replica_healthy", "1 when the replica serves", ["replica"], registry=r)
         self.replica_unfinished = Gauge("dlora_replica_unfinished_requests", "Requests inside the engine",
                                         ["replica"], registry=r)
-        self.resubmissions = Counter("dlora_request_resubmissions", "Requests resubmitted after a replica failure",
+        self.replica_kv_usage = Gauge("dlora_replica_kv_usage", "Fraction of the replica's KV cache in use",
+                                      ["replica"], registry=r)
+        self.replica_running = Gauge("dlora_replica_running_requests", "Requests the engine runs", ["replica"],
                                      registry=r)
+        self.replica_waiting = Gauge("dlora_replica_waiting_requests", "Requests queued in the engine",
+                                     ["replica"], registry=r)
+        self.replica_routed = Gauge("dlora_replica_routed_requests", "Requests the router has on the replica",
+                                    ["replica"], registry=r)
+        self.migration_solve = Histogram("dlora_migration_solve_seconds", "Wall time to plan one co-migration round",
+                                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+                                         registry=r)
+        self.migration_rounds = Counter("dlora_migration_rounds", "Co-migration rounds run, by trigger",
+                                        ["reason"], registry=r)
+        self.preloads = Counter("dlora_adapter_preloads", "Adapters copied by the long-term preload", registry=r)
+        # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
+        self.cluster = ClusterCollector()
+        r.register(self.cluster)
         # Merged/unmerged batching: the engines keep the state, refreshed on each scrape.
         self.batching = BatchingCollector()
         r.register(self.batching)
@@ -138,3 +153,25 @@ class BatchingCollector:
                 if value is not None:
                     threshold.add_metric([rid, name], value)
         yield from (mode, merged, switches, failures, seconds, credit, threshold)
+
+
+class ClusterCollector:
+    """The router's own counters, rendered at scrape time (the router is the source of truth)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        resub = CounterMetricFamily("dlora_request_resubmissions",
+                                    "Requests resubmitted to another replica after a replica failure")
+        resub.add_metric([], self.counters.get("resubmissions", 0))
+        moved = CounterMetricFamily("dlora_migrations", "Running requests moved between replicas (abort + resubmit)")
+        moved.add_metric([], self.counters.get("migrations", 0))
+        restarts = CounterMetricFamily("dlora_replica_restarts", "Times a replica was rebuilt", labels=["replica"])
+        for rid, n in sorted(self.restarts.items()):
+            restarts.add_metric([rid], n)
+        yield from (resub, moved, restarts)

@@ -82,8 +82,15 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     await router.start()
     for problem in await adapters.restore(cfg.adapters):
         log.error("%s", problem)
-    balancer = Balancer(router, adapter_ref=lambda n: ref_of(adapters.lookup(n)), cfg=cfg.cluster)
-    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, Metrics(), balancer)
+    metrics = Metrics()
+
+    def on_round(r) -> None:
+        metrics.migration_solve.observe(r.plan.solve_ms / 1000)
+        metrics.migration_rounds.labels(r.trigger.reason).inc()
+
+    balancer = Balancer(router, adapter_ref=lambda n: ref_of(adapters.lookup(n)), cfg=cfg.cluster,
+                        on_round=on_round, on_preload=lambda p: metrics.preloads.inc(len(p.loads)))
+    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer)
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
     return state

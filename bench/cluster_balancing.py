@@ -13,7 +13,6 @@ Writes bench/results/cluster_balancing.json (+ .png).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -28,7 +27,7 @@ from dlora import env  # noqa: E402
 from dlora.bench.runner import run_benchmark  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
-from servers import make_random_adapters, start_dlora, stop, wait_healthy  # noqa: E402
+from servers import make_random_adapters, start_dlora, stop, wait_healthy, write_result  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 POLICIES = {
@@ -129,10 +128,7 @@ def main() -> int:
         "policies": results,
         "summary": summary,
     }
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(json.dumps(summary, indent=2))
+    write_result(result, args.out, plot)
     return 0
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from dlora import env  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
-from servers import make_random_adapters, start_dlora, stop, wait_healthy  # noqa: E402
+from servers import alternate_runs, make_random_adapters, start_dlora, stop, wait_healthy  # noqa: E402
 from vs_vllm_server import METRICS, dlora_config, run_once  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -63,16 +63,8 @@ def main() -> int:
                             distribution="distinct", input_len=args.input_len, output_len=args.output_len,
                             request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
         requests = generate_workload(spec)
-        runs: dict[str, list[dict]] = {name: [] for name in BACKENDS}
-        for name in BACKENDS:  # warm both engines (first-shape oneDNN primitive builds)
-            run_once(f"http://127.0.0.1:{ports[name]}", requests[: args.num_adapters * 2])
-        for rep in range(args.reps):
-            for name in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
-                m = run_once(f"http://127.0.0.1:{ports[name]}", requests)
-                m["loadavg_1m"] = os.getloadavg()[0]
-                runs[name].append(m)
-                print(f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
-                      f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})", flush=True)
+        urls = {name: f"http://127.0.0.1:{ports[name]}" for name in BACKENDS}
+        runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
     finally:
         for proc in procs.values():
             stop(proc)

@@ -66,3 +66,31 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def alternate_runs(urls: dict[str, str], requests, reps: int, run_once, warmup: int) -> dict[str, list[dict]]:
+    """Warm every server, then run the workload on each `reps` times, alternating the order so
+    every server sees the same background load on average."""
+    names = list(urls)
+    for name in names:  # first-shape oneDNN primitive builds, adapter loads
+        run_once(urls[name], requests[:warmup])
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            m = run_once(urls[name], requests)
+            m["loadavg_1m"] = os.getloadavg()[0]
+            runs[name].append(m)
+            print(f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
+                  f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})", flush=True)
+    return runs
+
+
+def write_result(result: dict, out: str | Path, plot) -> None:
+    """JSON next to its PNG; prints the summary."""
+    import json
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result.get("summary", {}), indent=2))

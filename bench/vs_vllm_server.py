@@ -11,7 +11,6 @@ and the medians are compared. Writes bench/results/vs_vllm_server.json (+ .png).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -30,7 +29,7 @@ from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from servers import make_random_adapters, start, stop, wait_healthy  # noqa: E402
+from servers import alternate_runs, make_random_adapters, start, stop, wait_healthy, write_result  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms")
@@ -126,16 +125,8 @@ def main() -> int:
                             distribution="distinct", input_len=args.input_len, output_len=args.output_len,
                             request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
         requests = generate_workload(spec)
-        runs: dict[str, list[dict]] = {"dlora": [], "vllm": []}
-        for name in ("dlora", "vllm"):  # warm both engines (first-shape oneDNN primitive builds)
-            run_once(f"http://127.0.0.1:{ports[name]}", requests[: args.num_adapters * 2])
-        for rep in range(args.reps):
-            order = ("dlora", "vllm") if rep % 2 == 0 else ("vllm", "dlora")
-            for name in order:
-                m = run_once(f"http://127.0.0.1:{ports[name]}", requests)
-                runs[name].append(m)
-                print(f"rep {rep} {name:5s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
-                      f" TPOT p50 {m['median_tpot_ms']:.1f} ms", flush=True)
+        urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("dlora", "vllm")}
+        runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
     finally:
         for proc in procs.values():
             stop(proc)
@@ -158,11 +149,7 @@ def main() -> int:
             "tpot_ratio_vllm_over_dlora": median["vllm"]["median_tpot_ms"] / median["dlora"]["median_tpot_ms"],
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(json.dumps(result["summary"], indent=2))
+    write_result(result, args.out, plot)
     return 0
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Router, RouterConfig

@@ -10,7 +10,7 @@ from dlora.scheduling import (
     BatchingConfig, DLoRAPolicy, IterationStats, MergedPolicy, Mode, Switch, UnmergedPolicy,
     check_decision, make_policy, policy_names,
 )
-from tests.scheduling.simlib import StepSim, flat_cost, linear_cost, req, reqs
+from tests.scheduling.simlib import StepSim, linear_cost, req, reqs
 
 
 def test_unmerged_allows_every_request_in_fcfs_order():

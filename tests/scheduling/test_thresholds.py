@@ -7,7 +7,7 @@ import pytest
 from dlora.scheduling import BatchingConfig, DLoRAPolicy, IterationStats, Mode
 from dlora.scheduling.cost_model import IterationCostModel
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample, period_throughputs
-from tests.scheduling.simlib import StepSim, flat_cost, req
+from tests.scheduling.simlib import StepSim, flat_cost
 
 U, M = Mode.UNMERGED, Mode.MERGED
 

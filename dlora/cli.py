@@ -58,4 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m dlora.cli`: run the imported module's main, so that subcommands raising
+    # dlora.cli.UsageError are caught (this file as __main__ would define a second class).
+    from dlora.cli import main as _main
+
+    sys.exit(_main())

@@ -113,10 +113,9 @@ def test_batching_metrics(server):
         assert 0 < metric(srv.url, "dlora_batching_threshold", replica="0", threshold="alpha") <= 1
 
 
+@pytest.mark.parametrize("server", ["merged"], indirect=True)  # one switching server is enough
 def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_model, expected):
     policy, srv = server
-    if policy != "merged":
-        pytest.skip("one switching server is enough")
     copy = srv.scratch / "a3copy"
     shutil.copytree(tiny_model.adapters["a1"], copy)
     r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)},

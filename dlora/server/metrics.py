@@ -110,8 +110,6 @@ class BatchingCollector:
     they are, not re-accumulated here; a restarted replica starts from zero like any counter.
     """
 
-    MODE_VALUE = {"unmerged": 0, "merged": 1}
-
     def __init__(self) -> None:
         self.states: dict[str, BatchingState] = {}
 
@@ -139,7 +137,7 @@ class BatchingCollector:
         threshold = GaugeMetricFamily("dlora_batching_threshold", "The dlora policy's switching thresholds",
                                       labels=["replica", "threshold"])
         for rid, st in sorted(self.states.items()):
-            mode.add_metric([rid], self.MODE_VALUE.get(st.mode, 0))
+            mode.add_metric([rid], 1 if st.mode == "merged" else 0)
             if st.merged_adapter is not None:
                 merged.add_metric([rid, st.merged_adapter], 1)
             switches.add_metric([rid], st.num_switches)

@@ -217,3 +217,97 @@ def test_failed_merge_while_another_is_merged_leaves_the_base(base_dir, tmp_path
         merger.merge(str(tmp_path / "missing"))
     assert merger.merged is None
     assert_same(model.weights, original, original)
+
+
+class FakeKernels:
+    """`KernelStates` over FakeModel: a module's state is the tensor objects it computes with."""
+
+    def __init__(self, model: FakeModel, usable: bool = True):
+        self.model, self.usable, self.applied = model, usable, 0
+
+    def capture(self, modules):
+        if not self.usable:
+            return None
+        return {m: {n: t for n, t in self.model.weights.items() if fused_module(n, LLAMA_PACKED) == m}
+                for m in modules}
+
+    def apply(self, states):
+        for tensors in states.values():
+            self.model.weights.update(tensors)
+        self.applied += 1
+
+
+def make_with_kernels(base_dir, cache_bytes=1 << 30, usable=True):
+    ckpt = CheckpointTensors(base_dir)
+    model = FakeModel(ckpt)
+    original = dict(model.weights)
+    kernels = FakeKernels(model, usable)
+    return WeightMerger(ckpt, model.reload, LLAMA_PACKED, torch.float32, kernels, cache_bytes), model, original
+
+
+def test_kernel_swaps_unmerge_exactly_and_remerge_without_reloading(base_dir, tmp_path):
+    a = write_adapter(tmp_path / "a", ["q_proj", "o_proj"], seed=1)
+    b = write_adapter(tmp_path / "b", ["v_proj"], seed=2)
+    merger, model, original = make_with_kernels(base_dir)
+    merger.merge(str(a))
+    merged_a = dict(model.weights)
+    assert merger.reloads == 1
+    merger.unmerge()
+    assert merger.reloads == 1  # swapped back, no reload
+    assert all(model.weights[n] is original[n] for n in original)  # the very same objects
+    merger.merge(str(a))
+    assert merger.reloads == 1 and all(torch.equal(model.weights[n], merged_a[n]) for n in merged_a)
+    merger.merge(str(b))  # a out by swap, b in by reload; b replaces a in the cache
+    assert merger.reloads == 2
+    for n, want in fp64_reference(base_dir, b).items():
+        assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
+    merger.merge(str(a))
+    assert merger.reloads == 3
+    merger.unmerge()
+    assert all(torch.equal(model.weights[n], original[n]) for n in original)
+
+
+def test_rewritten_adapter_or_no_budget_means_a_fresh_merge(base_dir, tmp_path):
+    a = write_adapter(tmp_path / "a", ["q_proj"], seed=1)
+    merger, model, _ = make_with_kernels(base_dir)
+    merger.merge(str(a))
+    merger.unmerge()
+    shutil.rmtree(a)
+    write_adapter(a, ["q_proj"], seed=7)  # same path, new weights
+    merger.merge(str(a))
+    assert merger.reloads == 2
+    for n, want in fp64_reference(base_dir, a).items():
+        assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
+    shutil.rmtree(a)  # files gone: a cached state must not hide it
+    merger.unmerge()
+    with pytest.raises(MergeError):
+        merger.merge(str(a))
+    small, _, _ = make_with_kernels(base_dir, cache_bytes=0)
+    b = write_adapter(tmp_path / "b", ["q_proj"], seed=1)
+    small.merge(str(b))
+    small.unmerge()
+    small.merge(str(b))
+    assert small.reloads == 2
+
+
+def test_without_capturable_kernels_every_switch_reloads(base_dir, tmp_path):
+    a = write_adapter(tmp_path / "a", ["q_proj"], seed=1)
+    merger, model, original = make_with_kernels(base_dir, usable=False)
+    merger.merge(str(a))
+    merger.unmerge()
+    merger.merge(str(a))
+    assert merger.reloads == 3
+    merger.unmerge()
+    assert all(torch.equal(model.weights[n], original[n]) for n in original)
+
+
+def test_failed_reload_is_repaired_by_a_full_reload_even_with_kernels(base_dir, tmp_path):
+    a = write_adapter(tmp_path / "a", ["q_proj", "k_proj"], seed=1)
+    ckpt = CheckpointTensors(base_dir)
+    model = FakeModel(ckpt, fail_after=2)
+    original = dict(model.weights)
+    merger = WeightMerger(ckpt, model.reload, LLAMA_PACKED, torch.float32, FakeKernels(model), 1 << 30)
+    with pytest.raises(MergeError, match="base restored"):
+        merger.merge(str(a))
+    assert merger.merged is None and len(model.reloads) == 1  # the repair reload
+    assert all(torch.equal(model.weights[n], original[n]) for n in original)

@@ -115,7 +115,7 @@ def test_batching_metrics(server):
 
 @pytest.mark.parametrize("server", ["merged"], indirect=True)  # one switching server is enough
 def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_model, expected):
-    policy, srv = server
+    _, srv = server
     copy = srv.scratch / "a3copy"
     shutil.copytree(tiny_model.adapters["a1"], copy)
     r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)},

@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Merged/unmerged dynamic batching under adapter skew: `unmerged`, `merged`, `dlora` and vLLM's server.
+
+One replica of the default model (SmolLM2-135M-Instruct, bf16) with 8 random rank-8 q/k/v/o
+adapters. Each point is one `dlora bench` workload at a fixed Poisson arrival rate whose adapter
+popularity goes from uniform to one adapter taking >= 90% of the requests (`skewed` popularity:
+adapter a gets alpha^-a of the requests). The four servers run at once, every engine pinned to
+core 0; they take turns on each workload (the order rotates per point), so only one is loaded
+at a time and slow drifts of the machine's background load hit them alike.
+
+Metrics per point: dLoRA's average latency per output token (sum of E2E latencies / sum of output
+tokens), P90 of the per-request latency per output token, throughput, TTFT; for dlora's servers
+also the switches and switch times read from /metrics. Writes
+bench/results/dynamic_batching_skew.json (+ .png).
+
+    .venv/bin/python bench/dynamic_batching_skew.py               # about 20-25 min on 2 cores
+    .venv/bin/python bench/dynamic_batching_skew.py --quick       # a 4-minute smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.servers import make_random_adapters, start, stop, wait_healthy, write_result  # noqa: E402
+from dlora import env  # noqa: E402
+from dlora.bench.popularity import popularity_shares  # noqa: E402
+from dlora.bench.runner import run_benchmark  # noqa: E402
+from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
+from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+POLICIES = ("unmerged", "merged", "dlora")
+SYSTEMS = (*POLICIES, "vllm")
+NUM_ADAPTERS, RANK = 8, 8
+PORTS = {"unmerged": 8321, "merged": 8322, "dlora": 8323, "vllm": 8324}
+KV_GIB = 1  # ample for 64 x 128-token sequences; four servers share the machine's memory
+
+
+def engine_settings(args) -> dict:
+    return {"dtype": "bfloat16", "max_model_len": args.max_model_len, "max_loras": NUM_ADAPTERS,
+            "max_lora_rank": RANK, "max_num_seqs": args.max_num_seqs}
+
+
+def vllm_command(args, base: Path, adapters: list[Path]) -> list[str]:
+    s = engine_settings(args)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base),
+            "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(PORTS["vllm"]),
+            "--dtype", s["dtype"], "--max-model-len", str(s["max_model_len"]), "--enable-lora",
+            "--max-loras", str(s["max_loras"]), "--max-lora-rank", str(s["max_lora_rank"]),
+            "--max-num-seqs", str(s["max_num_seqs"]), "--disable-log-stats", "--enforce-eager",
+            "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
+
+
+def scheduling(policy: str) -> dict:
+    """The policy with the parameters of configs/default.yaml's `scheduling:` (what users get)."""
+    shipped = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("scheduling") or {}
+    return {**shipped, "policy": policy}
+
+
+def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Path) -> dict:
+    s = engine_settings(args)
+    return {
+        "model": {"path": str(base), "served_name": "base", "dtype": s["dtype"], "max_model_len": s["max_model_len"]},
+        "engine": {"max_loras": s["max_loras"], "max_lora_rank": s["max_lora_rank"], "max_cpu_loras": s["max_loras"],
+                   "kv_cache_space_gib": KV_GIB, "max_num_seqs": s["max_num_seqs"], "enforce_eager": True},
+        "server": {"port": PORTS[policy], "state_dir": str(state)},
+        "cluster": {"num_replicas": 1, "cpu_cores": [0]},
+        "scheduling": scheduling(policy),
+        "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
+    }
+
+
+def url(system: str) -> str:
+    return f"http://127.0.0.1:{PORTS[system]}"
+
+
+def batching_metrics(system: str) -> dict:
+    """Switch count and switch-time sums from a dlora server's /metrics (cumulative)."""
+    text = httpx.get(f"{url(system)}/metrics", timeout=30).text
+    out = {"switches": 0.0, "merge_count": 0.0, "merge_sum_s": 0.0, "unmerge_count": 0.0, "unmerge_sum_s": 0.0}
+    for line in text.splitlines():
+        if m := re.fullmatch(r'dlora_switches_total\{replica="0"\} (\S+)', line):
+            out["switches"] = float(m.group(1))
+        elif m := re.fullmatch(r'dlora_switch_seconds_(count|sum)\{op="(\w+)",replica="0"\} (\S+)', line):
+            out[f"{m.group(2)}_{'count' if m.group(1) == 'count' else 'sum_s'}"] = float(m.group(3))
+    return out
+
+
+def point_metrics(r: dict) -> dict:
+    ok = [(lat, n) for lat, n, err in zip(r["latencies"], r["output_lens"], r["errors"]) if not err and n > 0]
+    per_token_ms = [1000 * lat / n for lat, n in ok]
+    return {
+        "avg_latency_per_output_token_ms": r["avg_latency_per_output_token_ms"],
+        "p90_latency_per_output_token_ms": float(np.percentile(per_token_ms, 90)) if per_token_ms else None,
+        "mean_normalized_latency_ms": r["mean_normalized_latency_ms"],
+        "output_throughput": r["output_throughput"],
+        "median_ttft_ms": r["median_ttft_ms"],
+        "p90_ttft_ms": r.get("p90_ttft_ms"),
+        "median_tpot_ms": r["median_tpot_ms"],
+        "mean_e2el_ms": r["mean_e2el_ms"],
+        "completed": r["completed"],
+        "failed": r["failed"],
+        "duration_s": r["duration"],
+    }
+
+
+def run_point(system: str, requests) -> dict:
+    before = batching_metrics(system) if system in POLICIES else None
+    r = run_benchmark(url(system), requests, ignore_eos=True, disable_tqdm=True, print_result=False,
+                      percentile_metrics=("ttft", "tpot", "e2el"), percentiles=(50.0, 90.0))
+    m = point_metrics(r)
+    if before is not None:
+        after = batching_metrics(system)
+        delta = {k: after[k] - before[k] for k in after}
+        m["switches"] = delta["switches"]
+        for op in ("merge", "unmerge"):
+            n = delta[f"{op}_count"]
+            m[f"mean_{op}_ms"] = 1000 * delta[f"{op}_sum_s"] / n if n else None
+    return m
+
+
+def summarize(points: list[dict], skews: list[float]) -> dict:
+    lat = {(p["policy"], p["skew"]): p["metrics"]["avg_latency_per_output_token_ms"] for p in points}
+    better = {s: min(lat[("unmerged", s)], lat[("merged", s)]) for s in skews}
+    worse = {s: max(lat[("unmerged", s)], lat[("merged", s)]) for s in skews}
+    ends = [skews[0], skews[-1]]
+    return {
+        "metric": "avg_latency_per_output_token_ms; ratios are baseline / dlora (> 1: dlora faster)",
+        "dlora_vs_better_baseline_min": min(better[s] / lat[("dlora", s)] for s in skews),
+        "dlora_vs_worse_baseline_min": min(worse[s] / lat[("dlora", s)] for s in ends),
+        "dlora_vs_vllm_server_max_skew": lat[("vllm", skews[-1])] / lat[("dlora", skews[-1])],
+        "per_skew": {str(s): {"dlora_vs_better_baseline": better[s] / lat[("dlora", s)],
+                              "dlora_vs_worse_baseline": worse[s] / lat[("dlora", s)],
+                              "dlora_vs_vllm_server": lat[("vllm", s)] / lat[("dlora", s)]} for s in skews},
+        "goals": {"dlora_vs_better_baseline_min": ">= 0.95", "dlora_vs_worse_baseline_min": ">= 1.5",
+                  "dlora_vs_vllm_server_max_skew": ">= 2"},
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    colors = {"unmerged": "#4477aa", "merged": "#ccbb44", "dlora": "#cc3311", "vllm": "#777777"}
+    for ax, key, label in zip(axes, ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms",
+                                     "output_throughput"),
+                              ("avg latency per output token (ms)", "P90 latency per output token (ms)",
+                               "output tok/s")):
+        for system in SYSTEMS:
+            pts = sorted((p for p in result["points"] if p["policy"] == system), key=lambda p: p["top_share"])
+            ax.plot([p["top_share"] for p in pts], [p["metrics"][key] for p in pts], "o-", color=colors[system],
+                    label="vLLM server" if system == "vllm" else f"dlora {system}")
+        ax.set_xlabel("share of the most popular adapter")
+        ax.set_title(label, fontsize=9)
+        if key != "output_throughput":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    w = result["workload"]
+    fig.suptitle(f"SmolLM2-135M bf16, 1 replica (1 core), {NUM_ADAPTERS} rank-{RANK} adapters, "
+                 f"{w['num_prompts']} requests/point at {w['request_rate']} req/s, in {w['input_len']} / out "
+                 f"{w['output_len']} tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (Poisson)")
+    ap.add_argument("--num-prompts", type=int, default=56, help="requests per point")
+    ap.add_argument("--alphas", type=float, nargs="+", default=[1.0, 2.0, 4.0, 10.0],
+                    help="`skewed` popularity: adapter a gets alpha^-a of the requests (1 = uniform)")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="2 skews x 32 requests: a smoke run")
+    ap.add_argument("--out", default=str(RESULTS / "dynamic_batching_skew.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.alphas, args.num_prompts = [1.0, 10.0], 32
+
+    t_start = time.monotonic()
+    base = prepare_smollm2()
+    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", NUM_ADAPTERS, RANK)
+    work = Path(env.cache_dir()) / "bench-run" / "skew"
+    work.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    try:
+        for policy in POLICIES:
+            cfg = work / f"{policy}.yaml"
+            cfg.write_text(yaml.safe_dump(dlora_config(args, policy, base, adapters, work / f"state-{policy}")))
+            procs[policy] = start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg)],
+                                  work / f"{policy}.log", {})
+        procs["vllm"] = start(vllm_command(args, base, adapters), work / "vllm.log",
+                              {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"})
+        for system, proc in procs.items():
+            wait_healthy(url(system), proc, work / f"{system}.log", timeout=600)
+        print(f"[{time.monotonic() - t_start:5.0f}s] all four servers are up", flush=True)
+
+        names = tuple(f"a{i}" for i in range(NUM_ADAPTERS))
+        warm = generate_workload(WorkloadSpec(num_prompts=2 * NUM_ADAPTERS, adapters=names, distribution="distinct",
+                                              input_len=args.input_len, output_len=8, request_rate=float("inf"),
+                                              max_model_len=args.max_model_len, seed=99))
+        for system in SYSTEMS:  # first-shape oneDNN primitive builds, adapter loads, first merges
+            run_benchmark(url(system), warm, ignore_eos=True, disable_tqdm=True, print_result=False)
+
+        points = []
+        for k, alpha in enumerate(args.alphas):
+            spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=names, distribution="skewed", alpha=alpha,
+                                input_len=args.input_len, output_len=args.output_len, request_rate=args.rate,
+                                max_model_len=args.max_model_len, seed=k)
+            requests = generate_workload(spec)
+            top_share = float(popularity_shares("skewed", NUM_ADAPTERS, alpha)[0])
+            realized = sum(r.adapter == "a0" for r in requests) / len(requests)
+            order = SYSTEMS[k % len(SYSTEMS):] + SYSTEMS[:k % len(SYSTEMS)]
+            for system in order:
+                m = run_point(system, requests)
+                if m["failed"]:
+                    raise RuntimeError(f"{system}: {m['failed']} requests failed at alpha {alpha} (server died? "
+                                       f"see {work / system}.log); no result written")
+                points.append({"policy": system, "skew": alpha, "top_share": top_share,
+                               "realized_top_share": realized, "metrics": m})
+                extra = f", {m['switches']:.0f} switches" if "switches" in m else ""
+                p90 = m["p90_latency_per_output_token_ms"] or float("nan")
+                print(f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) {system:8s} "
+                      f"lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  P90 {p90:8.1f} ms  "
+                      f"{m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}", flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+    result = {
+        "command": shlex.join([sys.executable.replace(str(ROOT) + "/", ""), *sys.argv]),
+        "vllm_command": shlex.join(vllm_command(args, base, adapters)),
+        "dlora_config": dlora_config(args, "dlora", base, adapters, work / "state-dlora"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "note": "2 shared cores; other CPU-heavy jobs ran at the same time (noisy)"},
+        "workload": {"num_prompts": args.num_prompts, "num_adapters": NUM_ADAPTERS, "rank": RANK,
+                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.rate,
+                     "arrivals": "Poisson", "popularity": "skewed (adapter a gets alpha^-a)", "alphas": args.alphas,
+                     "ignore_eos": True, "stream": True},
+        "skew": "alpha of the `skewed` popularity; top_share = expected share of the most popular adapter",
+        "points": points,
+        "summary": summarize(points, args.alphas),
+        "wall_seconds": time.monotonic() - t_start,
+    }
+    write_result(result, args.out, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,6 +19,7 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
+    499: "ClientClosedRequest",  # nginx's code; http.HTTPStatus has no 499
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

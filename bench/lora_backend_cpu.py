@@ -25,10 +25,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from dlora import env  # noqa: E402
-from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
 from servers import alternate_runs, make_random_adapters, start_dlora, stop, wait_healthy  # noqa: E402
-from vs_vllm_server import METRICS, dlora_config, run_once  # noqa: E402
+from vs_vllm_server import METRICS, dlora_config, mixed_adapter_workload, run_once  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 BACKENDS = ("vllm", "einsum")
@@ -59,10 +58,7 @@ def main() -> int:
     try:
         for name, proc in procs.items():
             wait_healthy(f"http://127.0.0.1:{ports[name]}", proc, work / f"{name}.log")
-        spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
-                            distribution="distinct", input_len=args.input_len, output_len=args.output_len,
-                            request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
-        requests = generate_workload(spec)
+        requests = mixed_adapter_workload(args)
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in BACKENDS}
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
     finally:

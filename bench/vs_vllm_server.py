@@ -64,6 +64,14 @@ def dlora_config(args, base: Path, adapters: list[Path], port: int, state: Path)
     }
 
 
+def mixed_adapter_workload(args):
+    """The fixed-length, round-robin-over-adapters, all-at-once workload both LoRA comparisons send."""
+    spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
+                        distribution="distinct", input_len=args.input_len, output_len=args.output_len,
+                        request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
+    return generate_workload(spec)
+
+
 def run_once(url: str, requests) -> dict:
     r = run_benchmark(url, requests, ignore_eos=True, disable_tqdm=True, print_result=False,
                       percentile_metrics=("ttft", "tpot", "itl"), percentiles=(50.0, 90.0, 99.0))
@@ -121,10 +129,7 @@ def main() -> int:
     try:
         for name, proc in procs.items():
             wait_healthy(f"http://127.0.0.1:{ports[name]}", proc, work / f"{name}.log")
-        spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
-                            distribution="distinct", input_len=args.input_len, output_len=args.output_len,
-                            request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
-        requests = generate_workload(spec)
+        requests = mixed_adapter_workload(args)
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("dlora", "vllm")}
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
     finally:

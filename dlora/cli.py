@@ -24,6 +24,10 @@ class UsageError(Exception):
     """Bad user input to a subcommand; printed as one line, exit code 2."""
 
 
+class StartupError(Exception):
+    """The input was accepted but what the subcommand runs failed to start; one line, exit code 1."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse errors as one line naming the bad flag (no usage dump), exit code 2."""
 
@@ -53,13 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as e:
         print(f"dlora {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"dlora {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
 
 if __name__ == "__main__":
     # `python -m dlora.cli`: run the imported module's main, so that subcommands raising
-    # dlora.cli.UsageError are caught (this file as __main__ would define a second class).
+    # dlora.cli.UsageError or StartupError are caught (this file as __main__ would define a second class).
     from dlora.cli import main as _main
 
     sys.exit(_main())

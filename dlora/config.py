@@ -20,6 +20,7 @@ from dlora.scheduling import BatchingConfig, policy_names
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "server.port", self.port, "must be a TCP port (0-65535)")
+        _check(self.log_level in LOG_LEVELS, "server.log_level", self.log_level,
+               f"must be one of {', '.join(LOG_LEVELS)}")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,24 @@ class DloraConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     adapters: tuple[AdapterSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Pinned adapters take entries of vLLM's host (CPU) LoRA cache (engine.max_cpu_loras) for good:
+        # its LRU only evicts unpinned ones. Every engine step loads the batch's adapters, up to
+        # engine.max_loras, into that cache, evicting the least recently used unpinned entry when it is
+        # full; the batch's own adapters are the most recently used, so they are safe only while at
+        # least max_loras entries are unpinned. With fewer, a batch of max_loras unpinned adapters evicts
+        # (and deactivates) one of its own adapters to load another, and the engine dies (KeyError in
+        # convert_mapping; "All items are pinned" when none is left). Unpinned adapters may outnumber
+        # the cache freely: they are reloaded on demand. (Adapters pinned later through the admin API
+        # take entries too, but are not known here.)
+        pinned = [a.name for a in self.adapters if a.pinned]
+        _check(
+            len(pinned) + self.engine.max_loras <= self.engine.max_cpu_loras, "engine.max_cpu_loras",
+            self.engine.max_cpu_loras,
+            f"must be >= engine.max_loras ({self.engine.max_loras}) + the {len(pinned)} pinned adapter(s) "
+            f"{pinned}, which never leave the host LoRA cache (a batch needs max_loras unpinned entries)",
+        )
 
     @property
     def state_dir(self) -> Path:

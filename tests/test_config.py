@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,7 @@ adapters:
     ("engine: {kv_cache_space_gib: 0.5}", r"engine.kv_cache_space_gib=0.5"),
     ("engine: {lora_backend: cuda}", r"engine.lora_backend='cuda'"),
     ("server: {port: 70000}", r"server.port=70000"),
+    ("server: {log_level: loud}", r"server.log_level='loud': must be one of critical, error, warning, info, debug"),
     ("server: {prot: 1}", r"unknown key\(s\) \['prot'\]"),
     ("servr: {}", r"unknown top-level key\(s\) \['servr'\]"),
     ("adapters: [{name: a}]", r"adapters\[0\]"),
@@ -51,6 +53,40 @@ adapters:
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         config.load(write(tmp_path, text))
+
+
+def adapters_yaml(pinned: int, unpinned: int = 0) -> str:
+    specs = [f"{{name: p{i}, path: /a/p{i}, pinned: true}}" for i in range(pinned)]
+    specs += [f"{{name: u{i}, path: /a/u{i}}}" for i in range(unpinned)]
+    return f"adapters: [{', '.join(specs)}]\n"
+
+
+def test_pinned_adapters_must_leave_max_loras_free_in_the_cpu_cache(tmp_path):
+    """Pinned adapters never leave vLLM's host LoRA cache; a batch of max_loras other adapters needs
+    max_loras unpinned entries, or loading one evicts another of the same batch (the engine dies)."""
+    engine = "engine: {max_loras: 2, max_cpu_loras: 4}\n"
+    with pytest.raises(ConfigError, match=r"engine.max_cpu_loras=4: must be >= engine.max_loras \(2\) "
+                                          r"\+ the 3 pinned adapter\(s\) \['p0', 'p1', 'p2'\]"):
+        config.load(write(tmp_path, engine + adapters_yaml(pinned=3)))
+    # Exactly max_loras entries left: fine; unpinned adapters may outnumber the cache (loaded on demand).
+    cfg = config.load(write(tmp_path, engine + adapters_yaml(pinned=2, unpinned=6)))
+    assert [a.pinned for a in cfg.adapters].count(True) == 2
+    # The CLI flags are checked the same way.
+    with pytest.raises(ConfigError, match=r"engine.max_cpu_loras=3: must be >= engine.max_loras \(2\)"):
+        config.override(cfg, {"engine.max_cpu_loras": 3})
+    with pytest.raises(ConfigError, match=r"engine.max_cpu_loras=4: must be >= engine.max_loras \(3\)"):
+        config.override(cfg, {"engine.max_loras": 3})
+
+
+def test_test_server_config_is_valid():
+    """The config the live-server tests start (tests/harness.py) passes validation."""
+    from types import SimpleNamespace
+
+    from tests import harness
+
+    model = SimpleNamespace(base=Path("/m/base"), adapters={f"a{i}": Path(f"/m/a{i}") for i in range(4)})
+    cfg = config.from_dict(harness.tiny_config(model, Path("/state"), 8000))
+    assert [a.name for a in cfg.adapters if a.pinned] == ["a0"]
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -69,6 +69,21 @@ def pending_time(p: CostParams, view: ReplicaView) -> float:
     return sum(request_work(p, r, merged is not None and r.adapter == merged) for r in view.requests)
 
 
+def merge_disruption(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Extra seconds a request of `adapter` costs a replica that has another adapter merged.
+
+    Only the merged adapter's requests run on merged weights, so any other request makes the
+    replica unmerge to serve it, and the merged requests then run at unmerged cost. Counting their
+    whole remaining work at that cost is pessimistic on purpose: on CPU unmerged steps cost 2-3x
+    merged ones, and a dispatch that sends cold requests to a merged replica turns its fast
+    merged stream into a slow mixed one (the case where proactive dispatch lost to round-robin).
+    """
+    merged = view.merged_adapter
+    if merged is None or adapter == merged:
+        return 0.0
+    return sum(request_work(p, r) - request_work(p, r, merged=True) for r in view.requests if r.adapter == merged)
+
+
 def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
     """Seconds before `adapter` can run on the replica: zero if resident (or the base model)."""
     return 0.0 if view.holds(adapter) else p.adapter_load_s
@@ -83,11 +98,13 @@ class ReplicaCostModel:
         self._unmerged: deque[IterationSample] = deque(maxlen=window)
         self._merged: deque[IterationSample] = deque(maxlen=window)
 
-    def observe(self, sample: IterationSample) -> None:
-        if sample.seconds <= 0 or sample.num_seqs <= 0:
-            return
-        (self._merged if sample.merged else self._unmerged).append(sample)
-        self.params = self._fit()
+    def observe(self, *samples: IterationSample) -> None:
+        """Add measured steps and refit once."""
+        kept = [s for s in samples if s.seconds > 0 and s.num_seqs > 0]
+        for s in kept:
+            (self._merged if s.merged else self._unmerged).append(s)
+        if kept:
+            self.params = self._fit()
 
     def _fit(self) -> CostParams:
         p = self.prior

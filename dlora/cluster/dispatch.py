@@ -4,7 +4,8 @@ Why pending time and not request counts: a burst for one adapter piles onto the 
 holding it, while sending it elsewhere costs an adapter load. dLoRA sends each request to the
 replica with the shortest *estimated pending time*: the replica's queued + running work (cost
 model), plus the adapter load time where the adapter is absent, plus the request's own work
-there (cheaper where its adapter is merged). So a holder wins ties and small differences, and
+there (cheaper where its adapter is merged), plus the slowdown it would cause where another
+adapter is merged (that replica must unmerge to serve it). So a holder wins ties and small differences, and
 a burst spills over to non-holders, which then load the adapter, once the holders fall behind.
 A replica whose KV use is at or above `kv_high` counts as overloaded and is skipped while any
 other can take the request, and a non-holder with no free adapter slot cannot take it at all.
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dlora.cluster.cost_model import CostParams, load_time, pending_time, request_work
+from dlora.cluster.cost_model import CostParams, load_time, merge_disruption, pending_time, request_work
 from dlora.cluster.monitor_types import ReplicaView, RequestLoad
 
 KV_HIGH = 0.90
@@ -42,9 +43,11 @@ def _can_take(view: ReplicaView, req: RequestLoad) -> bool:
 
 
 def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
-    """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work."""
+    """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work, plus
+    the slowdown it causes a replica that has another adapter merged."""
     merged = req.adapter is not None and req.adapter == view.merged_adapter
-    return pending_time(params, view) + load_time(params, view, req.adapter) + request_work(params, req, merged)
+    return (pending_time(params, view) + load_time(params, view, req.adapter) + request_work(params, req, merged)
+            + merge_disruption(params, view, req.adapter))
 
 
 class DispatchPolicy(ABC):

@@ -22,9 +22,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
-from dlora.cluster.cost_model import CostParams
+from dlora.cluster.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.dispatch import make_dispatch_policy
-from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+from dlora.cluster.monitor_types import IterationSample, ReplicaView, RequestLoad
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
@@ -125,6 +125,8 @@ class Router:
         self.counters: Counter[str] = Counter()  # resubmissions, migrations, ...
         self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
+        # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
+        self.cost_models = {s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots}
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -226,7 +228,7 @@ class Router:
         return {a: n / window_s for a, n in counts.items()}
 
     def cost_params(self) -> dict[int, CostParams]:
-        return {s.replica_id: CostParams(max_batch=self.cfg.max_batch) for s in self.slots}
+        return {rid: model.params for rid, model in self.cost_models.items()}
 
     # ---- requests ---------------------------------------------------------------------------
     async def _wait_for_any_replica(self) -> None:
@@ -326,12 +328,20 @@ class Router:
             if s.healthy:
                 try:
                     st = await s.replica.stats()
+                except ReplicaFailure as e:  # e.g. Ray restarted the actor: rebuild it before a request finds out
+                    log.warning("replica %d failed its stats read (%s); rebuilding it", s.replica_id, e)
+                    self._mark_failed(s)
                 except Exception:
                     st = None
             st = st or ReplicaStats(replica_id=s.replica_id, num_unfinished=0, healthy=False)
             s.last_stats = st if st.healthy else s.last_stats
+            if st.batching is not None:
+                self._observe_iterations(s.replica_id, st.batching.iterations)
             out.append(st)
         return out
+
+    def _observe_iterations(self, replica_id: int, iterations) -> None:
+        self.cost_models[replica_id].observe(*(IterationSample(*step) for step in iterations))
 
     async def replica_stats(self) -> list[ReplicaStats]:
         return await self.refresh_stats()

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MERGE_RETRY_S = 30.0  # after a failed merge, that adapter runs unmerged for this long
 RECENT_SWITCHES = 64  # durations kept per kind for the batching state
+RECENT_ITERATIONS = 512  # measured steps kept until the router's next stats read drains them
 
 
 def policy_from(additional_config) -> tuple[str, BatchingConfig]:
@@ -137,6 +138,9 @@ class DloraScheduler(Scheduler):
         self._dlora_switches = 0
         self._dlora_failures = 0
         self._dlora_times = {MERGE: SwitchHistogram(), UNMERGE: SwitchHistogram()}
+        # (num_seqs, prefill_tokens, decode_tokens, seconds, merged) per step, for the router's
+        # per-replica cost model (dlora/cluster/cost_model.py); drained by each dlora_state() call.
+        self._dlora_iterations: deque[tuple[int, int, int, float, bool]] = deque(maxlen=RECENT_ITERATIONS)
         log.info("dlora batching policy %r: %s", name, config)
 
     # ---- control (EngineCore utilities) ------------------------------------------------------
@@ -163,7 +167,13 @@ class DloraScheduler(Scheduler):
             "kv_usage": self.kv_cache_manager.usage,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "iterations": self._dlora_drain_iterations(),
         }
+
+    def _dlora_drain_iterations(self) -> list[tuple[int, int, int, float, bool]]:
+        out = list(self._dlora_iterations)
+        self._dlora_iterations.clear()
+        return out
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -311,6 +321,7 @@ class DloraScheduler(Scheduler):
                 if report.adapter is not None:
                     self._dlora_blocked[report.adapter] = time.monotonic() + MERGE_RETRY_S
         merged = self._dlora_weights
+        self._dlora_record_iteration(scheduler_output, ended - step.started - sum(r.seconds for r in reports), merged)
         self.batching_policy.observe(IterationStats(
             mode=Mode.MERGED if merged else Mode.UNMERGED,
             merged_adapter=merged,
@@ -324,6 +335,15 @@ class DloraScheduler(Scheduler):
             # Idle from now on (schedule() is not called): close the step in the policy's clock,
             # so the idle gap is not taken for the duration of this step.
             self.batching_policy.decide([], time.time(), self._dlora_max_batch)
+
+    def _dlora_record_iteration(self, scheduler_output, seconds: float, merged: str | None) -> None:
+        """One step for the cluster cost model: a request scheduled for one token is decoding."""
+        per_request = scheduler_output.num_scheduled_tokens
+        if not per_request or seconds <= 0:
+            return
+        decode = sum(1 for n in per_request.values() if n == 1)
+        prefill = scheduler_output.total_num_scheduled_tokens - decode
+        self._dlora_iterations.append((len(per_request), prefill, decode, seconds, merged is not None))
 
 
 # ---- EngineCore utilities (added in the engine-core process when vLLM imports this module) ------

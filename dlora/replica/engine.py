@@ -8,9 +8,11 @@ logprobs), and it loads, pins and unloads adapters by their registry ids.
 from __future__ import annotations
 
 import logging
+import os
 from typing import AsyncIterator
 
 from dlora.config import DloraConfig
+from dlora.replica.errors import EngineNotStarted
 from dlora.replica.messages import (
     AdapterRef, BatchingState, Delta, GenerateRequest, SamplingSpec, TokenLogprob,
 )
@@ -114,9 +116,18 @@ class EngineHost:
             self.engine.shutdown()
             self.engine = None
 
+    def _started(self):
+        """The engine, or EngineNotStarted (a replica failure: the router rebuilds the replica)."""
+        if self.engine is None:
+            raise EngineNotStarted(
+                f"no engine for {self.model_path!r} in process {os.getpid()}: not started yet, shut down, "
+                "or the actor was restarted (e.g. after the OOM killer) and must be started again"
+            )
+        return self.engine
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
-        stream = self.engine.generate(
+        stream = self._started().generate(
             prompt, to_sampling_params(req.sampling), req.request_id,
             lora_request=_lora_request(req.adapter),
         )
@@ -133,28 +144,34 @@ class EngineHost:
             )
 
     async def abort(self, request_id: str) -> None:
+        if self.engine is None:
+            # Nothing runs without an engine, so the request is already gone. Not an error: the
+            # router-side handle sends this abort fire-and-forget after a stream fails, typically
+            # to a restarted actor, and an error there would only be an unretrieved Ray error.
+            log.debug("abort %s: no engine, nothing to abort", request_id)
+            return
         await self.engine.abort(request_id)
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
-        await self.engine.add_lora(_lora_request(ref))
+        await self._started().add_lora(_lora_request(ref))
         if pinned:
             # Host cache only: vLLM's pin_lora also pins a device slot, which its scheduler does not
             # count, so a batch of max_loras other adapters then fails inside the engine.
-            await self.engine.collective_rpc("dlora_pin_lora", args=(ref.int_id,))
+            await self._started().collective_rpc("dlora_pin_lora", args=(ref.int_id,))
 
     async def remove_adapter(self, int_id: int) -> bool:
-        return await self.engine.remove_lora(int_id)
+        return await self._started().remove_lora(int_id)
 
     async def resident_adapter_ids(self) -> list[int]:
-        return sorted(await self.engine.list_loras())
+        return sorted(await self._started().list_loras())
 
     async def batching_state(self) -> BatchingState:
         """The merged/unmerged state kept by the scheduler inside the engine-core process."""
-        return BatchingState.from_dict(await self.engine.engine_core.call_utility_async("dlora_batching_state"))
+        return BatchingState.from_dict(await self._started().engine_core.call_utility_async("dlora_batching_state"))
 
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests() if self.engine else 0
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        await self._started().check_health()

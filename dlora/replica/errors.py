@@ -3,3 +3,13 @@
 
 class ReplicaFailure(RuntimeError):
     """The replica (actor or engine) failed; the request may be resubmitted elsewhere."""
+
+
+class EngineNotStarted(ReplicaFailure):
+    """The replica has no engine: `start()` has not run in this process, or the engine was shut down.
+
+    Ray restarts a killed replica actor (e.g. by the OOM killer; `max_restarts`) by running only its
+    `__init__` in a new process, so the new process has no engine until the router starts it again.
+    Raised inside the actor, it crosses Ray as a `RayTaskError` whose cause is this class, which the
+    router-side handle turns into a `ReplicaFailure`: the router then rebuilds the replica.
+    """

@@ -20,7 +20,26 @@ the base weights in place: never half-merged.
 Merged weights are computed in fp32 and rounded once to the model dtype; pristine tensors go back
 as the checkpoint holds them, through the same loader path as the first load.
 
-No vLLM here: the engine supplies `reload(items)` (see `vllm_ext.py`), which keeps this testable.
+Two strategies, chosen per merge by what the engine exposes:
+
+- *reload* (above): for engines whose weights cannot be edited in place, above all vLLM on CPU,
+  which prepacks each GEMM weight into its kernel's own layout and empties `layer.weight`.
+- *in place* (`LiveWeights`): where every touched weight is a plain parameter the forward pass
+  reads (CUDA, or any device where vLLM does not prepack), each touched weight, or its rows of a
+  fused parameter, gets `dlora_kernels.merge_lora_inplace` (W += s·B@A tile by tile, fp32
+  accumulation, one rounding, no d x d temporary). The rows are copied aside (host memory) the
+  first time a merge touches them, and unmerge copies them back: bit-identical by construction
+  (see `_restore_inplace` for why not a reload, and never a subtraction). A merge that fails
+  midway copies back every row it may have touched before the error propagates.
+  `ParameterViews` finds those rows in a vLLM-shaped module tree; if any touched weight is not
+  plain (prepacked, quantized, tensor-parallel, laid out unlike the checkpoint), that merge
+  takes the reload path, so a prepacked CPU engine behaves exactly as before.
+
+The in-place strategy starts from the live (model-dtype) W, the reload strategy from the
+checkpoint's W; the two agree unless the checkpoint is stored in a wider dtype than the model.
+
+No vLLM here: the engine supplies `reload(items)` and the module tree (see `vllm_ext.py`), which
+keeps this testable.
 """
 
 from __future__ import annotations
@@ -35,6 +54,8 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+
+from dlora_kernels import merge_lora_inplace
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -117,11 +138,13 @@ class CheckpointTensors:
     def __init__(self, model_dir: str | Path):
         self._file_of: dict[str, Path] = {}
         self._order: dict[str, int] = {}
+        self._shape: dict[str, torch.Size] = {}
         for file in sorted(Path(model_dir).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     self._file_of[key] = file
                     self._order[key] = len(self._order)
+                    self._shape[key] = torch.Size(f.get_slice(key).get_shape())
         if not self._file_of:
             raise MergeError(f"no safetensors weights in {str(model_dir)!r}")
         self._pristine: dict[str, torch.Tensor] = {}
@@ -146,6 +169,10 @@ class CheckpointTensors:
     def order(self, name: str) -> int:
         return self._order[name]
 
+    def shape(self, name: str) -> torch.Size:
+        """The tensor's shape, read from the file header (the tensor itself is not loaded)."""
+        return self._shape[name]
+
     @property
     def num_pristine(self) -> int:
         return len(self._pristine)
@@ -164,6 +191,70 @@ class KernelStates(Protocol):
     def apply(self, states: dict[str, Any]) -> None: ...
 
 
+class LiveWeights(Protocol):
+    """Engine hook for the in-place strategy: where the engine keeps checkpoint weights.
+
+    `views(names)` maps each checkpoint weight name to the live tensor the forward pass reads for
+    it (for one shard of a fused module, that shard's rows of the fused parameter), or returns None
+    if any of them is not such a plain tensor: that merge then goes through the engine's reload.
+    """
+
+    def views(self, names: list[str]) -> dict[str, torch.Tensor] | None: ...
+
+
+class ParameterViews:
+    """`LiveWeights` over a module tree laid out like vLLM's at tensor parallel size 1.
+
+    Checkpoint weight '<parent>.<leaf>.weight' lives in module '<parent>.<fused>' when
+    `packed_modules[fused]` lists `leaf` (`fused_module`), else in '<parent>.<leaf>'. A LoRA
+    wrapper's `base_layer` holds the weight. A fused module's `weight` stacks its shards' rows
+    in `packed_modules` order with sizes `output_sizes`: QKVParallelLinear q | k | v (GQA: k and v
+    have fewer rows than q), MergedColumnParallelLinear gate | up. `usable(layer)` is the engine's
+    say whether the forward pass computes with `layer.weight` as is (not prepacked, quantized...).
+    Shapes are checked against the checkpoint by the merger, so an unexpected layout is refused
+    (reload) rather than merged into the wrong rows.
+    """
+
+    def __init__(self, model: torch.nn.Module, packed_modules: Mapping[str, Iterable[str]],
+                 usable: Callable[[torch.nn.Module], bool] = lambda layer: True):
+        self.model = model
+        self._packed = {k: tuple(v) for k, v in packed_modules.items()}
+        self._usable = usable
+
+    def views(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        out = {}
+        for name in names:
+            view = self._view(name)
+            if view is None:
+                return None
+            out[name] = view
+        return out
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        module_name = fused_module(name, self._packed)
+        try:
+            layer = self.model.get_submodule(module_name)
+        except AttributeError:
+            return None
+        layer = getattr(layer, "base_layer", layer)
+        w = getattr(layer, "weight", None)
+        if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.is_meta or not w.is_floating_point()
+                or getattr(layer, "tp_size", 1) != 1 or not self._usable(layer)):
+            return None
+        w = w.detach()  # same storage, no autograd
+        leaf = name.rsplit(".", 1)[0].rpartition(".")[2]
+        fused_leaf = module_name.rpartition(".")[2]
+        if fused_leaf == leaf:
+            return w
+        parts = self._packed[fused_leaf]
+        sizes = getattr(layer, "output_sizes", None)
+        if sizes is None or len(sizes) != len(parts) or sum(sizes) != w.shape[0]:
+            return None
+        i = parts.index(leaf)
+        start = sum(sizes[:i])
+        return w[start:start + sizes[i]]
+
+
 class WeightMerger:
     """At most one adapter merged at a time; `merge`/`unmerge` are all-or-nothing.
 
@@ -172,11 +263,16 @@ class WeightMerger:
     construction), and the merged state of the last merged adapter is kept (within
     `cache_bytes`), so merging it again is a swap too. A failed reload is always repaired by a
     full pristine reload.
+
+    With `live`, a merge whose every target is a plain live tensor is done in place instead
+    (`merge_lora_inplace`), and its unmerge copies back the saved pristine rows; otherwise it goes
+    through `reload` as above.
     """
 
     def __init__(self, checkpoint: CheckpointTensors, reload: Reload,
                  packed_modules: Mapping[str, Iterable[str]], dtype: torch.dtype | None = None,
-                 kernels: KernelStates | None = None, cache_bytes: int = 0):
+                 kernels: KernelStates | None = None, cache_bytes: int = 0,
+                 live: LiveWeights | None = None):
         self.checkpoint = checkpoint
         self.dtype = dtype  # the model's: merged weights are rounded to it once, here
         self._reload = reload
@@ -191,6 +287,10 @@ class WeightMerger:
         self._base_states: dict[str, Any] = {}  # module -> its state with pristine weights
         self._cached: tuple[tuple, list[str], dict[str, Any]] | None = None  # (adapter key, names, states)
         self.reloads = 0  # merges and unmerges that went through the engine's reload
+        self._live = live
+        self._saved: dict[str, torch.Tensor] = {}  # checkpoint name -> its pristine live rows (host)
+        self._inplace: dict[str, torch.Tensor] = {}  # name -> live rows the current in-place merge may change
+        self.inplace_merges = 0  # merges done in place
 
     def merge(self, adapter_path: str) -> None:
         """Fold the adapter in (unmerging any other first). Raises MergeError, weights unchanged."""
@@ -204,6 +304,11 @@ class WeightMerger:
             self.merged = adapter_path
             return
         lora = read_adapter(adapter_path)
+        views = self._inplace_views(lora, adapter_path)
+        if views is not None:
+            self._merge_inplace(lora, views)
+            self.merged = adapter_path
+            return
         items = self._merged_items(lora, adapter_path)
         names = [n for n, _ in items]
         modules = self._modules(names)
@@ -221,8 +326,72 @@ class WeightMerger:
 
     def unmerge(self) -> None:
         """Put back the pristine weights of everything the last merge touched (no-op when unmerged)."""
+        self._restore_inplace()
         self._restore()
         self.merged = None
+
+    @property
+    def strategy(self) -> str | None:
+        """How the merged adapter went in: 'inplace', 'reload', or None when nothing is merged."""
+        if self.merged is None:
+            return None
+        return "inplace" if self._inplace else "reload"
+
+    # ---- in place ------------------------------------------------------------------------------
+
+    def _inplace_views(self, lora: LoraFactors, path: str) -> dict[str, torch.Tensor] | None:
+        """The live rows of every target if all of them can be merged in place, else None."""
+        if self._live is None:
+            return None
+        self._check_targets(lora, path)
+        names = sorted(lora.factors, key=self._load_order)
+        try:
+            views = self._live.views(names)
+        except Exception as e:  # nothing written yet: the adapter runs unmerged this time
+            raise MergeError(f"cannot locate the live weights of adapter {path!r}: {e}") from e
+        if views is None or any(views[n].shape != self.checkpoint.shape(n) for n in names):
+            return None  # not plain, or laid out unlike the checkpoint: the reload path
+        for n in names:
+            self._check_factors(n, *lora.factors[n], self.checkpoint.shape(n), path)
+        return views
+
+    def _merge_inplace(self, lora: LoraFactors, views: dict[str, torch.Tensor]) -> None:
+        try:
+            for n, v in views.items():
+                if n not in self._saved:  # everything is unmerged here, so v holds pristine bits
+                    self._saved[n] = v.to("cpu", copy=True)
+        except Exception as e:  # e.g. out of host memory: nothing written yet
+            raise MergeError(f"cannot save the pristine weights: {e}") from e
+        self._inplace = views  # from here on, unmerge/repair copies back all of them
+        try:
+            with torch.no_grad():
+                for n, v in views.items():
+                    a, b = lora.factors[n]
+                    # fp32 factors: exact for any adapter dtype, and what Triton wants (one dtype).
+                    merge_lora_inplace(v, a.to(v.device, torch.float32), b.to(v.device, torch.float32),
+                                       lora.scale, 1)
+        except Exception as e:
+            self._restore_inplace()  # an exception here propagates: the engine must not serve on
+            raise MergeError(f"merging in place failed, base restored: {e}") from e
+        self.inplace_merges += 1
+
+    def _restore_inplace(self) -> None:
+        # Copy the saved rows back rather than reload or subtract. Exact by construction: they are
+        # the very bits the engine computed with before the first merge, same dtype, no cast,
+        # so nothing depends on how the loader turned checkpoint tensors into parameters.
+        # Cheaper than vLLM's reload, which rebuilds every shard of each touched fused layer through
+        # the weight loaders and re-runs their post-processing: this is one copy per touched shard.
+        # Subtracting s·B@A would be cheaper still but is not exact (rounding drifts, ~2e-8 per
+        # 100 cycles in fp32, far more in bf16). The copies live in host memory, not beside the
+        # weights on the device, whose memory goes to the KV cache.
+        if not self._inplace:
+            return
+        with torch.no_grad():
+            for n, v in self._inplace.items():
+                v.copy_(self._saved[n])
+        self._inplace = {}
+
+    # ---- reload --------------------------------------------------------------------------------
 
     def _restore(self, full: bool = False) -> None:
         if not self._touched:
@@ -261,10 +430,19 @@ class WeightMerger:
     def _modules(self, names: Iterable[str]) -> list[str]:
         return sorted({fused_module(n, self._packed) for n in names})
 
-    def _merged_items(self, lora: LoraFactors, path: str) -> list[tuple[str, torch.Tensor]]:
+    def _check_targets(self, lora: LoraFactors, path: str) -> None:
         unknown = sorted(n for n in lora.factors if n not in self.checkpoint)
         if unknown:
             raise MergeError(f"adapter {path!r} targets weights the base model lacks: {unknown[:3]}")
+
+    @staticmethod
+    def _check_factors(name: str, a: torch.Tensor, b: torch.Tensor, shape: torch.Size, path: str) -> None:
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(shape) or a.shape[0] != b.shape[1]:
+            raise MergeError(f"adapter {path!r}: {name} has A {list(a.shape)}, B {list(b.shape)}; "
+                             f"the base weight is {list(shape)}")
+
+    def _merged_items(self, lora: LoraFactors, path: str) -> list[tuple[str, torch.Tensor]]:
+        self._check_targets(lora, path)
         names = sorted({n for t in lora.factors for n in self._groups[fused_module(t, self._packed)]},
                        key=self._load_order)
         base = self.checkpoint.get(names)
@@ -273,9 +451,7 @@ class WeightMerger:
             w = base[name]
             if name in lora.factors:
                 a, b = lora.factors[name]
-                if (b.shape[0], a.shape[1]) != tuple(w.shape) or a.shape[0] != b.shape[1]:
-                    raise MergeError(f"adapter {path!r}: {name} has A {list(a.shape)}, B {list(b.shape)}; "
-                                     f"the base weight is {list(w.shape)}")
+                self._check_factors(name, a, b, w.shape, path)
                 w = merged_weight(w, a, b, lora.scale)
                 if self.dtype is not None:
                     w = w.to(self.dtype)

@@ -103,6 +103,9 @@ class BatchingState:
     kv_usage: float | None = None  # fraction of KV blocks in use
     num_running: int = 0  # requests the engine scheduler holds as running / waiting
     num_waiting: int = 0
+    # Steps measured since the previous read: (num_seqs, prefill_tokens, decode_tokens, seconds,
+    # merged), switch time excluded. The router fits its per-replica cost model from them.
+    iterations: tuple[tuple[int, int, int, float, bool], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchingState":
@@ -114,6 +117,7 @@ class BatchingState:
             alpha=d["alpha"], beta=d["beta"], switch_cost=d["switch_cost"],
             kv_usage=d.get("kv_usage"), num_running=int(d.get("num_running", 0)),
             num_waiting=int(d.get("num_waiting", 0)),
+            iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
         )
 
 

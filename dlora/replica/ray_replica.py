@@ -80,10 +80,13 @@ class ReplicaActor:
 
 
 def _is_replica_failure(e: BaseException) -> bool:
-    if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError)):
+    if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaFailure)):
         return True
     if isinstance(e, RayTaskError):
-        return "EngineDeadError" in type(e.cause).__name__ or "EngineDead" in str(e)
+        # The actor raised: a ReplicaFailure of its own (EngineNotStarted: Ray restarted the
+        # process, which has no engine until start() runs again), or vLLM's engine died.
+        return (isinstance(e.cause, ReplicaFailure) or "EngineDeadError" in type(e.cause).__name__
+                or "EngineDead" in str(e))
     return False
 
 

@@ -24,7 +24,7 @@ import time
 from dlora import env
 from dlora.replica import cpu_lora_fix, lora_backend
 from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
-from dlora.replica.merge import CheckpointTensors, MergeError, WeightMerger
+from dlora.replica.merge import CheckpointTensors, MergeError, ParameterViews, WeightMerger
 
 cpu_lora_fix.install()
 lora_backend.install(env.DLORA_LORA_BACKEND.get())  # engine.lora_backend, before the model is built
@@ -90,6 +90,20 @@ class _CpuKernels:
     def apply(self, states) -> None:
         for name, fn in states.items():
             self._layer(name).cpu_linear = fn
+
+
+def plain_linear(layer) -> bool:
+    """True if `layer` is an unquantized vLLM linear layer whose forward reads `layer.weight` as
+    is, so an in-place edit of it is what the next step computes with (the in-place merge).
+
+    Prepacked CPU layers fail the shape check in `ParameterViews` (vLLM empties their `weight`
+    after packing it into `cpu_linear`); a CPU layer that kept its weight runs torch's
+    `F.linear` on it. Quantized layers keep other tensors: never merged in place.
+    """
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    return isinstance(layer, LinearBase) and isinstance(getattr(layer, "quant_method", None),
+                                                         UnquantizedLinearMethod)
 
 
 class _Switcher:
@@ -158,10 +172,18 @@ class _Switcher:
                                    is_checkpoint_format=True)
 
             checkpoint = CheckpointTensors(config.model_config.model)
+            packed = getattr(model, "packed_modules_mapping", {})
             kernels = _CpuKernels(model) if current_platform.is_cpu() else None
-            self._merger = WeightMerger(checkpoint, reload, getattr(model, "packed_modules_mapping", {}),
-                                        config.model_config.dtype, kernels, MERGED_CACHE_BYTES)
+            # Strategy, per merge: in place where every touched weight is a plain parameter at
+            # tensor parallel size 1 (CUDA; CPU layers vLLM did not prepack), else the reload
+            # (prepacked CPU layers, quantized layers, tensor parallelism, unknown layouts).
+            live = ParameterViews(model, packed, plain_linear) if self._tp_size() == 1 else None
+            self._merger = WeightMerger(checkpoint, reload, packed, config.model_config.dtype, kernels,
+                                        MERGED_CACHE_BYTES, live)
         return self._merger
+
+    def _tp_size(self) -> int:
+        return self.worker.vllm_config.parallel_config.tensor_parallel_size
 
     def apply(self, cmd: SwitchCommand) -> SwitchReport:
         t0 = time.perf_counter()
@@ -220,4 +242,6 @@ class DloraWorkerExtension:
         if s is None:
             return {"installed": False}
         return {"installed": True, "merged_adapter": s.merged_adapter, "remap": sorted(s.remap),
-                "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0}
+                "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0,
+                "inplace_merges": s._merger.inplace_merges if s._merger else 0,
+                "merge_strategy": s._merger.strategy if s._merger else None}

@@ -5,6 +5,13 @@ would have run, so it needs IterationTime(B) for a batch that did not run ("the 
 can be profiled accurately", §4.2). Each mode keeps an exponentially weighted least-squares fit
 time ≈ a + b·n over (batch size n, compute seconds); a mode never measured is estimated from the
 other one scaled by the prior merged/unmerged cost ratio.
+
+A mode seen at one batch size only (typically merged mode after one lone request) has no slope of
+its own. Extrapolating it proportionally (t ∝ n) was wrong by up to an order of magnitude: a step's
+fixed cost (reading the weights, Python) dominates small batches, so one cold one-request merged
+step made every larger merged batch look slow and Alg. 2 never merged again. Such a mode borrows
+the other mode's shape, scaled through its own point; with no shape anywhere, a step is assumed to
+be half fixed cost and half per-request cost at the size seen (`FIXED_SHARE`).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 from dlora.scheduling.types import Mode
 
 DECAY = 0.9  # weight of the past per new sample (memory of roughly 10 steps)
+FIXED_SHARE = 0.5  # prior share of a step's time that does not grow with the batch (see above)
 
 
 class _LinearFit:
@@ -28,19 +36,35 @@ class _LinearFit:
         self.w, self.sn, self.st = self.w * DECAY + 1, self.sn * DECAY + n, self.st * DECAY + t
         self.snn, self.snt = self.snn * DECAY + n * n, self.snt * DECAY + n * t
 
-    def predict(self, n: float) -> float:
-        mean_n, mean_t = self.sn / self.w, self.st / self.w
+    @property
+    def point(self) -> tuple[float, float]:
+        """The weighted mean (batch size, seconds) seen."""
+        return self.sn / self.w, self.st / self.w
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the fit, or None while a single batch size has been seen."""
+        mean_n, mean_t = self.point
         var = self.snn / self.w - mean_n * mean_n
         if var <= 1e-9 * max(1.0, mean_n * mean_n):
-            # One batch size seen so far: assume time proportional to the batch.
-            return mean_t * n / mean_n if mean_n > 0 else mean_t
+            return None
         slope = (self.snt / self.w - mean_n * mean_t) / var
-        if slope < 0:  # noise: fall back to the mean
-            return mean_t
+        if slope < 0:  # noise: time does not fall with the batch; treat it as flat
+            return mean_t, 0.0
         intercept = mean_t - slope * mean_n
-        if intercept < 0:
-            return (self.st / self.sn) * n
-        return intercept + slope * n
+        if intercept < 0:  # through the origin instead
+            return 0.0, self.st / self.sn
+        return intercept, slope
+
+    def predict(self, n: float, shape: tuple[float, float] | None = None) -> float:
+        """Seconds for a step of n requests; `shape` (another fit's line) stands in for a missing slope."""
+        fitted = self.line()
+        if fitted is not None:
+            return fitted[0] + fitted[1] * n
+        mean_n, mean_t = self.point
+        if mean_n <= 0:
+            return mean_t
+        a, b = shape if shape is not None and shape[0] + shape[1] * mean_n > 0 else (FIXED_SHARE, (1 - FIXED_SHARE) / mean_n)
+        return mean_t * (a + b * n) / (a + b * mean_n)
 
 
 class IterationCostModel:
@@ -60,9 +84,9 @@ class IterationCostModel:
         if num_requests <= 0:
             return 0.0
         fit = self._fits[mode]
-        if not fit.empty:
-            return fit.predict(num_requests)
         other = Mode.UNMERGED if mode is Mode.MERGED else Mode.MERGED
+        if not fit.empty:
+            return fit.predict(num_requests, shape=None if self._fits[other].empty else self._fits[other].line())
         if self._fits[other].empty:
             return None
         base = self._fits[other].predict(num_requests)

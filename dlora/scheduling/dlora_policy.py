@@ -4,8 +4,8 @@ Per `decide(requests, now)`:
 1. settle the credit transfer owed for the previous step with its measured duration (now - the
    previous `now`), and relax the other credits toward the initial value;
 2. give new adapters the initial credit; update starving/normal states (Alg. 3 lines 6–10);
-3. serve starving adapters first if they have requests (lines 11–15), else run Alg. 1 over the
-   eligible adapters (lines 17–21);
+3. serve starving adapters first if they have requests (lines 11–15; the adapter Alg. 1 would
+   run merged is kept out of the fill), else run Alg. 1 over the eligible adapters (lines 17–21);
 4. remember the transfer this decision owes and the Alg. 2 sample it starts.
 `observe(stats)` learns iteration times and the switch cost, records the Alg. 2 sample (which
 tunes alpha/beta at break points), and adopts the mode the engine really ran.
@@ -61,13 +61,12 @@ class DLoRAPolicy(BatchingPolicy):
             self._last_ran, self._sample = False, None
             return Decision(self.mode, self.merged, ())
         q = build_queues(requests, self.batch_size(max_batch))
-        step = starvation_batch(q, starving, self.mode, self.merged)
-        if step is None:
-            step = dynamic_batching(
-                q, self.mode, self.merged, self.thresholds.alpha, self.thresholds.beta,
-                lambda adapter: self._eligible(q, adapter),
-            )
-        return self._commit(q, step)
+        alg1 = dynamic_batching(
+            q, self.mode, self.merged, self.thresholds.alpha, self.thresholds.beta,
+            lambda adapter: self._eligible(q, adapter),
+        )
+        hot = alg1.merged_adapter if alg1.mode is Mode.MERGED else None
+        return self._commit(q, starvation_batch(q, starving, self.mode, self.merged, hot) or alg1)
 
     def _advance_clock(self, now: float, present: set) -> None:
         if self._last_now is not None:

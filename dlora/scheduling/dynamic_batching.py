@@ -33,9 +33,14 @@ Alg. 3 (credits, see credits.py), wrapped around Alg. 1:
 - Lines 11–15: if starving adapters have requests, B_starve = their requests in FCFS order
   [:max_bs] is served first, and they pay transfer_credit(B_starve, B_fcfs). Our choice (the
   paper returns B_starve alone): the rest of the batch is filled in FCFS order, so a starvation
-  step never runs a nearly empty batch. The fee is still computed against B_starve, so a starving
-  adapter pays for its priority and its credit falls back under t_normal. A starvation step runs
-  unmerged (switching UNMERGE if needed) unless the merged adapter is the only starving one.
+  step never runs a nearly empty batch — except with the requests of the adapter Alg. 1 would run
+  merged this step (`hot`): they wait instead. Filling with them would run the hot adapter
+  unmerged for the whole starvation period, and on CPU an unmerged step costs 2-3x a merged one:
+  at 90% skew that turned every cold request into seconds of slow steps for everyone (dlora
+  trailed `merged` by 20%). Waiting a few steps and re-merging (about 1 ms from the cached merged
+  kernels) is cheaper. The fee is still computed against B_starve, so a starving adapter pays for
+  its priority and its credit falls back under t_normal. A starvation step runs unmerged
+  (switching UNMERGE if needed) unless the merged adapter is the only starving one.
 - Line 17: l is eligible (may be merged, or stay merged) only if
   credit(l) - cost(l) >= min_credit_to_merge, where cost(l) is what merging l would pay this step
   (receivers x the last step's duration).
@@ -139,9 +144,10 @@ def dynamic_batching(
 
 
 def starvation_batch(
-    q: Queues, starving: Iterable[AdapterKey], mode: Mode, merged: str | None
+    q: Queues, starving: Iterable[AdapterKey], mode: Mode, merged: str | None, hot: str | None = None
 ) -> Step | None:
-    """Alg. 3 lines 11–15 (B_starve first, rest filled FCFS); None when nobody starving waits."""
+    """Alg. 3 lines 11–15 (B_starve first, the rest filled FCFS except `hot`'s requests, which
+    Alg. 1 would run merged); None when nobody starving waits."""
     starving = set(starving)
     b_starve = tuple(r for r in q.ordered if r.adapter in starving)[: q.max_batch]
     if not b_starve:
@@ -149,7 +155,7 @@ def starvation_batch(
     if mode is Mode.MERGED and all(r.adapter == merged for r in b_starve):
         return Step(Mode.MERGED, merged, b_starve, b_starve, merged, starvation=True)
     chosen = {r.req_id for r in b_starve}
-    fill = tuple(r for r in q.fcfs if r.req_id not in chosen)
+    fill = tuple(r for r in q.fcfs if r.req_id not in chosen and (hot is None or r.adapter != hot))
     batch = (b_starve + fill)[: q.max_batch]
     return Step(Mode.UNMERGED, None, batch, b_starve, None, starvation=True)
 

@@ -1,11 +1,20 @@
-"""`dlora serve`: load the config, start Ray + replicas, serve HTTP with uvicorn."""
+"""`dlora serve`: load the config, start Ray + replicas, serve HTTP with uvicorn.
+
+Start-up failures are one line on stderr (`dlora serve: error: ...`): bad values are refused by
+`check_before_start` (exit 2), and anything that fails while the replicas start is reported as a
+`dlora.cli.StartupError` (exit 1); the traceback is logged at debug level (`--log-level debug`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 
 from dlora import config as config_mod
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
@@ -27,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ray-address", dest="cluster.ray_address")
     p.add_argument("--admin-token", dest="server.admin_token")
     p.add_argument("--state-dir", dest="server.state_dir")
+    p.add_argument("--log-level", dest="server.log_level", choices=config_mod.LOG_LEVELS,
+                   help="log level (default info); debug also logs the traceback of a failed start")
     p.set_defaults(func=run)
 
 
@@ -44,11 +55,18 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
     from dlora.replica import lora_backend
 
     lora_backend.check_config(cfg)
+    check_kv_cache_fits(cfg)
     try:
         model_path = resolve_model_path(cfg.model.path)
     except (ValueError, FileNotFoundError) as e:
         raise config_mod.ConfigError(f"model.path={cfg.model.path!r}: {e}") from None
-    base = BaseModelShapes.from_model_dir(model_path)
+    try:
+        base = BaseModelShapes.from_model_dir(model_path)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # no/unreadable/incomplete config.json
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise config_mod.ConfigError(
+            f"model.path={cfg.model.path!r}: not a Hugging Face model directory (config.json: {what})"
+        ) from None
     for spec in cfg.adapters:
         try:
             inspect_adapter(spec.path, base, cfg.engine.max_lora_rank)
@@ -57,15 +75,92 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
     return config_mod.override(cfg, {"model.path": model_path})
 
 
+def total_memory_bytes() -> int | None:
+    """This machine's physical memory (None when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_kv_cache_fits(cfg: config_mod.DloraConfig) -> None:
+    """A CPU replica allocates engine.kv_cache_space_gib for its KV cache (VLLM_CPU_KVCACHE_SPACE) and
+    vLLM refuses, deep inside the replica, when that is more than the memory available; more than the
+    whole machine can never work, so refuse it here. Only for a local Ray cluster (a remote one's
+    nodes are unknown until joined) without GPUs (GPU engines ignore the setting)."""
+    total = total_memory_bytes()
+    need = cfg.engine.kv_cache_space_gib * 2**30
+    if cfg.cluster.ray_address is not None or total is None or need <= total:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    raise config_mod.ConfigError(
+        f"engine.kv_cache_space_gib={cfg.engine.kv_cache_space_gib}: more than this machine's memory "
+        f"({total / 2**30:.1f} GiB); each CPU replica allocates this much for its KV cache"
+    )
+
+
+def describe_failure(e: BaseException) -> str:
+    """An exception as one line: Ray's wrapper replaced by the replica's own exception, each
+    `raise ... from` cause appended."""
+    from ray.exceptions import RayTaskError
+
+    parts: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, RayTaskError) and cur.cause is not None:
+            cur = cur.cause  # its str() is the remote traceback
+            continue
+        text = " ".join(str(cur).split())
+        part = f"{type(cur).__name__}: {text}" if text else type(cur).__name__
+        if part not in parts:
+            parts.append(part)
+        cur = cur.__cause__
+    return "; caused by ".join(parts)
+
+
+async def start_state(cfg: config_mod.DloraConfig):
+    """Build the server state (replicas up, adapters loaded); a failure becomes a one-line StartupError."""
+    from dlora.cli import StartupError
+    from dlora.server.state import build_state
+
+    try:
+        return await build_state(cfg)
+    except Exception as e:
+        log.debug("start-up failed", exc_info=True)
+        hint = "" if log.isEnabledFor(logging.DEBUG) else " (--log-level debug logs the traceback)"
+        raise StartupError(f"start-up failed: {describe_failure(e)}{hint}") from e
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dlora.server.app import create_app
-    from dlora.server.state import build_state
 
     cfg = check_before_start(load_config(args))
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(lambda: build_state(cfg))
-    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                timeout_graceful_shutdown=10)
-    return 0
+    # The state is built before uvicorn starts rather than in the app's lifespan, where uvicorn would
+    # log a failure's whole traceback; from here on the lifespan owns it (closes it at shutdown).
+    built: list = []
+
+    async def state():
+        return built[0]
+
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
+                                           log_level=cfg.server.log_level, timeout_graceful_shutdown=10))
+
+    async def main() -> None:
+        built.append(await start_state(cfg))
+        await server.serve()
+
+    try:
+        with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+            runner.run(main())
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on, as uvicorn.run expects
+        if not server.started:
+            raise
+    return 0 if server.started else 3  # uvicorn.run's exit code when the server did not start

@@ -1,6 +1,6 @@
 import pytest
 
-from dlora.cluster.cost_model import CostParams, request_work
+from dlora.cluster.cost_model import CostParams, merge_disruption, request_work
 from dlora.cluster.dispatch import (
     DISPATCH_POLICIES, NoEligibleReplica, ProactiveDispatch, make_dispatch_policy,
 )
@@ -63,6 +63,27 @@ def test_merged_holder_is_cheaper_and_base_requests_need_no_load():
     base = make_request("base", None)
     d = choose([make_replica(0, backlog), make_replica(1, backlog + many("x", 1, "b"))], req=base)
     assert (d.replica_id, d.load_adapter) == (0, False)
+
+
+def test_other_adapters_avoid_a_merged_replica_until_the_unmerged_one_is_far_busier():
+    # Replica 0 runs "a" merged (at 0.4 of unmerged cost); replica 1 serves a mix unmerged. A "b"
+    # request would make replica 0 unmerge, so its 8 "a" requests would run at full cost.
+    p = CostParams(merged_ratio=0.4)
+    params = {0: p, 1: p}
+    hot = many("h", 8, "a", running=True, expected=100)
+    merged = make_replica(0, hot, resident={"a", "b"}, merged_adapter="a")
+    cold = make_request("cold", "b", prompt=50, expected=50)
+    assert merge_disruption(p, merged, "b") == pytest.approx(sum(request_work(p, r) * 0.6 for r in hot))
+    assert merge_disruption(p, merged, "a") == 0.0
+    assert merge_disruption(p, make_replica(1, hot, resident={"a"}), "b") == 0.0  # nothing merged
+    mixed = make_replica(1, many("m", 5, "c", running=True, expected=100), resident={"b", "c"})
+    # Replica 0's backlog is smaller (8 x 0.4 < 5 x 1), but breaking its merge costs more.
+    assert choose([merged, mixed], cold, params).replica_id == 1
+    # The merged adapter's own requests still go where they are cheap.
+    assert choose([merged, mixed], make_request("hot", "a"), params).replica_id == 0
+    # Once the unmerged replica is far busier, the merged one takes the cold request after all.
+    swamped = make_replica(1, many("m", 30, "c", running=True, expected=100), resident={"b", "c"})
+    assert choose([merged, swamped], cold, params).replica_id == 0
 
 
 def test_unhealthy_replicas_are_never_chosen():

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import ClusterConfig
-from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
+from dlora.replica.messages import AdapterRef, BatchingState, GenerateRequest, ReplicaStats, SamplingSpec
 from dlora.replica.sim_replica import SimReplica, reference_tokens
 
 A = AdapterRef("a", 1, "/x/a")
@@ -182,4 +184,58 @@ def test_preload_copies_the_hot_adapter_to_the_replica_without_it():
         assert ("a", 1) in plan.loads and plan.min_tolerance_after > plan.min_tolerance_before
         assert A.int_id in replicas[1].loaded
         assert await balancer.maybe_preload() is None  # not again within the interval
+    asyncio.run(run())
+
+
+class MeasuringReplica(SimReplica):
+    """Reports measured engine steps once, as the engine's scheduler does (drained per read)."""
+
+    def __init__(self, replica_id: int, steps) -> None:
+        super().__init__(replica_id)
+        self.steps = list(steps)
+
+    async def stats(self) -> ReplicaStats:
+        st = await super().stats()
+        steps, self.steps = tuple(self.steps), []
+        st.batching = BatchingState(policy="dlora", mode="unmerged", merged_adapter=None, num_switches=0,
+                                    merge_failures=0, switch_times={}, iterations=steps)
+        return st
+
+
+def test_router_fits_each_replicas_cost_model_from_its_measured_steps():
+    # Replica 0 measures t = 0.03 + 0.002 * decode (a SmolLM2-sized step, 8x the tiny priors);
+    # merged steps at 0.4 of that. Replica 1 reports nothing and keeps the priors.
+    steps = [(n, 0, n, 0.03 + 0.002 * n, False) for n in (2, 4, 8, 16) * 3]
+    steps += [(n, 0, n, 0.4 * (0.03 + 0.002 * n), True) for n in (4, 8, 16)]
+
+    async def main():
+        router = Router([MeasuringReplica(0, steps), SimReplica(1)], cfg=RouterConfig(max_batch=16))
+        await router.start()
+        prior = router.cost_params()[1]
+        await router.refresh_stats()
+        await router.refresh_stats()  # nothing new: the fit must not change
+        fitted = router.cost_params()
+        assert fitted[1] == prior
+        assert fitted[0].per_iteration_s == pytest.approx(0.03, rel=0.05)
+        assert fitted[0].per_decode_token_s == pytest.approx(0.002, rel=0.05)
+        assert fitted[0].merged_ratio == pytest.approx(0.4, rel=0.02)
+        assert fitted[0].max_batch == 16
+        await router.shutdown()
+
+    asyncio.run(main())
+
+
+def test_idle_replica_that_fails_its_stats_read_is_rebuilt_before_any_request_needs_it():
+    async def run():
+        router, replicas = make(pinned=[B])
+        await router.start()
+        replicas[1].kill()  # e.g. Ray restarted the actor process: the engine is gone
+        await router.refresh_stats()
+        for _ in range(200):
+            if router.slots[1].healthy and replicas[1].started == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert router.slots[1].healthy and replicas[1].started == 2
+        assert B.int_id in replicas[1].loaded
+        await router.shutdown()
     asyncio.run(run())

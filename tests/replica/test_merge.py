@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from dlora.replica.merge import (
     CheckpointTensors, MergeError, WeightMerger, fused_module, lora_scale, merged_weight, read_adapter,
 )
+from tests.replica.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROJ = "model.layers.{}.{}.{}.weight"
@@ -44,19 +45,7 @@ def base_dir(tmp_path):
 
 
 def write_adapter(d, modules, rank=4, alpha=8, seed=1, **config):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(2):
-        for module in modules:
-            out_f, in_f = SHAPES[module]
-            key = "base_model.model." + name(layer, module).removesuffix(".weight")
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=g)
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
-    d.mkdir(parents=True)
-    save_file(tensors, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-                                                        "target_modules": list(modules), **config}))
-    return d
+    return write_peft_adapter(d, modules, SHAPES, name, range(2), rank, alpha, seed, **config)
 
 
 class FakeModel:

@@ -93,12 +93,30 @@ def test_starving_adapter_is_served_first_and_pays_for_priority():
     p.ledger.ensure(["A", "X"])
     p.ledger.credits["X"] = 2.5  # > t_starve
     d = p.decide(rs, now=0.0)
-    assert d.mode is Mode.UNMERGED and d.allowed_req_ids == ("x0", "a0", "a1", "a2")
+    # A fills B_fcfs, so Alg. 1 would run A merged: A waits rather than running unmerged behind X.
+    assert d.mode is Mode.UNMERGED and d.allowed_req_ids == ("x0",)
     p.decide(rs, now=0.5)  # X paid 0.5 s to A (the adapter of B_fcfs it was put ahead of)
     assert p.ledger.credits == pytest.approx({"A": 1.5, "X": 2.0})
     assert "X" in p.ledger.starving  # 2.0 is not < t_normal
     p.decide(rs, now=1.6)  # X pays 1.1 more -> 0.9 < t_normal: normal again
     assert p.ledger.credits["X"] == pytest.approx(0.9) and "X" not in p.ledger.starving
+
+
+def test_starvation_step_fills_with_requests_that_would_run_unmerged_anyway():
+    # No adapter is hot enough to merge (ratio 2/4 <= alpha): the batch is filled FCFS.
+    rs = [req("a0", "A", 0.0), req("b0", "B", 1.0), req("a1", "A", 2.0), req("c0", "C", 3.0), req("x0", "X", 10.0)]
+    p = DLoRAPolicy(cfg())
+    p.ledger.ensure(["A", "B", "C", "X"])
+    p.ledger.credits["X"] = 2.5
+    assert p.decide(rs, now=0.0).allowed_req_ids == ("x0", "a0", "b0", "a1")
+    # Merged on A with another adapter starving: the others fill, A's requests wait.
+    rs = [req(f"a{i}", "A", float(i)) for i in range(3)] + [req("b0", "B", 3.0), req("x0", "X", 10.0)]
+    p = DLoRAPolicy(cfg())
+    p.ledger.ensure(["A", "B", "X"])
+    p.mode, p.merged = Mode.MERGED, "A"
+    p.ledger.credits["X"] = 2.5
+    d = p.decide(rs, now=0.0)
+    assert d.switch is Switch.UNMERGE and d.allowed_req_ids == ("x0", "b0")
 
 
 def test_new_adapters_get_the_initial_credit_when_first_seen():

@@ -13,7 +13,7 @@ U, M = Mode.UNMERGED, Mode.MERGED
 
 
 def cost_with(mode: Mode, per_req: float) -> IterationCostModel:
-    """A cost model that has only seen `mode`, at `per_req` seconds per request (proportional)."""
+    """A cost model that has only seen `mode`, at batch size 10 taking 10 * `per_req` seconds."""
     cost = IterationCostModel(merged_cost_ratio=0.6)
     for _ in range(3):
         cost.observe(mode, 10, 10 * per_req)
@@ -30,14 +30,36 @@ def test_cost_model_fits_affine_and_scales_the_unseen_mode():
     assert cost.estimate(U, 0) == 0.0
 
 
+def test_one_cold_sample_borrows_the_other_modes_shape_not_proportional():
+    # Regression: one lone merged request (n=1, 0.03 s) used to predict 10 x 0.03 = 0.3 s for n=10,
+    # slower than unmerged, so Alg. 2 never merged again. Unmerged: t = 0.05 + 0.004 n.
+    cost = IterationCostModel(merged_cost_ratio=0.6)
+    for n in (4, 8, 12, 16):
+        cost.observe(U, n, 0.05 + 0.004 * n)
+    cost.observe(M, 1, 0.03)
+    # Merged borrows the line through its own point: 0.03 * U(10) / U(1) = 0.03 * 0.09 / 0.054.
+    assert cost.estimate(M, 10) == pytest.approx(0.03 * 0.09 / 0.054)
+    assert cost.estimate(M, 10) < cost.estimate(U, 10)
+    assert cost.estimate(M, 1) == pytest.approx(0.03)
+
+
+def test_one_batch_size_and_no_shape_anywhere_assumes_half_fixed_cost():
+    cost = IterationCostModel(merged_cost_ratio=0.6)
+    cost.observe(M, 2, 0.04)
+    assert cost.estimate(M, 2) == pytest.approx(0.04)
+    assert cost.estimate(M, 6) == pytest.approx(0.04 * (0.5 + 0.25 * 6))  # 0.02 fixed + 0.01 per request
+    assert cost.estimate(U, 6) == pytest.approx(0.04 * 2.0 / 0.6)  # unseen mode: prior ratio
+
+
 def test_period_throughputs_hand_worked_unmerged_period():
-    # Unmerged fit: 0.01 s per request; merged estimate 0.6 x that. 4 steps of |B'|=10 in 0.1 s,
-    # hypothetical |B|=6: T_unmerge = 40/0.4 = 100; T_merge = 24/(4*0.036 + 0.02) = 146.34.
+    # Unmerged seen at n=10 only (0.1 s): half fixed, half per request -> U(6) = 0.1 * (0.5 + 0.5 * 0.6)
+    # = 0.08; merged estimate 0.6 x that = 0.048. 4 steps of |B'|=10 in 0.1 s, hypothetical |B|=6:
+    # T_unmerge = 40/0.4 = 100; T_merge = 24/(4*0.048 + 0.02) = 113.2.
     cost = cost_with(U, 0.01)
     samples = [PeriodSample(U, 10, 0.1, 6)] * 4
     t_merge, t_unmerge = period_throughputs(samples, U, cost, switch_cost=0.02)
     assert t_unmerge == pytest.approx(100.0)
-    assert t_merge == pytest.approx(24 / 0.164)
+    assert t_merge == pytest.approx(24 / 0.212)
 
 
 def tuner(cost, **kw) -> AdaptiveThresholds:
@@ -129,14 +151,14 @@ def _one_hot_adapter_sim(switch_time: float, **cfg) -> DLoRAPolicy:
 
 
 def test_policy_lowers_alpha_until_it_merges_when_merged_steps_are_cheaper():
-    # 0.05 s per unmerged step of 10 -> merged estimate 0.6 * 0.045 for 9: T_merge =
-    # 72 / (8 * 0.027 + 0.02) = 305 > T_unmerge = 80 / 0.4 = 200. alpha falls from 0.9 to 0.85
+    # 0.05 s per unmerged step of 10 (half fixed) -> U(9) = 0.0475, merged estimate 0.6 * that =
+    # 0.0285: T_merge = 72 / (8 * 0.0285 + 0.02) = 290 > T_unmerge = 80 / 0.4 = 200. alpha falls from 0.9 to 0.85
     # at the first break point (8 steps), and the next step merges A.
     p = _one_hot_adapter_sim(switch_time=0.02)
     first = p.thresholds.history[0]
     assert (first.threshold, first.iterations, first.old) == ("alpha", 8, 0.9)
     assert first.new == pytest.approx(0.85)
-    assert first.t_merge == pytest.approx(72 / 0.236) and first.t_unmerge == pytest.approx(200)
+    assert first.t_merge == pytest.approx(72 / 0.248) and first.t_unmerge == pytest.approx(200)
     assert p.num_switches == 1 and p.mode is Mode.MERGED
 
 

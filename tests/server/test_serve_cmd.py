@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
+import httpx
 import pytest
+
+from tests import harness
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dlora.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -18,6 +23,10 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     (["--model", "/nonexistent/model"], "model.path='/nonexistent/model'"),
     (["--config", "/nonexistent.yaml"], "'/nonexistent.yaml' does not exist"),
     (["--max-lora-rank", "7"], "engine.max_lora_rank=7"),
+    # More KV cache than the machine has: refused before Ray or vLLM start (vLLM would refuse it
+    # inside the replica, after loading the model).
+    (["--kv-cache-space-gib", "1000000"], "engine.kv_cache_space_gib=1000000: more than this machine's memory"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
 ])
 def test_bad_values_exit_2_with_one_line(args, needle):
     r = serve(*args)
@@ -33,3 +42,42 @@ def test_bad_configured_adapter_is_refused_before_start(tiny_model, tmp_path):
     r = serve("--config", str(cfg))
     assert r.returncode == 2
     assert "adapters: 'x'" in r.stderr and "not a directory" in r.stderr
+
+
+def test_model_directory_without_config_json_is_refused_before_start(tmp_path):
+    r = serve("--model", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert f"model.path='{tmp_path}': not a Hugging Face model directory (config.json:" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_failure_while_starting_is_one_line_exit_1(tiny_model, tmp_path):
+    """A model directory that passes the pre-start checks (a valid config.json) but has no tokenizer
+    fails inside the server's start-up (before Ray): one line naming the error, no traceback unless
+    --log-level debug."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tiny_model.base / "config.json", model / "config.json")
+    args = ("--model", str(model), "--state-dir", str(tmp_path / "state"), "--port", "0")
+    r = serve(*args)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dlora serve: error:")]
+    assert len(errors) == 1 and errors[0].startswith("dlora serve: error: start-up failed: ValueError: "), r.stderr
+    assert "tokenizer" in errors[0] and "--log-level debug" in errors[0]
+    assert "Traceback" not in r.stderr
+    r = serve(*args, "--log-level", "debug")
+    assert r.returncode == 1
+    assert "start-up failed\nTraceback" in r.stderr
+
+
+def test_server_starts_and_stops_cleanly(tiny_model, tmp_path):
+    """The server built before uvicorn starts still serves, and Ctrl-C shuts it down with exit 0."""
+    server = harness.launch(tmp_path, harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port()))
+    try:
+        models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+        assert {m["id"] for m in models["data"]} == {"tiny-base", "a0", "a1", "a2"}
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.tail()
+    log = server.log_path.read_text(errors="replace")
+    assert "Application shutdown complete" in log and "Traceback" not in log

@@ -1,0 +1,117 @@
+"""A replica without an engine (Ray restarted its actor process) is a replica failure, so the router
+rebuilds it instead of passing an AttributeError to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import time
+
+import pytest
+from ray.exceptions import RayTaskError
+
+from dlora.config import DloraConfig
+from dlora.replica.engine import EngineHost
+from dlora.replica.errors import EngineNotStarted, ReplicaFailure
+from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
+from dlora.replica.ray_replica import _is_replica_failure
+
+REQ = GenerateRequest("r1", (1, 2, 3), SamplingSpec(max_tokens=4), None)
+REF = AdapterRef("a", 1, "/x/a")
+
+
+async def first_delta(stream):
+    async for delta in stream:
+        return delta
+
+
+def test_engine_less_host_raises_engine_not_started():
+    """What a restarted actor process holds: an EngineHost whose start() has not run (no vLLM here)."""
+    host = EngineHost(DloraConfig(), "/models/m")
+    calls = {
+        "generate": lambda: first_delta(host.generate(REQ)),
+        "add_adapter": lambda: host.add_adapter(REF, pinned=True),
+        "remove_adapter": lambda: host.remove_adapter(1),
+        "resident_adapter_ids": host.resident_adapter_ids,
+        "batching_state": host.batching_state,
+        "check_health": host.check_health,
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineNotStarted, match="no engine for '/models/m'") as info:
+            asyncio.run(call())
+        assert isinstance(info.value, ReplicaFailure), name
+        assert _is_replica_failure(info.value), name
+    # Nothing runs without an engine: abort has nothing to do and the count is zero.
+    asyncio.run(host.abort("r1"))
+    assert host.num_unfinished() == 0
+    host.shutdown()  # idempotent without an engine
+
+
+def test_engine_not_started_raised_in_the_actor_is_a_replica_failure():
+    """Ray hands an actor's exception to the caller as a RayTaskError carrying the (unpickled) cause."""
+    cause = pickle.loads(pickle.dumps(EngineNotStarted("no engine")))
+    wrapped = RayTaskError("ReplicaActor.generate", "Traceback ...", cause)
+    assert _is_replica_failure(wrapped)
+    assert _is_replica_failure(wrapped.as_instanceof_cause())
+    # Ordinary errors inside the actor (a bad adapter, a bad request) stay errors of that request.
+    assert not _is_replica_failure(RayTaskError("ReplicaActor.add_adapter", "Traceback ...", ValueError("bad")))
+    assert not _is_replica_failure(ValueError("bad"))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from dlora.cluster.launcher import init_ray
+
+    init_ray(DloraConfig())
+    yield
+    ray.shutdown()
+
+
+def test_restarted_actor_surfaces_replica_failure(ray_cluster):
+    """A real replica actor is killed and restarted by Ray (max_restarts), as after the OOM killer:
+    the new process ran only __init__, and every call through the router's handle is a ReplicaFailure."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from dlora.replica.ray_replica import create_replica
+
+    replica = create_replica(0, DloraConfig(), "/models/m", core=None, gpu=False)
+
+    def pid(actor_self) -> int:
+        return os.getpid()
+
+    async def run():
+        first = await replica.actor.__ray_call__.remote(pid)
+        ray.kill(replica.actor, no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:  # wait for the restarted process (calls fail with ActorUnavailable meanwhile)
+            try:
+                if await replica.actor.__ray_call__.remote(pid) != first:
+                    break
+            except RayActorError:
+                pass
+            assert time.monotonic() < deadline, "Ray did not restart the actor"
+            await asyncio.sleep(0.5)
+        failures = {}
+        for name, call in {
+            "generate": lambda: first_delta(replica.generate(REQ)),
+            "stats": replica.stats,
+            "add_adapter": lambda: replica.add_adapter(REF, True),
+            "remove_adapter": lambda: replica.remove_adapter(1),
+        }.items():
+            with pytest.raises(ReplicaFailure) as info:
+                await call()
+            failures[name] = info.value
+        await replica.abort("r1")  # nothing to abort: no error
+        return failures
+
+    try:
+        failures = asyncio.run(run())
+    finally:
+        ray.kill(replica.actor, no_restart=True)
+    for name, e in failures.items():
+        assert isinstance(e.__cause__, RayTaskError) and isinstance(e.__cause__.cause, EngineNotStarted), name
+        assert "no engine for '/models/m'" in str(e), name

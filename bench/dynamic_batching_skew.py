@@ -65,6 +65,10 @@ def vllm_command(args, base: Path, adapters: list[Path]) -> list[str]:
             "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
 
 
+def shipped_engine() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("engine") or {}
+
+
 def scheduling(policy: str) -> dict:
     """The policy with the parameters of configs/default.yaml's `scheduling:` (what users get)."""
     shipped = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("scheduling") or {}
@@ -76,7 +80,8 @@ def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Pat
     return {
         "model": {"path": str(base), "served_name": "base", "dtype": s["dtype"], "max_model_len": s["max_model_len"]},
         "engine": {"max_loras": s["max_loras"], "max_lora_rank": s["max_lora_rank"], "max_cpu_loras": s["max_loras"],
-                   "kv_cache_space_gib": KV_GIB, "max_num_seqs": s["max_num_seqs"], "enforce_eager": True},
+                   "kv_cache_space_gib": KV_GIB, "max_num_seqs": s["max_num_seqs"], "enforce_eager": True,
+                   "lora_backend": args.lora_backend},
         "server": {"port": PORTS[policy], "state_dir": str(state)},
         "cluster": {"num_replicas": 1, "cpu_cores": [0]},
         "scheduling": scheduling(policy),
@@ -191,6 +196,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="2 skews x 32 requests: a smoke run")
+    ap.add_argument("--lora-backend", default=shipped_engine().get("lora_backend", "vllm"),
+                    help="engine.lora_backend of dlora's servers (default: configs/default.yaml's); vLLM's "
+                         "server always runs its own LoRA ops")
     ap.add_argument("--out", default=str(RESULTS / "dynamic_batching_skew.json"))
     args = ap.parse_args()
     if args.quick:

@@ -6,6 +6,8 @@ a time); the same streamed mixed-adapter workload is sent to them alternately, `
 and the medians are compared. Writes bench/results/vs_vllm_server.json (+ .png).
 
     .venv/bin/python bench/vs_vllm_server.py            # default: 64 requests x 4 adapters, 3 reps
+    .venv/bin/python bench/vs_vllm_server.py --lora-backend einsum --policy dlora \
+        --out bench/results/vs_vllm_server.default_config.json   # dlora as configs/default.yaml runs it
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def dlora_config(args, base: Path, adapters: list[Path], port: int, state: Path)
         "model": {"path": str(base), "served_name": "base", "dtype": s["dtype"], "max_model_len": s["max_model_len"]},
         "engine": {"max_loras": s["max_loras"], "max_lora_rank": s["max_lora_rank"], "max_cpu_loras": s["max_loras"],
                    "kv_cache_space_gib": s["kv_cache_space_gib"], "max_num_seqs": s["max_num_seqs"],
-                   "enforce_eager": s["enforce_eager"]},
+                   "enforce_eager": s["enforce_eager"], "lora_backend": args.lora_backend},
         "server": {"port": port, "state_dir": str(state)},
         "cluster": {"num_replicas": 1, "cpu_cores": [0]},
+        "scheduling": {"policy": args.policy},
         "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
     }
 
@@ -109,6 +112,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="let both engines use torch.compile (no --enforce-eager)")
+    ap.add_argument("--lora-backend", default="vllm", choices=("vllm", "einsum"),
+                    help="dlora's engine.lora_backend (vllm: the same LoRA ops as vLLM's server, for parity)")
+    ap.add_argument("--policy", default="unmerged", help="dlora's scheduling.policy (unmerged: vLLM's behaviour)")
     ap.add_argument("--out", default=str(RESULTS / "vs_vllm_server.json"))
     args = ap.parse_args()
 

@@ -39,6 +39,9 @@ class AdapterManager:
     max_rank: int
     roots: tuple[str, ...]
     base_model_name: str
+    # engine.max_cpu_loras - engine.max_loras: pinned adapters never leave vLLM's host LoRA cache,
+    # and a batch needs max_loras evictable entries (see DloraConfig's check); None = no limit.
+    max_pinned: int | None = None
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
@@ -59,6 +62,7 @@ class AdapterManager:
         async with self._lock:
             if name in self.registry:
                 raise AdapterExistsError(name)
+            self._check_pin_room(name, pinned)
             info = await asyncio.to_thread(inspect_adapter, path, self.base, self.max_rank)
             rec = self.registry.add(name, info, pinned=pinned, source=source)
             try:
@@ -69,6 +73,16 @@ class AdapterManager:
                 raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
         return rec
+
+    def _check_pin_room(self, name: str, pinned: bool) -> None:
+        if not pinned or self.max_pinned is None:
+            return
+        held = [r.name for r in self.registry.all() if r.pinned]
+        if len(held) >= self.max_pinned:
+            raise AdapterValidationError(
+                f"cannot pin {name!r}: {len(held)} adapter(s) {held} are pinned already, and engine.max_cpu_loras "
+                f"leaves room for {self.max_pinned} pinned besides the engine.max_loras a batch needs; register it "
+                "unpinned (it is then loaded on demand) or raise engine.max_cpu_loras")
 
     async def unregister(self, name: str) -> AdapterRecord:
         async with self._lock:

@@ -77,6 +77,7 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
         max_rank=cfg.engine.max_lora_rank,
         roots=cfg.server.adapter_roots,
         base_model_name=name,
+        max_pinned=cfg.engine.max_cpu_loras - cfg.engine.max_loras,
     )
     manager_box.append(adapters)
     await router.start()

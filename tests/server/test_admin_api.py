@@ -132,3 +132,21 @@ def test_unload_refuses_while_requests_are_in_flight(tiny_server):
     t.join(120)
     assert result["tokens"] == 400  # the stream finished untouched
     assert complete(url, "a2").status_code == 200
+
+
+def test_pinning_beyond_the_host_lora_cache_is_400_and_unpinned_still_loads(tiny_server, tiny_model):
+    # The tiny server: max_cpu_loras 4, max_loras 2, a0 pinned -> room for one more pinned adapter.
+    url = tiny_server.url
+    path = str(tiny_model.adapters["a1"])
+    try:
+        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "pin1", "lora_path": path, "pinned": True}).status_code == 200
+        r = admin(url, "/v1/load_lora_adapter", {"lora_name": "pin2", "lora_path": path, "pinned": True})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "cannot pin 'pin2'" in err["message"] and "engine.max_cpu_loras" in err["message"]
+        assert "pin2" not in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "pin2", "lora_path": path}).status_code == 200
+        assert complete(url, "pin2").status_code == 200
+    finally:
+        for name in ("pin1", "pin2"):
+            admin(url, "/v1/unload_lora_adapter", {"lora_name": name})

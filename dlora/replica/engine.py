@@ -154,11 +154,12 @@ class EngineHost:
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
-        await self._started().add_lora(_lora_request(ref))
+        engine = self._started()
+        await engine.add_lora(_lora_request(ref))
         if pinned:
             # Host cache only: vLLM's pin_lora also pins a device slot, which its scheduler does not
             # count, so a batch of max_loras other adapters then fails inside the engine.
-            await self._started().collective_rpc("dlora_pin_lora", args=(ref.int_id,))
+            await engine.collective_rpc("dlora_pin_lora", args=(ref.int_id,))
 
     async def remove_adapter(self, int_id: int) -> bool:
         return await self._started().remove_lora(int_id)

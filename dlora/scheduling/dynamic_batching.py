@@ -34,11 +34,11 @@ Alg. 3 (credits, see credits.py), wrapped around Alg. 1:
   [:max_bs] is served first, and they pay transfer_credit(B_starve, B_fcfs). Our choice (the
   paper returns B_starve alone): the rest of the batch is filled in FCFS order, so a starvation
   step never runs a nearly empty batch — except with the requests of the adapter Alg. 1 would run
-  merged this step (`hot`): they wait instead. Filling with them would run the hot adapter
-  unmerged for the whole starvation period, and on CPU an unmerged step costs 2-3x a merged one:
-  at 90% skew that turned every cold request into seconds of slow steps for everyone (dlora
-  trailed `merged` by 20%). Waiting a few steps and re-merging (about 1 ms from the cached merged
-  kernels) is cheaper. The fee is still computed against B_starve, so a starving adapter pays for
+  merged this step (`hot`): they wait instead, as in the paper's B_starve-only step. Filling with
+  them runs the hot adapter unmerged for the whole starvation period (on CPU an unmerged step costs
+  2-3x a merged one), while waiting costs a few steps and a re-merge (about 1 ms from the cached
+  merged kernels). Measured in the step simulator the two are about even (within 1-5% by skew);
+  the benchmark did not separate them either. The fee is still computed against B_starve, so a starving adapter pays for
   its priority and its credit falls back under t_normal. A starvation step runs unmerged
   (switching UNMERGE if needed) unless the merged adapter is the only starving one.
 - Line 17: l is eligible (may be merged, or stay merged) only if

@@ -14,8 +14,13 @@ Each `schedule()`:
    worker changes the weights right before the forward pass of exactly the batch chosen for them.
    While adapter X is merged only X's requests are ever scheduled: a base or other-adapter request
    on merged weights would compute wrong outputs and cache wrong KV under its normal prefix hash.
-   X's own blocks are shared across the two weight states, which is the same function (fp32:
-   identical tokens; bf16: rounding-level differences, as with any batch-shape change).
+5. prefix-cache blocks are not shared across weight states: X's blocks carry the same hash merged
+   and unmerged (the same function, but in bf16 not the same rounding), so after every step the
+   state each newly completed block was computed in is recorded (`prefix_states.py`, the state
+   that actually ran: a failed merge ran unmerged), and vLLM's prefix-cache lookup
+   (`kv_cache_manager.get_computed_blocks`, wrapped) keeps only the leading hit blocks computed in
+   the state this step runs in, taking another cached copy of the same hash where vLLM found the
+   wrong one. Requests admitted with those hits report the reduced `num_cached_tokens`.
 
 `update_from_output()` reads the worker's `SwitchReport`s (merge failed -> the replica is unmerged,
 that adapter is not merged again for `MERGE_RETRY_S`) and feeds `policy.observe()` the measured
@@ -46,9 +51,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
+from dlora.replica import prefix_states
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
+from dlora.replica.prefix_states import UNMERGED, PrefixStates, State
 from dlora.scheduling import (
     BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
 )
@@ -121,6 +128,8 @@ class _Step:
     started: float
     cmds: list[SwitchCommand]
     restricted: bool  # some unfinished requests were hidden
+    weights: str | None = None  # adapter merged for this step, as planned
+    before: str | None = None  # adapter merged before it
 
 
 class DloraScheduler(Scheduler):
@@ -141,6 +150,14 @@ class DloraScheduler(Scheduler):
         # (num_seqs, prefill_tokens, decode_tokens, seconds, merged) per step, for the router's
         # per-replica cost model (dlora/cluster/cost_model.py); drained by each dlora_state() call.
         self._dlora_iterations: deque[tuple[int, int, int, float, bool]] = deque(maxlen=RECENT_ITERATIONS)
+        # Weight state of the cached KV blocks (docstring, 5.); None without prefix caching.
+        self._dlora_prefix: PrefixStates | None = None
+        self._dlora_lookup_state: State = UNMERGED  # the state this step's cache hits must have
+        self._dlora_lineage: dict[str, tuple[int, State]] = {}  # req -> (num_preemptions, lineage)
+        if self.kv_cache_manager.enable_caching:
+            self._dlora_prefix = PrefixStates()
+            self._dlora_vllm_computed_blocks = self.kv_cache_manager.get_computed_blocks
+            self.kv_cache_manager.get_computed_blocks = self._dlora_computed_blocks
         log.info("dlora batching policy %r: %s", name, config)
 
     # ---- control (EngineCore utilities) ------------------------------------------------------
@@ -183,19 +200,25 @@ class DloraScheduler(Scheduler):
         if not requests:
             return super().schedule(throttle_prefills)
         plan = self._dlora_plan(requests)
+        self._dlora_lookup_state = plan.target or UNMERGED
         out, restricted = self._dlora_schedule_visible(plan.visible, throttle_prefills)
         if plan.cmds:
             setattr(out, CMDS_ATTR, plan.cmds)
+        step = _Step(started, plan.cmds, restricted, plan.target, self._dlora_weights)
         self._dlora_weights = plan.target  # corrected by the worker's reports if a merge fails
-        self._dlora_step = _Step(started, plan.cmds, restricted)
+        self._dlora_step = step
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         ended = time.perf_counter()
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
         step, self._dlora_step = self._dlora_step, None
+        if step is not None and self._dlora_prefix is not None:
+            # Before vLLM frees the blocks of the requests that finish in this step.
+            self._dlora_record_blocks(scheduler_output, step, self._dlora_ran(step, model_runner_output))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
         if step is not None:
             self._dlora_observe(step, scheduler_output, model_runner_output, ended)
+        self._dlora_prune_lineage()
         return outputs
 
     # ---- deciding ----------------------------------------------------------------------------
@@ -301,6 +324,85 @@ class DloraScheduler(Scheduler):
             for r in hidden_holding:
                 self.kv_holding_waiting.add_request(r)
         return out, True
+
+    # ---- prefix cache: blocks reused only in the weight state they were computed in -----------
+
+    def _dlora_computed_blocks(self, request: Request):
+        """vLLM's `KVCacheManager.get_computed_blocks`, hits limited to this step's weight state.
+
+        Returns vLLM's (blocks, num_computed_tokens, shared_prefix_boundary). Nothing is ref-counted
+        yet (`allocate_slots` touches the blocks the scheduler finally adopts), so a shorter or
+        substituted block list is as valid as vLLM's own.
+        """
+        found = self._dlora_vllm_computed_blocks(request)
+        blocks, num_tokens, _ = found
+        state, ledger, kvm = self._dlora_lookup_state, self._dlora_prefix, self.kv_cache_manager
+        if num_tokens == 0 or (state == UNMERGED and not ledger.any_not_unmerged):
+            return found  # nothing but unmerged blocks was ever recorded: vLLM's hit as it is
+        groups = blocks.blocks
+        hit = groups[0] if len(groups) == 1 else ()
+        per_block = num_tokens // len(hit) if hit else 0
+        if not hit or num_tokens != len(hit) * per_block:
+            # Several KV cache groups (hybrid models) or a sub-block hit: all or nothing.
+            if state == UNMERGED and all(ledger.state_of(b.block_id, b.block_hash) == UNMERGED
+                                         for g in groups for b in g if not b.is_null):
+                return found
+            return kvm.empty_kv_cache_blocks, 0, 0
+        pool = kvm.block_pool.blocks
+        keep = ledger.usable_prefix([(b.block_id, b.block_hash) for b in hit], state,
+                                    lambda block_id: pool[block_id].block_hash)
+        if len(keep) == len(hit) and all(i == b.block_id for i, b in zip(keep, hit)):
+            return found
+        if not keep:
+            return kvm.empty_kv_cache_blocks, 0, 0
+        # A single group has no shared-prefix junction (the boundary is 0).
+        return kvm.create_kv_cache_blocks(([pool[i] for i in keep],)), len(keep) * per_block, 0
+
+    @staticmethod
+    def _dlora_ran(step: _Step, model_runner_output) -> str | None:
+        """The adapter merged while the step actually ran (see `_dlora_observe`)."""
+        reports = getattr(model_runner_output, REPORTS_ATTR, None) or []
+        if step.cmds and len(reports) != len(step.cmds):
+            return step.before  # the commands were not applied
+        if any(not r.ok for r in reports):
+            return None  # a failed merge leaves the worker unmerged
+        return step.weights
+
+    def _dlora_record_blocks(self, scheduler_output, step: _Step, ran: str | None) -> None:
+        """Record the state of the blocks each scheduled request completed in this step.
+
+        vLLM caches (hashes) a request's full blocks up to its computed tokens, so the blocks newly
+        cached in this step are the ones its tokens [start, end) completed. Their state is the
+        request's lineage: tokens before `start` either ran in earlier steps (the lineage kept per
+        request) or were cache hits at admission, which matched this step's planned state.
+        """
+        ledger, lineage = self._dlora_prefix, self._dlora_lineage
+        managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
+                    if m.kv_cache_spec.prefix_cacheable]
+        state_ran = ran or UNMERGED
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            r = self.requests.get(rid)
+            if r is None or n <= 0:
+                continue
+            end = r.num_computed_tokens
+            start = end - n
+            prev = lineage.get(rid)
+            if prev is None or prev[0] != r.num_preemptions:  # first step since admission
+                prev_state = (step.weights or UNMERGED) if start > 0 else None
+            else:
+                prev_state = prev[1]
+            state = prefix_states.combine(prev_state, state_ran)
+            lineage[rid] = (r.num_preemptions, state)
+            for m in managers:
+                blocks = m.req_to_blocks.get(rid, ())
+                for b in blocks[start // m.block_size:min(end // m.block_size, len(blocks))]:
+                    if b.block_hash is not None and not b.is_null:
+                        ledger.record(b.block_id, b.block_hash, state)
+
+    def _dlora_prune_lineage(self) -> None:
+        if len(self._dlora_lineage) > len(self.requests):
+            for rid in [rid for rid in self._dlora_lineage if rid not in self.requests]:
+                del self._dlora_lineage[rid]
 
     # ---- after the step ----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Merged/unmerged switching inside a real vLLM engine (in-process, tiny model, fp32).
 
 Checks what outputs alone could miss: while an adapter is merged no other request is ever
-scheduled, hidden requests are never preempted, and the base weights come back bit-exactly
-(identical logprobs) after any sequence of merges, unmerges and failed merges.
+scheduled, hidden requests are never preempted, the base weights come back bit-exactly
+(identical logprobs) after any sequence of merges, unmerges and failed merges, and cached KV blocks
+are reused only in the weight state they were computed in.
 """
 
 from __future__ import annotations
@@ -151,3 +152,39 @@ def test_pinned_adapter_does_not_take_a_device_slot(llm, tiny_model, oracle):
     tok = oracle.tokenizer()
     for (adapter, prompt), o in zip(jobs, outs):
         assert list(o.outputs[0].token_ids) == oracle.greedy(adapter, tok(prompt)["input_ids"], MAX_TOKENS), adapter
+
+
+def test_prefix_cache_is_not_shared_across_weight_states(llm, tiny_model):
+    """A request reuses only cached blocks computed in the weight state it runs in (issue #4)."""
+    from dlora.scheduling import make_policy
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert scheduler.kv_cache_manager.enable_caching
+    prompt = "".join(f"weight_state_{i} = check({i}, {i * 7})\n" for i in range(20))  # ~340 tokens, cached by no other test
+    a0 = lora(tiny_model, "a0")
+    prompt_tokens = []
+
+    def run(policy_name):
+        """(cached prompt tokens, weights merged during the steps) of one a0 request."""
+        scheduler.batching_policy = make_policy(policy_name)
+        steps, unwrap = record_steps(scheduler)
+        try:
+            (out,) = llm.generate([prompt], params(), lora_request=[a0], use_tqdm=False)
+        finally:
+            unwrap()
+        prompt_tokens.append(len(out.prompt_token_ids))
+        return out.num_cached_tokens, {w for w, *_ in steps}
+
+    policy = scheduler.batching_policy
+    try:
+        assert run("unmerged") == (0, {None})
+        block = scheduler.block_size
+        assert prompt_tokens[0] > 2 * block
+        reusable = (prompt_tokens[0] - 1) // block * block  # vLLM recomputes at least the last token
+        assert run("unmerged") == (reusable, {None})  # the cache is on
+        assert run("merged") == (0, {"a0"})  # a0 merged: its blocks computed unmerged are not reused
+        # vLLM's lookup finds the older, unmerged copy of each block; the merged copy is taken instead.
+        assert run("merged") == (reusable, {"a0"})
+        assert run("unmerged") == (reusable, {None})
+    finally:
+        scheduler.batching_policy = policy

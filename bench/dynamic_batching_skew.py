@@ -8,6 +8,11 @@ adapter a gets alpha^-a of the requests). The four servers run at once, every en
 core 0; they take turns on each workload (the order rotates per point), so only one is loaded
 at a time and slow drifts of the machine's background load hit them alike.
 
+A last point sends the most skewed workload's requests to the base model (no adapter) on the
+`unmerged` server: a bound no policy can beat (merged inference is base-model speed plus the
+switches), against which the summary reports the best ratio any policy could reach over the worse
+baseline at that skew.
+
 Metrics per point: dLoRA's average latency per output token (sum of E2E latencies / sum of output
 tokens), P90 of the per-request latency per output token, throughput, TTFT; for dlora's servers
 also the switches and switch times read from /metrics. Writes
@@ -20,6 +25,7 @@ bench/results/dynamic_batching_skew.json (+ .png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import re
@@ -138,12 +144,17 @@ def run_point(system: str, requests) -> dict:
     return m
 
 
-def summarize(points: list[dict], skews: list[float]) -> dict:
+def summarize(points: list[dict], skews: list[float], base_reference: dict | None = None) -> dict:
     lat = {(p["policy"], p["skew"]): p["metrics"]["avg_latency_per_output_token_ms"] for p in points}
     better = {s: min(lat[("unmerged", s)], lat[("merged", s)]) for s in skews}
     worse = {s: max(lat[("unmerged", s)], lat[("merged", s)]) for s in skews}
     ends = [skews[0], skews[-1]]
-    return {
+    bound = {}
+    if base_reference is not None:
+        base = base_reference["avg_latency_per_output_token_ms"]
+        bound = {"base_model_latency_per_output_token_ms": base,
+                 "best_possible_vs_worse_baseline_max_skew": worse[skews[-1]] / base}
+    return {**bound,
         "metric": "avg_latency_per_output_token_ms; ratios are baseline / dlora (> 1: dlora faster)",
         "dlora_vs_better_baseline_min": min(better[s] / lat[("dlora", s)] for s in skews),
         "dlora_vs_worse_baseline_min": min(worse[s] / lat[("dlora", s)] for s in ends),
@@ -172,6 +183,9 @@ def plot(result: dict, path: Path) -> None:
             pts = sorted((p for p in result["points"] if p["policy"] == system), key=lambda p: p["top_share"])
             ax.plot([p["top_share"] for p in pts], [p["metrics"][key] for p in pts], "o-", color=colors[system],
                     label="vLLM server" if system == "vllm" else f"dlora {system}")
+        base = (result.get("base_model_reference") or {}).get("metrics", {}).get(key)
+        if base is not None:
+            ax.axhline(base, color="black", lw=0.8, ls=":", label="base model, no adapter (bound)")
         ax.set_xlabel("share of the most popular adapter")
         ax.set_title(label, fontsize=9)
         if key != "output_throughput":
@@ -250,6 +264,11 @@ def main() -> int:
                 print(f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) {system:8s} "
                       f"lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  P90 {p90:8.1f} ms  "
                       f"{m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}", flush=True)
+        # The speed-of-light point: the most skewed workload with every request on the base model.
+        base_requests = [dataclasses.replace(r, adapter=None) for r in requests]
+        base_reference = run_point("unmerged", base_requests)
+        print(f"[{time.monotonic() - t_start:5.0f}s] base model (no adapter), unmerged server: lat/token "
+              f"{base_reference['avg_latency_per_output_token_ms']:8.1f} ms", flush=True)
     finally:
         for proc in procs.values():
             stop(proc)
@@ -266,7 +285,9 @@ def main() -> int:
                      "ignore_eos": True, "stream": True},
         "skew": "alpha of the `skewed` popularity; top_share = expected share of the most popular adapter",
         "points": points,
-        "summary": summarize(points, args.alphas),
+        "base_model_reference": {"workload": f"alpha {args.alphas[-1]}'s requests, every one on the base model",
+                                 "server": "unmerged", "metrics": base_reference},
+        "summary": summarize(points, args.alphas, base_reference),
         "wall_seconds": time.monotonic() - t_start,
     }
     write_result(result, args.out, plot)

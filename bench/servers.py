@@ -14,19 +14,24 @@ import httpx
 import yaml
 
 
-def make_random_adapters(base: Path, out: Path, n: int, rank: int) -> list[Path]:
-    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached)."""
+def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[float] | None = None) -> list[Path]:
+    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached).
+
+    `scales[i]` is adapter i's lora_alpha / r (default 2 for all: strong enough to garble the
+    model, which then rarely emits EOS; smaller scales keep it answering and stopping).
+    """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    paths = [out / f"r{rank}-{i}" for i in range(n)]
+    scales = scales or [2.0] * n
+    paths = [out / (f"r{rank}-{i}" if sc == 2.0 else f"r{rank}-s{sc:g}-{i}") for i, sc in enumerate(scales)]
     for i, p in enumerate(paths):
         if (p / "adapter_model.safetensors").is_file():
             continue
         torch.manual_seed(100 + i)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        cfg = LoraConfig(r=rank, lora_alpha=scales[i] * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                          init_lora_weights=False)
         get_peft_model(model, cfg).save_pretrained(p)
     return paths

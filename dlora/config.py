@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from dlora import env
+from dlora.cluster.output_lengths import OutputLengthConfig
 from dlora.scheduling import BatchingConfig, policy_names
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
@@ -25,6 +26,10 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key and the bad value."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
@@ -120,6 +125,14 @@ class ClusterConfig:
     queue_delay_s: float = 2.0  # trigger: a queued request waited this long while another replica is idle
     monitor_interval_s: float = 1.0  # how often replica stats are read
     placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
+    # Output lengths dispatch and migration expect (dlora/cluster/output_lengths.py): each adapter's
+    # last `output_length_window` finished requests (0 = price every request at its max_tokens);
+    # an adapter's own history counts from `output_length_min_samples` on, before that every
+    # adapter's pooled history, and before any request finished `output_length_prior` tokens
+    # (None = max_tokens).
+    output_length_window: int = 256
+    output_length_min_samples: int = 8
+    output_length_prior: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
@@ -133,6 +146,18 @@ class ClusterConfig:
                     "placement_interval_s"):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
+        _check(_is_int(self.output_length_window) and self.output_length_window >= 0, "cluster.output_length_window",
+               self.output_length_window, "must be a whole number >= 0 (0 = use max_tokens)")
+        _check(_is_int(self.output_length_min_samples) and self.output_length_min_samples >= 1,
+               "cluster.output_length_min_samples", self.output_length_min_samples, "must be a whole number >= 1")
+        _check(self.output_length_prior is None or (_is_int(self.output_length_prior) and self.output_length_prior >= 1),
+               "cluster.output_length_prior", self.output_length_prior,
+               "must be a whole number of tokens >= 1, or null (= each request's max_tokens)")
+
+    def output_lengths(self) -> OutputLengthConfig:
+        """The estimator's own config (what the router takes)."""
+        return OutputLengthConfig(window=self.output_length_window, min_samples=self.output_length_min_samples,
+                                  prior_tokens=self.output_length_prior)
 
 
 @dataclass(frozen=True)

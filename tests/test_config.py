@@ -49,6 +49,9 @@ adapters:
     ("servr: {}", r"unknown top-level key\(s\) \['servr'\]"),
     ("adapters: [{name: a}]", r"adapters\[0\]"),
     ("model: [1, 2]", r"model: expected a mapping"),
+    ("cluster: {output_length_window: -1}", r"cluster.output_length_window=-1: must be a whole number >= 0"),
+    ("cluster: {output_length_min_samples: 0}", r"cluster.output_length_min_samples=0"),
+    ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number of tokens"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -144,3 +147,11 @@ def test_shipped_configs_load():
     for path in sorted(root.glob("*.yaml")):
         config.load(path)
     assert config.load(root / "default.yaml").scheduling.policy == "dlora"
+
+
+def test_output_length_options_reach_the_estimator_config(tmp_path):
+    cfg = config.load(write(tmp_path, "cluster: {output_length_window: 32, output_length_min_samples: 4, "
+                                      "output_length_prior: 100}"))
+    est = cfg.cluster.output_lengths()
+    assert (est.window, est.min_samples, est.prior_tokens) == (32, 4, 100)
+    assert config.DloraConfig().cluster.output_lengths().prior_tokens is None  # default: max_tokens until data

@@ -23,7 +23,9 @@ class RequestLoad:
     adapter: AdapterName
     prompt_tokens: int
     output_tokens: int  # generated so far (received by the router)
-    expected_output_tokens: int  # total output expected: max_tokens or a per-adapter estimate
+    # Total output expected: generated so far + the expected remainder (output_lengths.py), at
+    # most max_tokens; max_tokens itself when no estimate is used.
+    expected_output_tokens: float
     running: bool  # admitted by the engine (holds KV); False while queued
     arrival_time: float = 0.0  # seconds, same clock as the `now` passed to the triggers
 
@@ -33,8 +35,8 @@ class RequestLoad:
         return self.prompt_tokens + self.output_tokens
 
     @property
-    def remaining_output_tokens(self) -> int:
-        return max(0, self.expected_output_tokens - self.output_tokens)
+    def remaining_output_tokens(self) -> float:
+        return max(0.0, self.expected_output_tokens - self.output_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable, Protocol
 from dlora.cluster.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.monitor_types import IterationSample, ReplicaView, RequestLoad
+from dlora.cluster.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
@@ -91,11 +92,14 @@ class RequestState:
             sampling=sampling,
         )
 
-    def load(self) -> RequestLoad:
+    def load(self, lengths: OutputLengthEstimator | None = None) -> RequestLoad:
+        """What the balancer sees; its output is expected from `lengths` (else max_tokens)."""
+        n, cap = len(self.generated), self.request.sampling.max_tokens
+        expected = lengths.expected_total(self.adapter, n, cap) if lengths is not None else cap
         return RequestLoad(
             request_id=self.request.request_id, adapter=self.adapter,
-            prompt_tokens=len(self.request.prompt_token_ids), output_tokens=len(self.generated),
-            expected_output_tokens=self.request.sampling.max_tokens, running=bool(self.generated),
+            prompt_tokens=len(self.request.prompt_token_ids), output_tokens=n,
+            expected_output_tokens=expected, running=bool(self.generated),
             arrival_time=self.arrival,
         )
 
@@ -109,6 +113,8 @@ class RouterConfig:
     adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
     kv_capacity_tokens: int = 1 << 17  # per replica, until the engine reports its own
     max_batch: int = 64
+    # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
+    output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
 
 
 class Router:
@@ -127,6 +133,8 @@ class Router:
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
         self.cost_models = {s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots}
+        # Lengths of finished requests per adapter: what dispatch and migration expect instead of max_tokens.
+        self.output_lengths = OutputLengthEstimator(self.cfg.output_lengths)
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -208,7 +216,7 @@ class Router:
         by_slot: dict[int, list[RequestLoad]] = {s.replica_id: [] for s in self.slots}
         for st in self.requests.values():
             if st.slot is not None:
-                by_slot[st.slot.replica_id].append(st.load())
+                by_slot[st.slot.replica_id].append(st.load(self.output_lengths))
         return [self._view(s, tuple(by_slot[s.replica_id])) for s in self.slots]
 
     def _view(self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...]) -> ReplicaView:
@@ -255,7 +263,7 @@ class Router:
                 await home.ready.wait()
             return home
         healthy = [v for v in self.views() if v.healthy]
-        decision = self.dispatcher.choose(healthy, state.load(), self.cost_params())
+        decision = self.dispatcher.choose(healthy, state.load(self.output_lengths), self.cost_params())
         return self.slot(decision.replica_id)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
@@ -271,6 +279,8 @@ class Router:
                 slot = await self._choose(state)
                 try:
                     async for delta in self._run_on(slot, current, state):
+                        if delta.finished:  # before the yield: the client may close the stream on it
+                            self._finished(state, delta)
                         yield delta
                         if delta.finished:
                             return
@@ -286,6 +296,7 @@ class Router:
                 state.resubmissions += 1
                 current = state.continuation()
                 if current.sampling.max_tokens <= 0:
+                    self.output_lengths.observe(state.adapter, len(state.generated))
                     yield Delta(token_ids=[], text="", finished=True, finish_reason="length")
                     return
         finally:
@@ -293,6 +304,12 @@ class Router:
             self.inflight_by_adapter[adapter] -= 1
             if self.inflight_by_adapter[adapter] <= 0:
                 del self.inflight_by_adapter[adapter]
+
+    def _finished(self, state: RequestState, delta: Delta) -> None:
+        """Feed the output-length history: a request that ended by itself ("stop") or at its cap
+        ("length", a lower bound of its length); aborted ones say nothing about their length."""
+        if delta.finish_reason in ("stop", "length"):
+            self.output_lengths.observe(state.adapter, len(state.generated))
 
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""

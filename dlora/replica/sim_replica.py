@@ -4,12 +4,17 @@ It lets the router, dispatch and migration be tested (and simulated) without eng
 is a pure function of the adapter and the whole context, so a request continued elsewhere as
 `prompt + generated` produces exactly the tokens it would have produced in place — the property the
 real engine has for greedy decoding in fp32. `kill()` makes it fail like a dead actor.
+Output lengths: by default every request runs to its `max_tokens` (as with `ignore_eos`);
+`eos_period` maps an adapter to p, and a token divisible by p then ends its request like an EOS
+("stop"), so lengths vary per request (≈ geometric, mean p) and are a function of the context,
+hence the same whether or not the request was moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -28,6 +33,7 @@ class SimReplica:
     replica_id: int
     step_s: float = 0.002  # seconds per generated token
     max_adapters: int = 4
+    eos_period: Mapping[str | None, int] = field(default_factory=dict)  # adapter -> p: tokens % p == 0 end it
     started: int = 0
     loaded: dict[int, str] = field(default_factory=dict)
     add_calls: int = 0
@@ -63,6 +69,9 @@ class SimReplica:
                     return
                 tok = next_token(adapter, context)
                 context += (tok,)
+                if is_eos(self.eos_period, adapter, tok) and not req.sampling.ignore_eos:
+                    yield Delta(token_ids=[tok], text="", finished=True, finish_reason="stop")
+                    return
                 last = i == req.sampling.max_tokens - 1
                 yield Delta(token_ids=[tok], text=f"<{tok}>", finished=last, finish_reason="length" if last else None)
         finally:
@@ -93,11 +102,19 @@ class SimReplica:
         self._alive = False
 
 
-def reference_tokens(adapter: str | None, prompt: tuple[int, ...], n: int) -> list[int]:
-    """What an undisturbed run produces."""
+def is_eos(eos_period: Mapping[str | None, int], adapter: str | None, tok: int) -> bool:
+    p = eos_period.get(adapter)
+    return p is not None and tok % p == 0
+
+
+def reference_tokens(adapter: str | None, prompt: tuple[int, ...], n: int,
+                     eos_period: Mapping[str | None, int] | None = None) -> list[int]:
+    """What an undisturbed run produces (up to and including its EOS token, if any)."""
     context, out = tuple(prompt), []
     for _ in range(n):
         tok = next_token(adapter, context)
         out.append(tok)
         context += (tok,)
+        if is_eos(eos_period or {}, adapter, tok):
+            break
     return out

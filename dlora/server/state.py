@@ -67,7 +67,8 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     manager_box: list[AdapterManager] = []
     router_cfg = RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
                               adapter_slots=cfg.engine.max_cpu_loras,
-                              max_batch=cfg.engine.max_num_seqs)
+                              max_batch=cfg.engine.max_num_seqs,
+                              output_lengths=cfg.cluster.output_lengths())
     router = Router(replicas or create_replicas(cfg, model_path), cfg=router_cfg,
                     pinned_adapters=lambda: manager_box[0].pinned_refs())
     adapters = AdapterManager(

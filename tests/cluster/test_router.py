@@ -239,3 +239,31 @@ def test_idle_replica_that_fails_its_stats_read_is_rebuilt_before_any_request_ne
         assert B.int_id in replicas[1].loaded
         await router.shutdown()
     asyncio.run(run())
+
+
+def test_router_feeds_finished_output_lengths_per_adapter():
+    async def run():
+        replicas = [SimReplica(i, step_s=0.001, eos_period={"a": 7}) for i in range(2)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
+        await router.start()
+        reqs = [request(f"e{i}", n=60, prompt=(i, 5)) for i in range(6)] + [request("cap", adapter=B, n=9)]
+        outs = await asyncio.gather(*(collect(router, r) for r in reqs))
+        for r, out in zip(reqs[:6], outs):  # "a" stops at its EOS, "b" (no EOS rule) at its cap
+            assert out == reference_tokens("a", r.prompt_token_ids, 60, {"a": 7})
+        assert sorted(router.output_lengths.samples("a")) == sorted(len(o) for o in outs[:6])
+        assert len(set(router.output_lengths.samples("a"))) > 1  # really variable
+        assert router.output_lengths.samples("b") == [9]
+    asyncio.run(run())
+
+
+def test_a_migrated_request_is_recorded_once_with_its_whole_length():
+    async def run():
+        router, replicas = make()
+        await router.start()
+        task = asyncio.create_task(collect(router, request("m", n=40)))
+        while len(router.requests["m"].generated if "m" in router.requests else []) < 5:
+            await asyncio.sleep(0.001)
+        assert await router.migrate("m", 1 - router.requests["m"].slot.replica_id)
+        assert len(await task) == 40
+        assert router.counters["migrations"] == 1 and router.output_lengths.samples("a") == [40]
+    asyncio.run(run())

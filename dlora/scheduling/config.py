@@ -80,3 +80,5 @@ class BatchingConfig:
                  self.credit_relax_per_s, "must be >= 0")
         _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters,
                  "must be >= 1")
+        _require(isinstance(self.mixed_merged, bool), "mixed_merged", self.mixed_merged,
+                 "must be true or false")

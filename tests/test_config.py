@@ -126,6 +126,9 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     defaults = config.load(None).scheduling
     assert defaults.policy == "unmerged" and defaults.batching() == BatchingConfig()
     assert config.override(cfg, {"scheduling.merged_max_iters": 4}).scheduling.merged_max_iters == 4
+    assert defaults.mixed_merged is False
+    on = config.load(write(tmp_path, "scheduling: {policy: dlora, mixed_merged: true}")).scheduling
+    assert on.to_engine()["mixed_merged"] is True
 
 
 @pytest.mark.parametrize("text, match", [
@@ -133,6 +136,7 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     ("scheduling: {alpha: 0.5, beta: 0.6}", r"scheduling.alpha="),
     ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
     ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
+    ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
     ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
 ])
 def test_bad_scheduling_values_name_the_key(tmp_path, text, match):

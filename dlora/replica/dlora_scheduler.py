@@ -6,18 +6,23 @@ Each `schedule()`:
    shortly after that adapter failed to merge; if the allowed requests cannot make progress (none
    running and no free slot, or the previous restricted step scheduled nothing) the step falls
    back to unmerged FCFS over everything; running requests beyond `max_loras` distinct adapters
-   wait (vLLM asserts on that, and hidden requests make it possible);
+   wait (vLLM asserts on that, and hidden requests make it possible), and while an adapter is
+   merged it holds one of those slots whether its requests run or not;
 3. the requests not allowed are hidden from `running`/`waiting` while `super().schedule()` runs,
    then put back: they keep their KV blocks and their RUNNING status, and are never preempted
    (only visible requests are preemption victims);
 4. if the weights must change, in-band `SwitchCommand`s go on this step's SchedulerOutput, so the
    worker changes the weights right before the forward pass of exactly the batch chosen for them.
-   While adapter X is merged only X's requests are ever scheduled: a base or other-adapter request
-   on merged weights would compute wrong outputs and cache wrong KV under its normal prefix hash.
+   While adapter X is merged, other requests run in the same step only if the engine mixes
+   (`mixed_merged`, needs dlora's LoRA backends: the worker's LoRA layers then subtract X's delta
+   from every other token, see punica_dlora.py). Without mixing (the default, and always with the
+   `vllm` backend) only X's requests are ever scheduled: a base or other-adapter request on merged
+   weights would compute wrong outputs and cache wrong KV under its normal prefix hash.
 5. prefix-cache blocks are not shared across weight states: X's blocks carry the same hash merged
    and unmerged (the same function, but in bf16 not the same rounding), so after every step the
    state each newly completed block was computed in is recorded (`prefix_states.py`, the state
-   that actually ran: a failed merge ran unmerged), and vLLM's prefix-cache lookup
+   that actually ran: a failed merge ran unmerged; in a mixed step every request's blocks are
+   recorded in X's state), and vLLM's prefix-cache lookup
    (`kv_cache_manager.get_computed_blocks`, wrapped) keeps only the leading hit blocks computed in
    the state this step runs in, taking another cached copy of the same hash where vLLM found the
    wrong one. Requests admitted with those hits report the reduced `num_cached_tokens`.
@@ -27,10 +32,13 @@ that adapter is not merged again for `MERGE_RETRY_S`) and feeds `policy.observe(
 iteration time and switch time.
 
 The policy's name and parameters arrive through vLLM's `additional_config`
-(`engine.BATCHING_CONFIG_KEY`). Importing this module in the engine-core process (vLLM does, to
-resolve `scheduler_cls`) adds two EngineCore utilities, reached with
-`engine_core.call_utility_async(...)`: `dlora_setup` (install the worker hooks, enable switching)
-and `dlora_batching_state` (a plain dict for /metrics).
+(`engine.BATCHING_CONFIG_KEY`); mixing is turned off when the replica's LoRA backend
+(`DLORA_LORA_BACKEND`) is `vllm`, and at `dlora_setup` when a worker reports it cannot compensate
+(a policy that mixes anyway breaks `check_decision` and falls back to unmerged FCFS). Importing
+this module in the engine-core process (vLLM does, to resolve `scheduler_cls`) adds two EngineCore
+utilities, reached with `engine_core.call_utility_async(...)`: `dlora_setup` (install the worker
+hooks, tell the scheduler whether the workers mix, enable switching) and `dlora_batching_state` (a
+plain dict for /metrics).
 
 GPU note: this subclasses the synchronous `Scheduler`. vLLM forces synchronous scheduling on CPU;
 `engine.build_engine_args` also turns `async_scheduling` off elsewhere, since with `AsyncScheduler`
@@ -41,9 +49,11 @@ the next step is scheduled before the previous one's reports (a failed merge) ar
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.request_queue import create_request_queue
@@ -51,6 +61,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
+from dlora import env
 from dlora.replica import prefix_states
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
@@ -68,10 +79,17 @@ RECENT_SWITCHES = 64  # durations kept per kind for the batching state
 RECENT_ITERATIONS = 512  # measured steps kept until the router's next stats read drains them
 
 
-def policy_from(additional_config) -> tuple[str, BatchingConfig]:
+def policy_from(additional_config, lora_backend: str) -> tuple[str, BatchingConfig]:
     settings = dict((additional_config or {}).get(BATCHING_CONFIG_KEY) or {"policy": "unmerged"})
     name = settings.pop("policy")
-    return name, BatchingConfig(**settings)
+    config = BatchingConfig(**settings)
+    if lora_backend == "vllm":  # vLLM's LoRA ops cannot compensate a merged adapter
+        config = without_mixing(config)
+    return name, config
+
+
+def without_mixing(config: BatchingConfig) -> BatchingConfig:
+    return dataclasses.replace(config, mixed_merged=False)
 
 
 def _view(r: Request) -> RequestView:
@@ -89,6 +107,11 @@ def _view(r: Request) -> RequestView:
 def _lora_id(r: Request) -> int | None:
     lr = r.lora_request
     return lr.lora_int_id if lr is not None and lr.lora_int_id > 0 else None
+
+
+def _lora_request_of(requests: Iterable[Request], adapter: str):
+    """The LoRARequest of `adapter` (policies only merge an adapter that has requests)."""
+    return next(r.lora_request for r in requests if r.lora_request and r.lora_request.lora_name == adapter)
 
 
 class SwitchHistogram:
@@ -135,8 +158,10 @@ class _Step:
 class DloraScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        name, config = policy_from(self.vllm_config.additional_config)
+        name, config = policy_from(self.vllm_config.additional_config, env.DLORA_LORA_BACKEND.get())
         self.batching_policy = make_policy(name, config)
+        self._dlora_policy_name = name
+        self._dlora_mixing = config.mixed_merged  # other requests may run while an adapter is merged
         self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
         self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
         self._dlora_switching = False  # the worker hooks are installed (dlora_setup)
@@ -162,7 +187,13 @@ class DloraScheduler(Scheduler):
 
     # ---- control (EngineCore utilities) ------------------------------------------------------
 
-    def dlora_enable_switching(self) -> None:
+    def dlora_enable_switching(self, workers_mix: bool) -> None:
+        """Let the policy merge; `workers_mix`: every worker compensates a merged adapter."""
+        if self._dlora_mixing and not workers_mix:
+            log.warning("the workers cannot compensate a merged adapter: mixed merged steps are off")
+            config = without_mixing(self.batching_policy.config)
+            self.batching_policy = make_policy(self._dlora_policy_name, config)
+            self._dlora_mixing = False
         self._dlora_switching = True
 
     def dlora_state(self) -> dict:
@@ -172,6 +203,7 @@ class DloraScheduler(Scheduler):
             "policy": snap.policy,
             "mode": (Mode.MERGED if merged else Mode.UNMERGED).value,
             "merged_adapter": merged,
+            "mixed_merged": self._dlora_mixing,
             "num_switches": self._dlora_switches,
             "merge_failures": self._dlora_failures,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
@@ -228,7 +260,7 @@ class DloraScheduler(Scheduler):
         views = [_view(r) for r in requests]
         decision = self.batching_policy.decide(views, time.time(), self._dlora_max_batch)
         try:
-            check_decision(decision, views, self._dlora_max_batch)
+            check_decision(decision, views, self._dlora_max_batch, self._dlora_mixing)
         except ValueError as e:
             log.error("batching policy broke its contract (%s); running unmerged FCFS this step", e)
             decision = Decision(Mode.UNMERGED, None, tuple(v.req_id for v in sorted(views, key=fcfs_key)))
@@ -239,12 +271,12 @@ class DloraScheduler(Scheduler):
         if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
             target = None
             allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
-        plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id), target)
+        lr = _lora_request_of(by_id.values(), target) if target is not None else None
+        plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id, lr.lora_int_id if lr else None), target)
         if target != self._dlora_weights:
             if self._dlora_weights is not None:
                 plan.cmds.append(SwitchCommand(UNMERGE, self._dlora_weights))
-            if target is not None:
-                lr = next(by_id[i].lora_request for i in plan.visible)
+            if lr is not None:
                 plan.cmds.append(SwitchCommand(MERGE, target, lr.lora_path, lr.lora_int_id))
         return plan
 
@@ -268,21 +300,26 @@ class DloraScheduler(Scheduler):
         occupied = len(self.running) + self.num_waiting_for_streaming_input
         return occupied < self.max_num_active_reqs
 
-    def _dlora_fit_lora_slots(self, allowed: list[str], by_id: dict[str, Request]) -> list[str]:
-        """Hide running requests whose adapter would exceed max_loras distinct adapters this step.
+    def _dlora_fit_lora_slots(self, allowed: list[str], by_id: dict[str, Request],
+                              merged_id: int | None) -> list[str]:
+        """Hide requests whose adapter would exceed max_loras distinct adapters this step.
 
         vLLM schedules every visible running request and asserts that they use at most max_loras
         adapters; with requests hidden, more adapters than that can be running. Waiting requests
-        stay: vLLM's admission check counts adapters itself.
+        stay: vLLM's admission check counts adapters itself. Except while an adapter is merged
+        (lora id `merged_id`): the worker keeps it in a slot whether its requests are scheduled or
+        not (it compensates it, vllm_ext.py), which vLLM's admission does not count, so that slot
+        is taken first and waiting requests count too.
         """
         if self._dlora_max_loras is None:
             return allowed
-        loras: set[int] = set()
+        loras: set[int] = set() if merged_id is None else {merged_id}
         kept = []
         for rid in allowed:
             r = by_id[rid]
             lid = _lora_id(r)
-            if lid is not None and r.status == RequestStatus.RUNNING and lid not in loras:
+            counted = r.status == RequestStatus.RUNNING or merged_id is not None
+            if lid is not None and counted and lid not in loras:
                 if len(loras) >= self._dlora_max_loras:
                     continue
                 loras.add(lid)
@@ -453,7 +490,7 @@ class DloraScheduler(Scheduler):
 def _dlora_setup(self) -> list:
     """Install the worker hooks, then let the scheduler merge. Returns each worker's install result."""
     results = self.model_executor.collective_rpc("dlora_install")
-    self.scheduler.dlora_enable_switching()
+    self.scheduler.dlora_enable_switching(all(self.model_executor.collective_rpc("dlora_can_mix")))
     return list(results)
 
 

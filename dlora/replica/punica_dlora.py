@@ -26,6 +26,16 @@ Token index -1 means "no adapter"; those rows are never read or written (vLLM's 
 this wrong, see cpu_lora_fix.py; the kernels skip them natively). A step whose tokens all have -1
 does no LoRA work at all.
 
+NOTE on mixed merged steps: while the adapter in slot s is merged into the base weights (W + dX,
+see vllm_ext.py), the worker calls `dlora_set_merged_slot(s)` and every LoRA linear runs two
+passes: each token's own adapter, with s's tokens as -1 (their delta is in the weights), and a
+compensation pass that subtracts slot s's delta from every other token, base-model tokens
+included: (W + dX)x - dX·x + dY·x = W·x + dY·x, the unmerged result up to rounding. The
+compensation multiplies by slot s alone (a one-slot view of the packed weights), not by every
+slot as the one-hot einsum would. A step of s's tokens only does no LoRA work at all, as before.
+vLLM's own ops cannot do this: the `vllm` backend keeps remapping s's tokens to "no LoRA" and
+never runs other requests while merged.
+
 Both wrappers need eager execution (`engine.enforce_eager`, checked at start by `lora_backend`):
 the per-step metadata is built on the host, which neither torch.compile nor CUDA graphs replay.
 """
@@ -33,6 +43,7 @@ the per-step metadata is built on the host, which neither torch.compile nor CUDA
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,14 +56,61 @@ from dlora_kernels import LoRABatchMeta, PackedLoRA, add_lora
 log = logging.getLogger(f"vllm.{__name__}")
 
 
+@dataclass(frozen=True)
+class LoRAPass:
+    """One batched-LoRA call per LoRA linear: `meta` maps tokens to slots; `compensate` is None for
+    the tokens' own adapters (+scale), or the merged slot whose delta is subtracted (-scale; `meta`
+    then indexes that slot alone, as 0)."""
+
+    meta: LoRABatchMeta
+    compensate: int | None = None
+
+
+def step_passes(idx: torch.Tensor, merged_slot: int | None) -> tuple[LoRAPass, ...]:
+    """The step's passes for token slot indices `idx` (-1 = no adapter); none that would do nothing."""
+    if merged_slot is None:
+        candidates = [(idx, None)]
+    else:
+        is_merged = idx == merged_slot
+        candidates = [(idx.masked_fill(is_merged, -1), None),
+                      (torch.where(is_merged, -1, 0).to(idx.dtype), merged_slot)]
+    passes = []
+    for indices, compensate in candidates:
+        meta = _meta(indices)
+        if meta is not None:
+            passes.append(LoRAPass(meta, compensate))
+    return tuple(passes)
+
+
+def _meta(idx: torch.Tensor) -> LoRABatchMeta | None:
+    """Segmented (SGMV) when some run of tokens shares an adapter, per-token (BGMV) otherwise
+    (einsum ignores segments; Triton picks its kernel by it); None when no token has an adapter."""
+    if idx.numel() == 0:
+        return None
+    adapters, lens = torch.unique_consecutive(idx, return_counts=True)
+    adapters_l, lens_l = adapters.tolist(), lens.tolist()
+    if all(a < 0 for a in adapters_l):
+        return None
+    if max(lens_l) > 1:
+        return LoRABatchMeta.prefill(lens_l, adapters_l, device=idx.device)
+    return LoRABatchMeta.decode(idx, device=idx.device)
+
+
+def _head(meta: LoRABatchMeta, num_tokens: int) -> LoRABatchMeta | None:
+    """`meta` for its first `num_tokens` tokens (None: none of them has an adapter)."""
+    sub = LoRABatchMeta.decode(meta.token_indices[:num_tokens], device=meta.token_indices.device)
+    return sub if sub.active_rows is None or sub.active_rows.numel() else None
+
+
 class DloraLinearMixin:
-    """The shared override: per-step `LoRABatchMeta` + `add_lora_linear` on dlora_kernels.
+    """The shared override: per-step `LoRABatchMeta`s + `add_lora_linear` on dlora_kernels.
 
     Put it before the vLLM wrapper class in the bases; `kernel_backend` names the dlora_kernels
     backend ("einsum" or "triton").
     """
 
     kernel_backend: str = "einsum"
+    _dlora_merged_slot: int | None = None
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
@@ -60,60 +118,58 @@ class DloraLinearMixin:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         self._dlora_build_meta()
 
-    def _dlora_build_meta(self) -> None:
-        """One LoRABatchMeta for the step: segmented (SGMV) when some run of tokens shares an
-        adapter, per-token (BGMV) otherwise. Einsum ignores segments; Triton picks its kernel by it."""
-        idx = self.token_lora_indices
-        self._dlora_sub_metas: dict[int, LoRABatchMeta] = {}
-        if idx.numel() == 0:
-            self._dlora_meta, self._dlora_active = None, False
+    def dlora_set_merged_slot(self, slot: int | None) -> None:
+        """The slot of the adapter merged into the base weights (None: nothing merged), from the
+        next LoRA linear on. vLLM skips `update_metadata` when the mapping and the slots did not
+        change, so a new slot rebuilds the passes here."""
+        if slot == self._dlora_merged_slot:
             return
-        adapters, lens = torch.unique_consecutive(idx, return_counts=True)
-        adapters_l, lens_l = adapters.tolist(), lens.tolist()
-        self._dlora_active = any(a >= 0 for a in adapters_l)
-        if max(lens_l) > 1:
-            self._dlora_meta = LoRABatchMeta.prefill(lens_l, adapters_l, device=idx.device)
-        else:
-            self._dlora_meta = LoRABatchMeta.decode(idx, device=idx.device)
+        self._dlora_merged_slot = slot
+        if hasattr(self, "_dlora_passes"):  # else the first update_metadata builds them
+            self._dlora_build_meta()
 
-    def _dlora_meta_for(self, num_tokens: int) -> LoRABatchMeta | None:
-        """The step's metadata for `num_tokens` rows of x (None: no row of them uses an adapter).
-        Rows beyond the mapping (padding) get no adapter."""
-        meta: LoRABatchMeta | None = getattr(self, "_dlora_meta", None)
-        if meta is None or not self._dlora_active:
-            return None
-        if num_tokens >= meta.num_tokens:
-            return meta
-        sub = self._dlora_sub_metas.get(num_tokens)
+    def _dlora_build_meta(self) -> None:
+        """The step's passes, once per step, shared by every LoRA linear."""
+        self._dlora_passes = step_passes(self.token_lora_indices, self._dlora_merged_slot)
+        self._dlora_sub_passes: dict[int, tuple[LoRAPass, ...]] = {}
+
+    def _dlora_passes_for(self, num_tokens: int) -> tuple[LoRAPass, ...]:
+        """The step's passes for `num_tokens` rows of x (empty: no LoRA work). Rows beyond the
+        mapping (padding) get no adapter and no compensation."""
+        passes: tuple[LoRAPass, ...] = getattr(self, "_dlora_passes", ())
+        if not passes or num_tokens >= passes[0].meta.num_tokens:
+            return passes
+        sub = self._dlora_sub_passes.get(num_tokens)
         if sub is None:
-            idx = meta.token_indices[:num_tokens]
-            sub = LoRABatchMeta.decode(idx, device=idx.device)
-            self._dlora_sub_metas[num_tokens] = sub
-        return sub if sub.active_rows is None or sub.active_rows.numel() else None
+            heads = ((_head(p.meta, num_tokens), p.compensate) for p in passes)
+            sub = tuple(LoRAPass(m, c) for m, c in heads if m is not None)
+            self._dlora_sub_passes[num_tokens] = sub
+        return sub
 
     # ---- weights --------------------------------------------------------------------------------
 
-    def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
-        """vLLM's padded stacks of one slice as a PackedLoRA: A viewed, B transposed (cached)."""
+    def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
+                      slot: int | None = None) -> PackedLoRA:
+        """vLLM's padded stacks of one slice as a PackedLoRA: A viewed, B transposed (cached);
+        with `slot`, that slot alone (views of the packed tensors, also cached)."""
         cache: dict = self.__dict__.setdefault("_dlora_pack_cache", {})
         key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape))
         version = _version(b_stacked)
         hit = cache.get(key)
-        if hit is not None and version is not None and hit[0] == version:
-            return hit[1]
-        n, _, r, h_in = a_stacked.shape
-        h_out = b_stacked.shape[2]
-        a = a_stacked.view(n * r, h_in) if a_stacked.is_contiguous() else a_stacked.reshape(n * r, h_in)
-        b = b_stacked[:, 0].transpose(1, 2).contiguous().view(n * r, h_out)
-        offsets = torch.arange(n + 1, dtype=torch.int32, device=a.device) * r
-        packed = PackedLoRA(a, b, offsets, (r,) * n)
-        if version is not None:
-            cache[key] = (version, packed)
-        elif not getattr(self, "_dlora_warned_uncached", False):
-            self._dlora_warned_uncached = True
-            log.warning("LoRA B stacks are inference tensors (no version counter): the %s backend "
-                        "re-packs B on every call", self.kernel_backend)
-        return packed
+        if hit is None or version is None or hit[0] != version:
+            hit = (version, _pack(a_stacked, b_stacked), {})
+            if version is not None:
+                cache[key] = hit
+            elif not getattr(self, "_dlora_warned_uncached", False):
+                self._dlora_warned_uncached = True
+                log.warning("LoRA B stacks are inference tensors (no version counter): the %s backend "
+                            "re-packs B on every call", self.kernel_backend)
+        _, packed, slots = hit
+        if slot is None:
+            return packed
+        if slot not in slots:
+            slots[slot] = _one_slot(packed, slot)
+        return slots[slot]
 
     # ---- the LoRA linear ------------------------------------------------------------------------
 
@@ -130,10 +186,10 @@ class DloraLinearMixin:
         add_inputs = kwargs.get("add_inputs", True)
         if not add_inputs:
             y.zero_()
-        meta = self._dlora_meta_for(x.size(0))
-        if meta is None:
+        passes = self._dlora_passes_for(x.size(0))
+        if not passes:
             return
-        t = meta.num_tokens
+        t = passes[0].meta.num_tokens
         xs = x[:t] if x.size(0) != t else x
         ys = y[:t] if y.size(0) != t else y
         if xs.dtype != lora_a_stacked[0].dtype:
@@ -144,9 +200,26 @@ class DloraLinearMixin:
                      self.kernel_backend, type(self).__name__, t, lora_a_stacked[0].shape[0])
         offset = 0
         for a_stacked, b_stacked, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-            lora = self._dlora_packed(a_stacked, b_stacked)
-            add_lora(ys[:, offset:offset + size], xs, lora, meta, scale, backend=self.kernel_backend)
+            for p in passes:
+                lora = self._dlora_packed(a_stacked, b_stacked, p.compensate)
+                sign = 1.0 if p.compensate is None else -1.0
+                add_lora(ys[:, offset:offset + size], xs, lora, p.meta, sign * scale, backend=self.kernel_backend)
             offset += size
+
+
+def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
+    n, _, r, h_in = a_stacked.shape
+    h_out = b_stacked.shape[2]
+    a = a_stacked.view(n * r, h_in) if a_stacked.is_contiguous() else a_stacked.reshape(n * r, h_in)
+    b = b_stacked[:, 0].transpose(1, 2).contiguous().view(n * r, h_out)
+    offsets = torch.arange(n + 1, dtype=torch.int32, device=a.device) * r
+    return PackedLoRA(a, b, offsets, (r,) * n)
+
+
+def _one_slot(packed: PackedLoRA, slot: int) -> PackedLoRA:
+    lo, r = sum(packed.ranks[:slot]), packed.ranks[slot]
+    offsets = torch.tensor([0, r], dtype=torch.int32, device=packed.a.device)
+    return PackedLoRA(packed.a[lo:lo + r], packed.b[lo:lo + r], offsets, (r,))
 
 
 def _version(t: torch.Tensor) -> int | None:

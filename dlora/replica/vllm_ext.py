@@ -10,8 +10,14 @@ prefix, and the hooks on the model runner are instance-attribute wrappers instal
   forward pass, so the weights change together with the batch the scheduler chose for them, and
   hands the worker's reports (ok/failed, seconds) back on that step's ModelRunnerOutput;
 - `sample_tokens`: the same hand-back when vLLM splits a step into execute + sample;
-- `_set_active_loras`: while adapter X is merged, X's lora id is mapped to 0 (no LoRA), since
-  its delta is in the weights already (applying both would count it twice).
+- `_set_active_loras`: while adapter X is merged its delta is in the weights already, so X's
+  tokens must get no LoRA term (applying both would count it twice). With dlora's LoRA backends
+  (einsum, triton) X stays active, holding a slot even in a step without X's tokens, and the
+  model's punica wrapper is told X's slot: it skips X's tokens and subtracts X's delta from every
+  other token, so other adapters and the base model run in the same step (`punica_dlora.py`,
+  "mixed merged steps"). With vLLM's own ops (`vllm` backend), which cannot compensate, X's lora
+  id is mapped to 0 (no LoRA) and X leaves the active set; the scheduler then runs X alone.
+  `dlora_can_mix` tells the engine core which of the two a worker does.
 """
 
 from __future__ import annotations
@@ -106,14 +112,29 @@ def plain_linear(layer) -> bool:
                                                          UnquantizedLinearMethod)
 
 
+def _mixing_wrapper(runner):
+    """The language model's punica wrapper if it can compensate a merged adapter (dlora's
+    backends), else None. Fully sharded LoRA layers bypass `add_lora_linear`: never mixed."""
+    from dlora.replica.punica_dlora import DloraLinearMixin
+
+    manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None or manager.lora_config.fully_sharded_loras:
+        return None
+    wrapper = manager._get_punica_wrapper(manager.mm_mapping.language_model[0] if manager.supports_mm else "")
+    return wrapper if isinstance(wrapper, DloraLinearMixin) else None
+
+
 class _Switcher:
-    """The worker-side state: the merger, the lora-id remap and the reports of the current step."""
+    """The worker-side state: the merger, how merged tokens skip their LoRA term (the mixing
+    wrapper, or the lora-id remap), and the reports of the current step."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
         self.runner = worker.model_runner
         self._merger: WeightMerger | None = None
         self.merged_adapter: str | None = None
+        self.wrapper = _mixing_wrapper(self.runner)  # None: the `vllm` backend, remap instead
+        self.merged_lora = None  # the merged adapter's LoRARequest, kept active (mixing only)
         self.remap: frozenset[int] = frozenset()
         self.pending: list[SwitchReport] = []  # reports of the step in progress
         self.applied = 0
@@ -135,16 +156,27 @@ class _Switcher:
             return self.attach(orig_sample(*args, **kwargs))
 
         def set_active_loras(prompt_mapping, token_mapping, lora_requests, *args, **kwargs):
-            remap = self.remap
+            remap, kept = self.remap, self.merged_lora
             if remap:
                 prompt_mapping = tuple(0 if i in remap else i for i in prompt_mapping)
                 token_mapping = tuple(0 if i in remap else i for i in token_mapping)
                 lora_requests = {r for r in lora_requests if r.lora_int_id not in remap}
-            return orig_set(prompt_mapping, token_mapping, lora_requests, *args, **kwargs)
+            if kept is not None and all(r.lora_int_id != kept.lora_int_id for r in lora_requests):
+                lora_requests = {*lora_requests, kept}  # the scheduler counted its slot
+            result = orig_set(prompt_mapping, token_mapping, lora_requests, *args, **kwargs)
+            if self.wrapper is not None:
+                self.wrapper.dlora_set_merged_slot(self.merged_slot())
+            return result
 
         runner.execute_model = execute_model
         runner.sample_tokens = sample_tokens
         runner._set_active_loras = set_active_loras
+
+    def merged_slot(self) -> int | None:
+        """The LoRA slot the merged adapter occupies (it was just activated, so it has one)."""
+        if self.merged_lora is None:
+            return None
+        return self.runner.lora_manager._adapter_manager.lora_index_to_id.index(self.merged_lora.lora_int_id)
 
     def attach(self, output):
         """Put the pending reports on the step's ModelRunnerOutput (None: sample_tokens will come)."""
@@ -192,18 +224,30 @@ class _Switcher:
                 self.merger().merge(cmd.path)
             except MergeError as e:
                 # The merger restored the base weights; the step runs the adapter unmerged.
-                self.merged_adapter, self.remap = None, frozenset()
+                self._set_merged(None)
                 log.warning("merge of adapter %r failed, staying unmerged: %s", cmd.adapter, e)
                 return SwitchReport(MERGE, cmd.adapter, False, time.perf_counter() - t0, str(e))
-            self.merged_adapter, self.remap = cmd.adapter, frozenset({cmd.lora_int_id})
+            self._set_merged(cmd)
         elif cmd.op == UNMERGE:
             if self._merger is not None:
                 self._merger.unmerge()  # raises only if the pristine reload fails: engine stops
-            self.merged_adapter, self.remap = None, frozenset()
+            self._set_merged(None)
         else:
             raise ValueError(f"unknown dlora switch command {cmd!r}")
         self.applied += 1
         return SwitchReport(cmd.op, cmd.adapter, True, time.perf_counter() - t0)
+
+
+    def _set_merged(self, cmd: SwitchCommand | None) -> None:
+        """The weights now hold `cmd`'s adapter (None: the base weights)."""
+        from vllm.lora.request import LoRARequest
+
+        self.merged_adapter = None if cmd is None else cmd.adapter
+        mixing = cmd is not None and self.wrapper is not None
+        self.merged_lora = LoRARequest(cmd.adapter, cmd.lora_int_id, cmd.path) if mixing else None
+        self.remap = frozenset({cmd.lora_int_id}) if cmd is not None and not mixing else frozenset()
+        if self.wrapper is not None and self.merged_lora is None:
+            self.wrapper.dlora_set_merged_slot(None)  # at once: no LoRA call may see a stale slot
 
 
 class DloraWorkerExtension:
@@ -220,6 +264,11 @@ class DloraWorkerExtension:
         """
         self.model_runner.lora_manager._adapter_manager._pin_lora_in_cpu_cache(lora_id)
         return True
+
+    def dlora_can_mix(self) -> bool:
+        """True if this worker compensates a merged adapter, so other requests may share its steps."""
+        self.dlora_install()
+        return self._dlora_switcher.wrapper is not None
 
     def dlora_install(self) -> bool:
         """Install the model-runner hooks; idempotent. Returns True if it installed them now."""
@@ -242,6 +291,8 @@ class DloraWorkerExtension:
         if s is None:
             return {"installed": False}
         return {"installed": True, "merged_adapter": s.merged_adapter, "remap": sorted(s.remap),
+                "mixing": s.wrapper is not None,
+                "merged_slot": None if s.wrapper is None else s.wrapper._dlora_merged_slot,
                 "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0,
                 "inplace_merges": s._merger.inplace_merges if s._merger else 0,
                 "merge_strategy": s._merger.strategy if s._merger else None}

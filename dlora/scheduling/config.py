@@ -51,6 +51,10 @@ class BatchingConfig:
     credit_relax_per_s: float = 0.5
     # `merged` baseline: the longest stay (iterations) on one adapter while other requests wait.
     merged_max_iters: int = 256
+    # `dlora`: while an adapter is merged, the other requests run in the same step, their LoRA
+    # layers compensating the merged delta (see dynamic_batching.py), so nobody waits for an
+    # unmerge. Only dlora's LoRA backends can compensate: the engine turns it off on `vllm`'s.
+    mixed_merged: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
@@ -76,3 +80,5 @@ class BatchingConfig:
                  self.credit_relax_per_s, "must be >= 0")
         _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters,
                  "must be >= 1")
+        _require(isinstance(self.mixed_merged, bool), "mixed_merged", self.mixed_merged,
+                 "must be true or false")

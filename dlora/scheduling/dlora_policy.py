@@ -6,6 +6,7 @@ Per `decide(requests, now)`:
 2. give new adapters the initial credit; update starving/normal states (Alg. 3 lines 6–10);
 3. serve starving adapters first if they have requests (lines 11–15; the adapter Alg. 1 would
    run merged is kept out of the fill), else run Alg. 1 over the eligible adapters (lines 17–21);
+   with `mixed_merged` merged steps run every request and nobody ever starves;
 4. remember the transfer this decision owes and the Alg. 2 sample it starts.
 `observe(stats)` learns iteration times and the switch cost, records the Alg. 2 sample (which
 tunes alpha/beta at break points), and adopts the mode the engine really ran.
@@ -63,7 +64,7 @@ class DLoRAPolicy(BatchingPolicy):
         q = build_queues(requests, self.batch_size(max_batch))
         alg1 = dynamic_batching(
             q, self.mode, self.merged, self.thresholds.alpha, self.thresholds.beta,
-            lambda adapter: self._eligible(q, adapter),
+            lambda adapter: self._eligible(q, adapter), self.config.mixed_merged,
         )
         hot = alg1.merged_adapter if alg1.mode is Mode.MERGED else None
         return self._commit(q, starvation_batch(q, starving, self.mode, self.merged, hot) or alg1)
@@ -79,7 +80,7 @@ class DLoRAPolicy(BatchingPolicy):
 
     def _eligible(self, q: Queues, adapter: str) -> bool:
         """Alg. 3 line 17: credit covers what merging `adapter` would pay this step."""
-        owed = transfer_for(q.merged_batch(adapter), q.fcfs)
+        owed = transfer_for(q.merged_run(adapter, self.config.mixed_merged), q.fcfs)
         cost = self.last_step_seconds * len(owed.receivers) if owed else 0.0
         return self.ledger.credit(adapter) - cost >= self.config.min_credit_to_merge
 
@@ -95,10 +96,14 @@ class DLoRAPolicy(BatchingPolicy):
         return Decision(step.mode, step.merged_adapter, request_ids(step.batch), switch)
 
     def _alternative(self, q: Queues, step: Step) -> int:
-        """Size of the batch the other mode would have run this step (Alg. 2's B'_i or B_i)."""
+        """Size of the batch the other mode would have run this step (Alg. 2's B'_i or B_i).
+
+        Mixed, merging would run B_fcfs, not R_merge alone: Alg. 2 then compares the same batch in
+        both modes, and the merged cost fit learns from mixed steps, whose cost grows with the
+        share of other adapters' requests (their LoRA term plus the compensation)."""
         if step.mode is Mode.MERGED:
             return len(q.fcfs)
-        return len(q.merged_batch(step.candidate)) if step.candidate else 0
+        return len(q.merged_run(step.candidate, self.config.mixed_merged)) if step.candidate else 0
 
     # ---- observe ----------------------------------------------------------------------------
 

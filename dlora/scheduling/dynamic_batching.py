@@ -21,8 +21,15 @@ Alg. 1 (dynamic batching), given the current mode:
 - MERGED on adapter m: if m has no request, or m is not eligible, or ratio(m) < beta -> switch
   UNMERGE and run B_fcfs; else run R_m[:max_bs] merged. It never goes from one merged adapter
   straight to another: that is UNMERGE now and, if the ratio says so, MERGE at a later step.
-- While merged, only m's requests run (they run with no LoRA, their delta is in the weights); a
-  base or other-adapter request would compute wrong results on the merged weights.
+- While merged, m's requests run with no LoRA (their delta is in the weights). Without mixing
+  (the paper), only they run: a base or other-adapter request would compute wrong results on the
+  merged weights.
+- Mixed merged steps (`BatchingConfig.mixed_merged`, not in the paper): the LoRA layers add
+  dY_t·x - dm·x to every token t that is not m's (dY_t = its own adapter's delta, none for the
+  base model), so on W + dm it computes W·x + dY_t·x, the unmerged result up to rounding. A MERGED
+  step then runs B_fcfs, like an UNMERGED one; only the weights (and so the step's cost) differ.
+  The switch rules above stay. Nobody is held back, so no credit is ever transferred and nobody
+  starves: Alg. 3 is inert. For Alg. 2, the batch merging would run is B_fcfs as well.
 
 Alg. 3 (credits, see credits.py), wrapped around Alg. 1:
 - Lines 6–10: states with hysteresis: an adapter whose credit exceeds t_starve is *starving*
@@ -80,6 +87,10 @@ class Queues:
     def ratio(self, adapter: str) -> float:
         return len(self.merged_batch(adapter)) / len(self.fcfs) if self.fcfs else 0.0
 
+    def merged_run(self, adapter: str, mixed: bool) -> tuple[RequestView, ...]:
+        """The batch a step with `adapter` merged runs: B_fcfs when others are compensated."""
+        return self.fcfs if mixed else self.merged_batch(adapter)
+
 
 def build_queues(requests: Iterable[RequestView], max_batch: int) -> Queues:
     ordered = tuple(sorted(requests, key=fcfs_key))
@@ -118,9 +129,9 @@ def _fcfs_step(q: Queues, candidate: str | None) -> Step:
     return Step(Mode.UNMERGED, None, q.fcfs, None, candidate)
 
 
-def _merged_step(q: Queues, adapter: str) -> Step:
-    batch = q.merged_batch(adapter)
-    return Step(Mode.MERGED, adapter, batch, batch, adapter)
+def _merged_step(q: Queues, adapter: str, mixed: bool) -> Step:
+    batch = q.merged_run(adapter, mixed)
+    return Step(Mode.MERGED, adapter, batch, None if mixed else batch, adapter)
 
 
 def dynamic_batching(
@@ -130,17 +141,19 @@ def dynamic_batching(
     alpha: float,
     beta: float,
     eligible: Callable[[str], bool],
+    mixed: bool = False,
 ) -> Step:
-    """Algorithm 1. `eligible` is Alg. 3 line 17's L_eligible as a predicate."""
+    """Algorithm 1. `eligible` is Alg. 3 line 17's L_eligible as a predicate; `mixed`: merged
+    steps run B_fcfs (see the NOTE)."""
     if mode is Mode.UNMERGED:
         candidate = merge_candidate(q, eligible)
         if candidate is not None and q.ratio(candidate) > alpha:
-            return _merged_step(q, candidate)
+            return _merged_step(q, candidate, mixed)
         return _fcfs_step(q, candidate)
     assert merged is not None
     if not q.group(merged) or not eligible(merged) or q.ratio(merged) < beta:
         return _fcfs_step(q, merged)
-    return _merged_step(q, merged)
+    return _merged_step(q, merged, mixed)
 
 
 def starvation_batch(

@@ -47,9 +47,11 @@ class BatchingPolicy(ABC):
 
 
 def check_decision(
-    decision: Decision, requests: Sequence[RequestView], max_batch: int | None = None
+    decision: Decision, requests: Sequence[RequestView], max_batch: int | None = None,
+    mixed: bool = False,
 ) -> None:
-    """Raise ValueError if `decision` breaks the contract the engine integration relies on."""
+    """Raise ValueError if `decision` breaks the contract the engine integration relies on;
+    `mixed`: the engine compensates other requests on merged weights (`mixed_merged`)."""
     by_id = {r.req_id: r for r in requests}
     allowed = decision.allowed_req_ids
     if requests and not allowed:
@@ -62,7 +64,7 @@ def check_decision(
         if decision.merged_adapter is None:
             raise ValueError("MERGED without a merged adapter")
         others = [i for i in allowed if by_id[i].adapter != decision.merged_adapter]
-        if others:
+        if others and not mixed:
             raise ValueError(f"requests {others} would run on {decision.merged_adapter!r} merged weights")
     elif decision.merged_adapter is not None or decision.switch is Switch.MERGE:
         raise ValueError("UNMERGED decision names a merged adapter or a MERGE switch")

@@ -18,7 +18,8 @@ AdapterKey = str | None  # an adapter name, or None (BASE) for the base model
 
 class Mode(enum.Enum):
     UNMERGED = "unmerged"  # base weights; each request applies its own LoRA term (any mix)
-    MERGED = "merged"  # one adapter folded into the weights; only its requests run, with no LoRA
+    MERGED = "merged"  # one adapter folded into the weights; its requests run with no LoRA (others
+    # only in mixed steps, compensated by their LoRA layers: `BatchingConfig.mixed_merged`)
 
 
 class Switch(enum.Enum):
@@ -50,8 +51,9 @@ class RequestView:
 class Decision:
     """The policy's answer for one engine step.
 
-    Invariants (checked by `validate_decision` in tests): MERGED has a `merged_adapter` and every
-    allowed request belongs to it; UNMERGED has none; `allowed_req_ids` is empty only when there
+    Invariants (checked by `policies.check_decision`): MERGED has a `merged_adapter`, and every
+    allowed request belongs to it unless the policy mixes (`BatchingConfig.mixed_merged`: the
+    engine compensates the others); UNMERGED has none; `allowed_req_ids` is empty only when there
     are no requests. `allowed_req_ids` is in priority order (the engine may schedule fewer).
     """
 

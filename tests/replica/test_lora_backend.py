@@ -2,8 +2,10 @@
 
 `PunicaWrapperEinsum.add_lora_linear` must equal vLLM's `PunicaWrapperCPU` (with dlora's -1 fix)
 and an fp64 loop on vLLM's padded stacked layout, for prefill (segmented) and decode (per-token)
-metadata, mixed slots and -1 tokens; `lora_backend.install` must switch the class vLLM's selector
-builds and give the platform back its own method afterwards.
+metadata, mixed slots and -1 tokens; with a merged slot (mixed merged steps) it must turn the
+merged weights' output into the unmerged one for every other token and leave the merged adapter's
+tokens alone; `lora_backend.install` must switch the class vLLM's selector builds and give the
+platform back its own method afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from dlora import env
 from dlora.config import DloraConfig, EngineConfig
 from dlora.replica import cpu_lora_fix, lora_backend
+from dlora.replica import punica_dlora
 from dlora.replica.punica_dlora import DloraLinearMixin, PunicaWrapperEinsum
 
 SLOTS, R, H_IN = 3, 8, 16
@@ -92,7 +95,9 @@ def test_einsum_wrapper_equals_vllm_cpu_and_fp64(mapping, is_prefill):
 @pytest.mark.parametrize("mapping,is_prefill", CASES)
 def test_meta_is_segmented_for_runs_and_per_token_otherwise(mapping, is_prefill):
     w = wrapper(PunicaWrapperEinsum, mapping, is_prefill)
-    meta = w._dlora_meta
+    (own,) = w._dlora_passes
+    meta = own.meta
+    assert own.compensate is None
     assert meta.is_segmented == is_prefill  # PREFILL has runs of one adapter, DECODE has none
     assert meta.token_indices.tolist() == slot_of(mapping)
 
@@ -144,8 +149,8 @@ def test_inference_tensors_are_repacked_instead_of_cached():
     torch.testing.assert_close(y.double(), reference(y0, x, a, b, PREFILL, 0.5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mapping,is_prefill", CASES)
-def test_triton_kernels_behind_the_same_override(mapping, is_prefill, monkeypatch):
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
     """The Triton wrapper's linear path (the mixin with backend "triton") under Triton's CPU
     interpreter. Its vLLM parent, PunicaWrapperGPU, needs CUDA, so the mixin sits on the CPU
     wrapper here; the override code is the same."""
@@ -160,13 +165,106 @@ def test_triton_kernels_behind_the_same_override(mapping, is_prefill, monkeypatc
     class TritonOnCPU(DloraLinearMixin, PunicaWrapperCPU):
         kernel_backend = "triton"
 
+    return TritonOnCPU
+
+
+@pytest.mark.parametrize("mapping,is_prefill", CASES)
+def test_triton_kernels_behind_the_same_override(mapping, is_prefill, triton_on_cpu):
     a, b = stacks()
-    x, y0, y = run(TritonOnCPU, mapping, is_prefill, a, b)
+    x, y0, y = run(triton_on_cpu, mapping, is_prefill, a, b)
     torch.testing.assert_close(y.double(), reference(y0, x, a, b, mapping, 0.5), rtol=1e-4, atol=1e-4)
     base = torch.tensor(slot_of(mapping)) < 0
     assert torch.equal(y[base], y0[base])
 
 
+# ---- mixed merged steps: slot MERGED's adapter folded into W, the others compensated --------------
+
+MERGED = 0  # slot of lora id 11 (X)
+MIXED_PREFILL = (11, 11, 12, 12, 0, 0, 11, 13, 0, 11)   # X, another adapter, base, interleaved
+MIXED_DECODE = (13, 11, 0, 12, 11, 0)
+MIXED_CASES = [pytest.param(MIXED_PREFILL, True, id="prefill"), pytest.param(MIXED_DECODE, False, id="decode")]
+
+
+def merged_step(cls, mapping, is_prefill, dtype, scale=0.5, seed=3):
+    """W' = W + dX (rounded to `dtype`), y = W'x + the wrapper's delta with slot MERGED merged.
+    Returns (x, W, y0 = W'x, y, stacks)."""
+    a, b = stacks(dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(sum(SLICES), H_IN, generator=g, dtype=torch.float64)
+    dx = torch.cat([scale * (b[i][MERGED, 0].double() @ a[i][MERGED, 0].double()) for i in range(len(SLICES))])
+    x = torch.randn(len(mapping), H_IN, generator=g).to(dtype)
+    y0 = x @ (w + dx).to(dtype).t()
+    w_ = wrapper(cls, mapping, is_prefill)
+    w_.dlora_set_merged_slot(MERGED)  # after update_metadata, as the worker does
+    y = y0.clone()
+    w_.add_lora_linear(y, x, a, b, scale, SLICES)
+    return x, w, y0, y, (a, b)
+
+
+def check_mixed(x, w, y0, y, a, b, mapping, eps_factor):
+    want = reference(x.double() @ w.t(), x, a, b, mapping, 0.5)  # fp64 W·x + dY_t·x
+    merged = torch.tensor(slot_of(mapping)) == MERGED
+    # W' = W + dX and the compensation each round in x's dtype at the size of those terms.
+    size = float(want.abs().max() + (y0.double() - want)[~merged].abs().max())
+    err = (y.double() - want)[~merged].abs().max()
+    assert err <= eps_factor * torch.finfo(x.dtype).eps * size, (err, size)
+    assert (y0.double() - want)[~merged].abs().max() > 10 * err  # uncompensated: off by dX·x
+    assert torch.equal(y[merged], y0[merged])  # X's tokens: no LoRA term, not a bit changed
+
+
+@pytest.mark.parametrize("dtype, eps_factor", [(torch.float32, 8), (torch.bfloat16, 4)])
+@pytest.mark.parametrize("mapping,is_prefill", MIXED_CASES)
+def test_mixed_step_gives_every_token_the_unmerged_result(mapping, is_prefill, dtype, eps_factor):
+    x, w, y0, y, (a, b) = merged_step(PunicaWrapperEinsum, mapping, is_prefill, dtype)
+    check_mixed(x, w, y0, y, a, b, mapping, eps_factor)
+
+
+@pytest.mark.parametrize("mapping,is_prefill", MIXED_CASES)
+def test_mixed_step_on_the_triton_kernels(mapping, is_prefill, triton_on_cpu):
+    x, w, y0, y, (a, b) = merged_step(triton_on_cpu, mapping, is_prefill, torch.float32)
+    check_mixed(x, w, y0, y, a, b, mapping, 8)
+
+
+def test_mixed_step_rows_beyond_the_mapping_and_shorter_inputs():
+    x, w, y0, y, (a, b) = merged_step(PunicaWrapperEinsum, MIXED_PREFILL, True, torch.float32)
+    step = wrapper(PunicaWrapperEinsum, MIXED_PREFILL, True)
+    step.dlora_set_merged_slot(MERGED)
+    padding = torch.randn(3, sum(SLICES))
+    padded = torch.cat([y0, padding])
+    step.add_lora_linear(padded, torch.cat([x, torch.randn(3, H_IN)]), a, b, 0.5, SLICES)
+    torch.testing.assert_close(padded[:len(x)], y, rtol=1e-5, atol=1e-4)
+    assert torch.equal(padded[len(x):], padding)  # no adapter, no compensation
+    short = y0[:5].clone()  # the first 5 tokens: X X Y Y base
+    step.add_lora_linear(short, x[:5], a, b, 0.5, SLICES)
+    torch.testing.assert_close(short, y[:5], rtol=1e-5, atol=1e-4)
+
+
+def test_mixed_step_of_merged_tokens_only_does_no_lora_work(monkeypatch):
+    calls = []
+    monkeypatch.setattr(punica_dlora, "add_lora", lambda *args, **kw: calls.append(args))
+    _, _, y0, y, _ = merged_step(PunicaWrapperEinsum, (11, 11, 11, 11), True, torch.float32)
+    assert torch.equal(y, y0) and calls == []
+    w = wrapper(PunicaWrapperEinsum, (11, 11, 11, 11), True)
+    assert len(w._dlora_passes) == 1  # unmerged, X's tokens apply X
+    w.dlora_set_merged_slot(MERGED)
+    assert w._dlora_passes == ()
+    w.dlora_set_merged_slot(None)  # unmerge: back to the normal pass
+    assert len(w._dlora_passes) == 1
+
+
+def test_mixed_passes_skip_merged_tokens_and_compensate_the_rest():
+    w = PunicaWrapperEinsum(64, 8, "cpu")
+    w.dlora_set_merged_slot(MERGED)  # before the first mapping: kept for it
+    from vllm.lora.layers import LoRAMapping
+
+    w.update_metadata(LoRAMapping(MIXED_DECODE, MIXED_DECODE, is_prefill=False), list(IDS), SLOTS, 100)
+    own, comp = w._dlora_passes
+    assert own.compensate is None and own.meta.token_indices.tolist() == [2, -1, -1, 1, -1, -1]
+    assert comp.compensate == MERGED and comp.meta.token_indices.tolist() == [0, -1, 0, 0, -1, 0]
+    a, b = stacks()
+    full, one = w._dlora_packed(a[0], b[0]), w._dlora_packed(a[0], b[0], slot=MERGED)
+    assert one.ranks == (R,) and one.a.data_ptr() == full.a.data_ptr()  # slot 0's rows, a view
+    assert w._dlora_packed(a[0], b[0], slot=MERGED) is one  # cached with the packed stacks
 # ---- install / uninstall / checks ----------------------------------------------------------------
 
 @pytest.fixture

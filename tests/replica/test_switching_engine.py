@@ -12,10 +12,9 @@ import shutil
 
 import pytest
 
-from dlora import config
-from dlora.replica.engine import BATCHING_CONFIG_KEY, SCHEDULER, WORKER_EXTENSION
 from dlora.replica.inband import CMDS_ATTR
 from dlora.replica.merge import read_adapter
+from tests.replica.inprocess import inprocess_engine
 
 ADAPTERS = ("a0", "a1", "a2")
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
@@ -26,22 +25,8 @@ MAX_TOKENS = 16
 def llm(tiny_model):
     """One in-process engine with dlora's scheduler and worker extension; `merged` policy that
     changes models every step (a merge or unmerge in the middle of most generations)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM
-
-    scheduling = config.from_dict({"scheduling": {"policy": "merged", "merged_max_iters": 1}}).scheduling
-    engine = LLM(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
-                 max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
-                 scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
-                 additional_config={BATCHING_CONFIG_KEY: scheduling.to_engine()})
-    core = engine.llm_engine.engine_core.engine_core
-    assert core.dlora_setup() == [True]
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    with inprocess_engine(tiny_model, {"policy": "merged", "merged_max_iters": 1}) as engine:
+        yield engine
 
 
 def lora(tiny_model, name):

@@ -90,7 +90,8 @@ class StepSim:
             return
         views = [r.view() for r in live]
         d = self.policy.decide(views, self.now, self.max_batch)
-        check_decision(d, views, self.max_batch if self.check_max_batch else None)
+        check_decision(d, views, self.max_batch if self.check_max_batch else None,
+                       mixed=self.policy.config.mixed_merged)
         self.decisions.append((self.now, d))
         switching = d.switch is not Switch.NONE
         dt = self.cost(d.mode, len(d.allowed_req_ids)) + (self.switch_time if switching else 0.0)

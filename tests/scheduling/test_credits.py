@@ -46,8 +46,9 @@ def test_relaxation_toward_initial_spares_held_back_adapters():
 
 
 def cfg(**kw) -> BatchingConfig:
+    """The paper's merged steps (only the merged adapter runs): the others are held back and paid."""
     base = dict(max_batch=4, alpha=0.5, beta=0.3, initial_credit=1.0, t_starve=2.0, t_normal=1.5,
-                credit_relax_per_s=0.0)
+                credit_relax_per_s=0.0, mixed_merged=False)
     return BatchingConfig(**{**base, **kw})
 
 
@@ -64,6 +65,26 @@ def test_policy_transfers_step_duration_from_merged_adapter_to_skipped():
     assert p.ledger.credits == pytest.approx({"A": 0.75, "X": 1.25})
     p.decide(HOT, now=10.35)
     assert p.ledger.credits == pytest.approx({"A": 0.65, "X": 1.35})
+
+
+def test_mixed_merged_steps_hold_nobody_back_so_credits_never_move():
+    p = DLoRAPolicy(cfg(mixed_merged=True))
+    d = p.decide(HOT, now=10.0)
+    assert d.switch is Switch.MERGE and d.allowed_req_ids == ("a0", "a1", "x0", "a2")
+    for t in (10.25, 10.35, 12.0):
+        assert p.decide(HOT, now=t).mode is Mode.MERGED
+    assert p.ledger.credits == {"A": 1.0, "X": 1.0} and not p.ledger.starving
+
+
+def test_mixed_merging_costs_no_credit_at_the_gate():
+    # Line 17's cost is what merging holds back; mixed, that is nobody, so a spent adapter whose
+    # credit still meets min_credit_to_merge may merge (unmixed: cost 0.1 s x X > 0.05 - 0).
+    for mixed, merges in ((False, False), (True, True)):
+        p = DLoRAPolicy(cfg(alpha=0.9, mixed_merged=mixed))
+        p.decide(HOT, now=0.0)  # unmerged (3/4 not > 0.9); the step lasts 0.1 s
+        p.thresholds.alpha = 0.5
+        p.ledger.credits["A"] = 0.05
+        assert (p.decide(HOT, now=0.1).switch is Switch.MERGE) is merges
 
 
 def test_fcfs_steps_transfer_nothing():

@@ -1,4 +1,5 @@
-"""Algorithm 1: the switch happens exactly when the ratio crosses alpha, and back below beta."""
+"""Algorithm 1: the switch happens exactly when the ratio crosses alpha, and back below beta;
+merged steps run the merged adapter alone, or (mixed) B_fcfs."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def test_policy_switches_at_the_documented_ratios_over_time():
     for step, a_count in enumerate([5, 6, 6, 4, 3, 2, 5, 6]):
         rs = mix(a_count)
         d = p.decide(rs, now=step * 0.01)
-        check_decision(d, rs, 10)
+        check_decision(d, rs, 10, mixed=True)
         trace.append((d.mode.value, d.switch.value))
     assert trace == [
         ("unmerged", "none"),  # 0.5 not > alpha
@@ -127,8 +128,53 @@ def test_policy_switches_at_the_documented_ratios_over_time():
 
 
 def test_while_merged_only_the_merged_adapter_runs():
-    p = DLoRAPolicy(roomy())
+    p = DLoRAPolicy(roomy(mixed_merged=False))
     rs = mix(7) + [req("base-x", None, 0.5)]
     d = p.decide(rs, now=0.0)
     assert d.mode is Mode.MERGED and d.switch is Switch.MERGE
     assert {r.adapter for r in rs if r.req_id in d.allowed_req_ids} == {"A"}
+    check_decision(d, rs, 10)
+
+
+# A-0 (t 0), base (0.5), B-0 (1), A-1 .. A-4 (2 .. 5); max_bs 5: B_fcfs = A-0 base B-0 A-1 A-2,
+# ratio(A) = min(5, 5) / 5 = 1.
+SKEWED = [req("A-0", "A", 0.0), req("base", None, 0.5), req("B-0", "B", 1.0)] + [
+    req(f"A-{i}", "A", 1.0 + i) for i in range(1, 5)]
+
+
+def test_mixed_merged_step_runs_b_fcfs_in_fcfs_order():
+    q = build_queues(SKEWED, max_batch=5)
+    mixed = dynamic_batching(q, Mode.UNMERGED, None, 0.5, 0.3, ALL, mixed=True)
+    assert (mixed.mode, mixed.merged_adapter) == (Mode.MERGED, "A")
+    assert [r.req_id for r in mixed.batch] == ["A-0", "base", "B-0", "A-1", "A-2"]
+    assert mixed.priority is None  # B_fcfs ran: no credit transfer
+    alone = dynamic_batching(q, Mode.UNMERGED, None, 0.5, 0.3, ALL)
+    assert [r.req_id for r in alone.batch] == ["A-0", "A-1", "A-2", "A-3", "A-4"]
+    stay = dynamic_batching(q, Mode.MERGED, "A", 0.5, 0.3, ALL, mixed=True)
+    assert (stay.mode, stay.batch) == (Mode.MERGED, q.fcfs)
+
+
+def test_mixed_policy_allows_others_while_merged_and_keeps_the_switch_rules():
+    p = DLoRAPolicy(roomy(max_batch=5, mixed_merged=True))
+    d = p.decide(SKEWED, now=0.0)
+    assert (d.mode, d.merged_adapter, d.switch) == (Mode.MERGED, "A", Switch.MERGE)
+    assert d.allowed_req_ids == ("A-0", "base", "B-0", "A-1", "A-2")
+    check_decision(d, SKEWED, 5, mixed=True)
+    with pytest.raises(ValueError, match="merged weights"):
+        check_decision(d, SKEWED, 5)  # only a mixing engine may run them
+    # A-0, A-1, A-2 done: B_fcfs = base B-0 A-3 A-4, ratio 2/4 = 0.5 >= beta: stays merged, all run
+    rest = [r for r in SKEWED if r.req_id not in ("A-0", "A-1", "A-2")]
+    d = p.decide(rest, now=0.1)
+    assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.MERGED, Switch.NONE, ("base", "B-0", "A-3", "A-4"))
+    # only A-4 left of A: ratio 1/3 < beta 0.4 -> UNMERGE, B_fcfs unmerged
+    p.thresholds.beta = 0.4
+    d = p.decide(rest[:2] + rest[3:], now=0.2)
+    assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.UNMERGED, Switch.UNMERGE, ("base", "B-0", "A-4"))
+
+
+def test_mixed_alg2_alternative_is_the_fcfs_batch():
+    # Unmerged (0.6 not > alpha 0.9): the merged batch Alg. 2 prices is R_A (6), or mixed B_fcfs (10).
+    for mixed, alternative in ((False, 6), (True, 10)):
+        p = DLoRAPolicy(roomy(alpha=0.9, mixed_merged=mixed))
+        assert p.decide(mix(6), now=0.0).mode is Mode.UNMERGED
+        assert p._sample == (Mode.UNMERGED, alternative, "A")

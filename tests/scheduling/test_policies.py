@@ -121,7 +121,7 @@ def flood(config: BatchingConfig, cold: dict[str, float], horizon: float = 30.0)
 
 def flood_config(**kw) -> BatchingConfig:
     base = dict(max_batch=8, alpha=0.6, beta=0.3, initial_credit=1.0, t_starve=2.0, t_normal=1.5,
-                credit_relax_per_s=0.5)
+                credit_relax_per_s=0.5, mixed_merged=False)
     return BatchingConfig(**{**base, **kw})
 
 
@@ -151,6 +151,14 @@ def test_without_starvation_prevention_the_flood_starves_the_cold_adapter():
     cfg = flood_config(t_starve=1000.0, t_normal=999.0, credit_relax_per_s=2.0)
     x = cold_requests(flood(cfg, {"X": 3.0}))[0]
     assert x.max_stretch > 10.0
+
+
+def test_mixed_merged_flood_holds_no_cold_request_back():
+    # The same flood, mixed: merged steps run B_fcfs, so a cold request runs from its first step.
+    sim = flood(flood_config(mixed_merged=True), {"X": 3.0, "Y": 9.0, "Z": 9.1, "W": 20.0})
+    assert sum(d.mode is Mode.MERGED for _, d in sim.decisions) > len(sim.decisions) / 2
+    for r in cold_requests(sim):
+        assert r.finished_at is not None and r.max_stretch == 0.0 and r.held_back_at_first == 0.0, r
 
 
 @pytest.mark.parametrize("t_starve", [1.6, 2.0, 3.0])

@@ -150,15 +150,17 @@ def _one_hot_adapter_sim(switch_time: float, **cfg) -> DLoRAPolicy:
     return p
 
 
-def test_policy_lowers_alpha_until_it_merges_when_merged_steps_are_cheaper():
+@pytest.mark.parametrize("mixed, t_merge", [(False, 72 / 0.248), (True, 80 / 0.26)])
+def test_policy_lowers_alpha_until_it_merges_when_merged_steps_are_cheaper(mixed, t_merge):
     # 0.05 s per unmerged step of 10 (half fixed) -> U(9) = 0.0475, merged estimate 0.6 * that =
-    # 0.0285: T_merge = 72 / (8 * 0.0285 + 0.02) = 290 > T_unmerge = 80 / 0.4 = 200. alpha falls from 0.9 to 0.85
+    # 0.0285: T_merge = 72 / (8 * 0.0285 + 0.02) = 290 > T_unmerge = 80 / 0.4 = 200. Mixed, merging
+    # would run all 10: T_merge = 80 / (8 * 0.6 * 0.05 + 0.02) = 308. alpha falls from 0.9 to 0.85
     # at the first break point (8 steps), and the next step merges A.
-    p = _one_hot_adapter_sim(switch_time=0.02)
+    p = _one_hot_adapter_sim(switch_time=0.02, mixed_merged=mixed)
     first = p.thresholds.history[0]
     assert (first.threshold, first.iterations, first.old) == ("alpha", 8, 0.9)
     assert first.new == pytest.approx(0.85)
-    assert first.t_merge == pytest.approx(72 / 0.248) and first.t_unmerge == pytest.approx(200)
+    assert first.t_merge == pytest.approx(t_merge) and first.t_unmerge == pytest.approx(200)
     assert p.num_switches == 1 and p.mode is Mode.MERGED
 
 

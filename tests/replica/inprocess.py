@@ -1,0 +1,37 @@
+"""An in-process vLLM engine (tiny model, fp32) with dlora's scheduler and worker extension."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from dlora import config
+from dlora.replica import lora_backend
+from dlora.replica.engine import BATCHING_CONFIG_KEY, SCHEDULER, WORKER_EXTENSION
+
+
+@contextlib.contextmanager
+def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm"):
+    """`LLM` with `scheduling` (the config section) and LoRA `backend`, switching enabled."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    mp.setenv("DLORA_LORA_BACKEND", backend)  # read by the scheduler, and by vllm_ext on first import
+    before = lora_backend.installed()
+    lora_backend.install(backend)  # vllm_ext is imported once per process: an earlier engine's choice
+    from vllm import LLM
+
+    section = config.from_dict({"scheduling": scheduling}).scheduling
+    engine = LLM(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
+                 max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
+                 scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
+                 additional_config={BATCHING_CONFIG_KEY: section.to_engine()})
+    try:
+        assert engine.llm_engine.engine_core.engine_core.dlora_setup() == [True]
+        yield engine
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+        lora_backend.install(before)
+        mp.undo()

@@ -27,12 +27,17 @@ this wrong, see cpu_lora_fix.py; the kernels skip them natively). A step whose t
 does no LoRA work at all.
 
 NOTE on mixed merged steps: while the adapter in slot s is merged into the base weights (W + dX,
-see vllm_ext.py), the worker calls `dlora_set_merged_slot(s)` and every LoRA linear runs two
-passes: each token's own adapter, with s's tokens as -1 (their delta is in the weights), and a
-compensation pass that subtracts slot s's delta from every other token, base-model tokens
-included: (W + dX)x - dX·x + dY·x = W·x + dY·x, the unmerged result up to rounding. The
-compensation multiplies by slot s alone (a one-slot view of the packed weights), not by every
-slot as the one-hot einsum would. A step of s's tokens only does no LoRA work at all, as before.
+see vllm_ext.py), the worker calls `dlora_set_merged_slot(s)`, and every token that is not s's must
+get dY·x - dX·x (its own delta minus X's; base-model tokens: -dX·x), so that
+(W + dX)x - dX·x + dY·x = W·x + dY·x, the unmerged result up to rounding; s's own tokens get
+nothing (their delta is in the weights). Both terms go through ONE batched-LoRA call per slice,
+as an unmerged step makes: on CPU a call's fixed cost (a dozen small torch ops) is most of the LoRA
+time at decode sizes, and a second compensation call measured ~20% slower than an unmerged step.
+The step uses *compensated* stacks (`_compensated`, cached per stack version and slot): slot j != s
+becomes the rank-2r adapter [A_j; A_X] / [B_j; -B_X], and slot s itself becomes the rank-r adapter
+A_X / -B_X, which the base-model tokens (-1) are sent to while s's own tokens go to -1. Each
+token then costs its own rank plus X's; the compensated stacks cost about twice vLLM's B stacks in
+memory while a merge lasts. A step of s's tokens only does no LoRA work at all, as before.
 vLLM's own ops cannot do this: the `vllm` backend keeps remapping s's tokens to "no LoRA" and
 never runs other requests while merged.
 
@@ -42,6 +47,7 @@ the per-step metadata is built on the host, which neither torch.compile nor CUDA
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -58,28 +64,22 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 @dataclass(frozen=True)
 class LoRAPass:
-    """One batched-LoRA call per LoRA linear: `meta` maps tokens to slots; `compensate` is None for
-    the tokens' own adapters (+scale), or the merged slot whose delta is subtracted (-scale; `meta`
-    then indexes that slot alone, as 0)."""
+    """The step's batched-LoRA call per LoRA linear: `meta` maps tokens to slots of the stacks as
+    they are (`compensate` None), or of the compensated stacks of merged slot `compensate`."""
 
     meta: LoRABatchMeta
     compensate: int | None = None
 
 
 def step_passes(idx: torch.Tensor, merged_slot: int | None) -> tuple[LoRAPass, ...]:
-    """The step's passes for token slot indices `idx` (-1 = no adapter); none that would do nothing."""
-    if merged_slot is None:
-        candidates = [(idx, None)]
-    else:
-        is_merged = idx == merged_slot
-        candidates = [(idx.masked_fill(is_merged, -1), None),
-                      (torch.where(is_merged, -1, 0).to(idx.dtype), merged_slot)]
-    passes = []
-    for indices, compensate in candidates:
-        meta = _meta(indices)
-        if meta is not None:
-            passes.append(LoRAPass(meta, compensate))
-    return tuple(passes)
+    """The step's pass for token slot indices `idx` (-1 = no adapter); none if it would do nothing.
+
+    Merged slot s (module NOTE): s's tokens -> -1 (no LoRA), base tokens -> s (which holds -dX in
+    the compensated stacks), every other token keeps its slot (its delta minus dX there)."""
+    if merged_slot is not None:
+        idx = torch.where(idx == merged_slot, -1, torch.where(idx < 0, merged_slot, idx)).to(idx.dtype)
+    meta = _meta(idx)
+    return () if meta is None else (LoRAPass(meta, merged_slot),)
 
 
 def _meta(idx: torch.Tensor) -> LoRABatchMeta | None:
@@ -110,6 +110,9 @@ class DloraLinearMixin:
     """
 
     kernel_backend: str = "einsum"
+    # One call per LoRA linear instead of one per slice (see `_fuse_slices`): on CPU a call's fixed
+    # cost dominates at decode sizes; on GPU the block-diagonal B would waste the expand's FLOPs.
+    fuse_slices: bool = False
     _dlora_merged_slot: int | None = None
 
     # ---- per-step metadata ----------------------------------------------------------------------
@@ -149,9 +152,10 @@ class DloraLinearMixin:
     # ---- weights --------------------------------------------------------------------------------
 
     def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
-                      slot: int | None = None) -> PackedLoRA:
+                      merged_slot: int | None = None) -> PackedLoRA:
         """vLLM's padded stacks of one slice as a PackedLoRA: A viewed, B transposed (cached);
-        with `slot`, that slot alone (views of the packed tensors, also cached)."""
+        with `merged_slot`, the compensated stacks for that merged slot (module NOTE; also cached
+        until the stacks change)."""
         cache: dict = self.__dict__.setdefault("_dlora_pack_cache", {})
         key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape))
         version = _version(b_stacked)
@@ -164,12 +168,13 @@ class DloraLinearMixin:
                 self._dlora_warned_uncached = True
                 log.warning("LoRA B stacks are inference tensors (no version counter): the %s backend "
                             "re-packs B on every call", self.kernel_backend)
-        _, packed, slots = hit
-        if slot is None:
+        _, packed, compensated = hit
+        if merged_slot is None:
             return packed
-        if slot not in slots:
-            slots[slot] = _one_slot(packed, slot)
-        return slots[slot]
+        if merged_slot not in compensated:
+            compensated.clear()  # one merged adapter at a time: keep only the current one's
+            compensated[merged_slot] = _compensated(packed, merged_slot)
+        return compensated[merged_slot]
 
     # ---- the LoRA linear ------------------------------------------------------------------------
 
@@ -198,13 +203,29 @@ class DloraLinearMixin:
             self._dlora_logged = True
             log.info("dlora LoRA backend %s (%s) applies its first LoRA batch: %d tokens, %d slots",
                      self.kernel_backend, type(self).__name__, t, lora_a_stacked[0].shape[0])
-        offset = 0
-        for a_stacked, b_stacked, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-            for p in passes:
-                lora = self._dlora_packed(a_stacked, b_stacked, p.compensate)
-                sign = 1.0 if p.compensate is None else -1.0
-                add_lora(ys[:, offset:offset + size], xs, lora, p.meta, sign * scale, backend=self.kernel_backend)
-            offset += size
+        for p in passes:
+            packs = tuple(self._dlora_packed(a, b, p.compensate) for a, b in zip(lora_a_stacked, lora_b_stacked))
+            if self.fuse_slices and len(packs) > 1:
+                add_lora(ys, xs, self._dlora_fused(packs), p.meta, scale, backend=self.kernel_backend)
+                continue
+            offset = 0
+            for lora, size in zip(packs, output_slices):
+                add_lora(ys[:, offset:offset + size], xs, lora, p.meta, scale, backend=self.kernel_backend)
+                offset += size
+
+    def _dlora_fused(self, packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
+        """The slices of a fused layer (q/k/v, gate/up) as one PackedLoRA (`fuse_slices`), cached
+        for as long as `_dlora_packed` returns the same per-slice objects."""
+        cache: dict = self.__dict__.setdefault("_dlora_fused_cache", {})
+        key = tuple(id(p) for p in packs)
+        hit = cache.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], packs)):
+            return hit[1]
+        if len(cache) > 64:  # stale entries of replaced stacks (a layer has one key per merged slot)
+            cache.clear()
+        fused = _fuse_slices(packs)
+        cache[key] = (packs, fused)
+        return fused
 
 
 def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
@@ -216,10 +237,45 @@ def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
     return PackedLoRA(a, b, offsets, (r,) * n)
 
 
-def _one_slot(packed: PackedLoRA, slot: int) -> PackedLoRA:
-    lo, r = sum(packed.ranks[:slot]), packed.ranks[slot]
-    offsets = torch.tensor([0, r], dtype=torch.int32, device=packed.a.device)
-    return PackedLoRA(packed.a[lo:lo + r], packed.b[lo:lo + r], offsets, (r,))
+def _fuse_slices(packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
+    """Slices i = 0..k-1 of one layer (same adapters, same input) as one adapter per slot:
+    A_n = [A_n,0; ...; A_n,k-1] (rank sum_i r_n,i) and B_n block-diagonal, slice i's B in slice
+    i's output columns, so B_n^T A_n x = [B_n,0^T A_n,0 x, ..., B_n,k-1^T A_n,k-1 x]: exactly the
+    per-slice results, side by side, in one shrink and one expand (the zero blocks of B_n cost
+    FLOPs, not accuracy)."""
+    col = [0, *itertools.accumulate(p.out_features for p in packs)]
+    offsets = [p.rank_offsets.tolist() for p in packs]
+    num_adapters = packs[0].num_adapters
+    ranks = tuple(sum(p.ranks[n] for p in packs) for n in range(num_adapters))
+    first = packs[0].a
+    a = torch.empty(sum(ranks), first.shape[1], dtype=first.dtype, device=first.device)
+    b = torch.zeros(sum(ranks), col[-1], dtype=packs[0].b.dtype, device=first.device)
+    row = 0
+    for n in range(num_adapters):
+        for i, p in enumerate(packs):
+            lo, hi = offsets[i][n], offsets[i][n + 1]
+            a[row:row + hi - lo] = p.a[lo:hi]
+            b[row:row + hi - lo, col[i]:col[i + 1]] = p.b[lo:hi]
+            row += hi - lo
+    rank_offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=first.device)
+    return PackedLoRA(a, b, rank_offsets, ranks)
+
+
+def _compensated(packed: PackedLoRA, merged: int) -> PackedLoRA:
+    """Slot j != merged -> [A_j; A_X] / [B_j; -B_X] (rank r_j + r_X); slot merged -> A_X / -B_X."""
+    offsets = packed.rank_offsets.tolist()
+    a_x, b_x = (t[offsets[merged]:offsets[merged + 1]] for t in (packed.a, packed.b))
+    a_parts, b_parts, ranks = [], [], []
+    for j, r in enumerate(packed.ranks):
+        own = slice(offsets[j], offsets[j + 1])
+        if j == merged:
+            a_parts.append(a_x), b_parts.append(-b_x), ranks.append(r)
+        else:
+            a_parts += [packed.a[own], a_x]
+            b_parts += [packed.b[own], -b_x]
+            ranks.append(r + packed.ranks[merged])
+    new_offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=packed.a.device)
+    return PackedLoRA(torch.cat(a_parts), torch.cat(b_parts), new_offsets, tuple(ranks))
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -233,6 +289,7 @@ class PunicaWrapperEinsum(DloraLinearMixin, PunicaWrapperCPU):
     """vLLM's CPU wrapper with the LoRA linears on dlora's one-hot einsum kernels."""
 
     kernel_backend = "einsum"
+    fuse_slices = True
 
 
 def _triton_wrapper_class() -> type:

@@ -258,13 +258,35 @@ def test_mixed_passes_skip_merged_tokens_and_compensate_the_rest():
     from vllm.lora.layers import LoRAMapping
 
     w.update_metadata(LoRAMapping(MIXED_DECODE, MIXED_DECODE, is_prefill=False), list(IDS), SLOTS, 100)
-    own, comp = w._dlora_passes
-    assert own.compensate is None and own.meta.token_indices.tolist() == [2, -1, -1, 1, -1, -1]
-    assert comp.compensate == MERGED and comp.meta.token_indices.tolist() == [0, -1, 0, 0, -1, 0]
+    (step,) = w._dlora_passes  # one call per slice, as unmerged: X's tokens none, base tokens -dX
+    assert step.compensate == MERGED and step.meta.token_indices.tolist() == [2, -1, 0, 1, -1, 0]
     a, b = stacks()
-    full, one = w._dlora_packed(a[0], b[0]), w._dlora_packed(a[0], b[0], slot=MERGED)
-    assert one.ranks == (R,) and one.a.data_ptr() == full.a.data_ptr()  # slot 0's rows, a view
-    assert w._dlora_packed(a[0], b[0], slot=MERGED) is one  # cached with the packed stacks
+    full, comp = w._dlora_packed(a[0], b[0]), w._dlora_packed(a[0], b[0], merged_slot=MERGED)
+    assert full.ranks == (R,) * SLOTS and comp.ranks == (R,) + (2 * R,) * (SLOTS - 1)
+    x_rows = slice(0, R)
+    assert torch.equal(comp.a[:R], full.a[x_rows]) and torch.equal(comp.b[:R], -full.b[x_rows])
+    for j in range(1, SLOTS):  # [A_j; A_X] / [B_j; -B_X]
+        lo = R + (j - 1) * 2 * R
+        assert torch.equal(comp.a[lo:lo + R], full.a[j * R:(j + 1) * R])
+        assert torch.equal(comp.a[lo + R:lo + 2 * R], full.a[x_rows])
+        assert torch.equal(comp.b[lo:lo + R], full.b[j * R:(j + 1) * R])
+        assert torch.equal(comp.b[lo + R:lo + 2 * R], -full.b[x_rows])
+    assert w._dlora_packed(a[0], b[0], merged_slot=MERGED) is comp  # cached with the packed stacks
+
+
+def test_einsum_makes_one_lora_call_per_layer_unmerged_and_mixed(monkeypatch):
+    """On CPU a call's fixed cost dominates: the slices go in one call, and a mixed step's
+    compensation rides in the same call."""
+    calls = []
+    monkeypatch.setattr(punica_dlora, "add_lora", lambda y, x, lora, *a, **kw: calls.append((y.shape, lora.ranks)))
+    a, b = stacks()
+    run(PunicaWrapperEinsum, MIXED_PREFILL, True, a, b)
+    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), (len(SLICES) * R,) * SLOTS)]
+    calls.clear()
+    merged_step(PunicaWrapperEinsum, MIXED_PREFILL, True, torch.float32)
+    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), (len(SLICES) * R,) + (len(SLICES) * 2 * R,) * (SLOTS - 1))]
+
+
 # ---- install / uninstall / checks ----------------------------------------------------------------
 
 @pytest.fixture

@@ -94,10 +94,16 @@ def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, exp
     before = base_alone(srv.url)
     switches_before = metric(srv.url, "dlora_switches_total", replica="0")
     jobs = [(a or "tiny-base", p) for p in PROMPTS for a in (None, *ADAPTERS)]
-    for (model, prompt), choice in zip(jobs, completions(srv.url, jobs)):
-        adapter = None if model == "tiny-base" else model
-        assert choice["token_ids"] == expected[(adapter, prompt)], (policy, model, prompt)
-    switches = metric(srv.url, "dlora_switches_total", replica="0") - switches_before
+    # `dlora` switches as its thresholds, tuned from measured step times, say: on a loaded machine
+    # one round of the mix may switch only once or twice, so the mix is sent again (each round
+    # checked) until the switches the assertions below need have happened, at most three rounds.
+    for _ in range(3 if policy == "dlora" else 1):
+        for (model, prompt), choice in zip(jobs, completions(srv.url, jobs)):
+            adapter = None if model == "tiny-base" else model
+            assert choice["token_ids"] == expected[(adapter, prompt)], (policy, model, prompt)
+        switches = metric(srv.url, "dlora_switches_total", replica="0") - switches_before
+        if switches >= 4 and metric(srv.url, "dlora_switch_seconds_count", replica="0", op="merge") >= 2:
+            break
     if policy == "unmerged":
         assert switches == 0
     elif policy == "dlora-mixed":  # nobody waits for an unmerge: one merge may serve the whole mix

@@ -296,8 +296,9 @@ class Router:
                 state.resubmissions += 1
                 current = state.continuation()
                 if current.sampling.max_tokens <= 0:
-                    self.output_lengths.observe(state.adapter, len(state.generated))
-                    yield Delta(token_ids=[], text="", finished=True, finish_reason="length")
+                    done = Delta(token_ids=[], text="", finished=True, finish_reason="length")
+                    self._finished(state, done)
+                    yield done
                     return
         finally:
             del self.requests[req.request_id]

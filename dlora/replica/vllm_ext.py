@@ -237,7 +237,6 @@ class _Switcher:
         self.applied += 1
         return SwitchReport(cmd.op, cmd.adapter, True, time.perf_counter() - t0)
 
-
     def _set_merged(self, cmd: SwitchCommand | None) -> None:
         """The weights now hold `cmd`'s adapter (None: the base weights)."""
         from vllm.lora.request import LoRARequest

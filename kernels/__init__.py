@@ -4,7 +4,7 @@ Public surface: the ops in `ops` plus the layout types in `meta`. Triton kernels
 lazily, so importing this package never imports triton.
 """
 
-from .meta import LoRABatchMeta, PackedLoRA, pack_lora
+from .meta import LoRABatchMeta, PackedGemm, PackedLoRA, pack_lora
 from .ops import (
     BACKENDS,
     add_lora,
@@ -18,6 +18,7 @@ from .ops import (
 __all__ = [
     "BACKENDS",
     "LoRABatchMeta",
+    "PackedGemm",
     "PackedLoRA",
     "add_lora",
     "lora_expand",

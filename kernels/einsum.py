@@ -13,7 +13,8 @@ instead of one small GEMM per adapter, which wins on CPU where per-op dispatch d
 (../shared/reference/kernels-ray-pulp-probe.md section 2.1).
 
 The two contractions are plain GEMMs once the axes are packed, so they are written as matmuls
-(torch.einsum adds ~10% dispatch overhead at these sizes). Rows with index -1 are never read or
+(torch.einsum adds ~10% dispatch overhead at these sizes), or go through the PackedLoRA's prebuilt
+`gemm` when it has one (a GEMM with prepacked weights is ~2x torch.matmul at decode sizes). Rows with index -1 are never read or
 written. Mask tensors are cached on the batch metadata,
 so they are built once per step and per distinct rank layout.
 """
@@ -31,7 +32,7 @@ def lora_shrink_einsum(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta:
     rows = meta.active_rows
     cols, valid = _compact_columns(meta, lora)                   # [T', R_max]
     xs = x if rows is None else x[rows]
-    v_all = xs @ lora.a.t()                                      # "th,jh->tj": all adapters
+    v_all = _shrink_all(xs, lora)                                # "th,jh->tj": all adapters
     picked = v_all.gather(1, cols).to(acc_dtype(v.dtype))        # each token's own block
     r_max = lora.max_rank
     old = v[:, :r_max] if rows is None else v[rows, :r_max]
@@ -49,7 +50,7 @@ def lora_expand_einsum(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta:
     vs = v if rows is None else v[rows]
     spread = vs.gather(1, local)                                 # v[t, j - off(t)], any j
     spread = torch.where(onehot, spread, 0).to(lora.b.dtype)     # one-hot mask (NaN-safe)
-    _add_rows(y, spread @ lora.b, rows, scale)                   # "tj,jo->to"
+    _add_rows(y, _expand_all(spread, lora), rows, scale)         # "tj,jo->to"
 
 
 def add_lora_einsum(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
@@ -57,9 +58,17 @@ def add_lora_einsum(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: Lo
     rows = meta.active_rows
     onehot, _ = _onehot_columns(meta, lora)
     xs = x if rows is None else x[rows]
-    v_all = xs @ lora.a.t()                                      # "th,jh->tj": [T', R_total]
+    v_all = _shrink_all(xs, lora)                                # "th,jh->tj": [T', R_total]
     v_all = v_all.masked_fill_(~onehot, 0)                       # keep own adapter's columns
-    _add_rows(y, v_all @ lora.b, rows, scale)                    # "tj,jo->to"
+    _add_rows(y, _expand_all(v_all, lora), rows, scale)          # "tj,jo->to"
+
+
+def _shrink_all(x: torch.Tensor, lora: PackedLoRA) -> torch.Tensor:
+    return x @ lora.a.t() if lora.gemm is None else lora.gemm.shrink(x)
+
+
+def _expand_all(v: torch.Tensor, lora: PackedLoRA) -> torch.Tensor:
+    return v @ lora.b if lora.gemm is None else lora.gemm.expand(v)
 
 
 def _add_rows(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None, scale: float) -> None:

@@ -27,9 +27,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
+
+
+class PackedGemm(Protocol):
+    """The two dense GEMMs of the one-hot einsum form over a PackedLoRA's packed weights, prebuilt
+    by whoever owns a faster GEMM for fixed weights (dlora's vLLM wrapper: oneDNN with prepacked
+    weights, as vLLM runs the base model's linears on CPU)."""
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H_in] @ a.T -> [T, R_total]"""
+
+    def expand(self, v: torch.Tensor) -> torch.Tensor:
+        """v [T, R_total] @ b -> [T, H_out]"""
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +52,7 @@ class PackedLoRA:
     b: torch.Tensor             # [R_total, H_out]  (each block is B_n transposed)
     rank_offsets: torch.Tensor  # [N+1] int32, on the weights' device
     ranks: tuple[int, ...]      # host copy of r_n, so no op has to sync to size its buffers
+    gemm: PackedGemm | None = None  # the einsum backend's GEMMs over a and b (None: torch.matmul)
 
     def __post_init__(self) -> None:
         if self.a.dim() != 2 or self.b.dim() != 2 or self.a.shape[0] != self.b.shape[0]:
@@ -50,6 +63,11 @@ class PackedLoRA:
     @property
     def num_adapters(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ranks_total(self) -> int:
+        """R_total, the packed rank rows (0: no adapter has any, nothing to compute)."""
+        return self.a.shape[0]
 
     @property
     def max_rank(self) -> int:

@@ -14,13 +14,15 @@ Embeddings, logits, MoE and the tensor-parallel (sharded) layers, which call `ad
 `add_expand` directly, stay with the parent class. `lora_backend.install` makes vLLM pick them.
 
 NOTE on the weight layout: vLLM stacks each slice's adapters zero-padded to max rank R,
-`lora_a_stacked[i]`: [N, 1, R, H_in], `lora_b_stacked[i]`: [N, 1, H_out, R] (N = max_loras slots).
-A is already dlora's packed layout with ranks (R,) * N, so it is *viewed* as [N*R, H_in] without a
-copy. Packed B is rows of B_n transposed, [N*R, H_out], which no view of vLLM's tensor gives, so a
-transposed copy is cached per stacked tensor and rebuilt when the tensor's version counter moves
-(`set_lora` / `reset_lora` write into it in place, which bumps it). The cache costs as much memory
-as vLLM's B stacks (about 20 MB for SmolLM2-135M with 4 slots of rank 16). Padded rank rows are
-zero, so they change nothing but cost FLOPs, exactly as in vLLM's own ops.
+`lora_a_stacked[i]`: [N, 1, R, H_in], `lora_b_stacked[i]`: [N, 1, H_out, R] (N = max_loras slots),
+and wraps every module the model supports, so a layer no resident adapter targets (gate/up/down
+under q/k/v/o adapters) still gets a call, with all-zero stacks. Zero rows cost the one-hot kernels
+as much as live ones, so `_pack` copies only each slot's live rank rows into dlora's packed
+mixed-rank layout (A rows, B transposed), and a layer with none is skipped: in an engine profile
+(SmolLM2-135M, 8 rank-8 q/k/v/o adapters, 16 decodes) half the LoRA time went to such zero layers.
+The packed copy is cached per stacked tensor and rebuilt when either tensor's version counter moves
+(`set_lora` / `reset_lora` write into them in place, which bumps it); it costs at most as much
+memory as vLLM's stacks (about 20 MB for SmolLM2-135M with 4 slots of rank 16 on every module).
 
 Token index -1 means "no adapter"; those rows are never read or written (vLLM's CPU torch ops get
 this wrong, see cpu_lora_fix.py; the kernels skip them natively). A step whose tokens all have -1
@@ -47,6 +49,8 @@ the per-step metadata is built on the host, which neither torch.compile nor CUDA
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -71,15 +75,15 @@ class LoRAPass:
     compensate: int | None = None
 
 
-def step_passes(idx: torch.Tensor, merged_slot: int | None) -> tuple[LoRAPass, ...]:
-    """The step's pass for token slot indices `idx` (-1 = no adapter); none if it would do nothing.
+def step_pass(idx: torch.Tensor, merged_slot: int | None) -> LoRAPass | None:
+    """The step's pass for token slot indices `idx` (-1 = no adapter); None if it would do nothing.
 
     Merged slot s (module NOTE): s's tokens -> -1 (no LoRA), base tokens -> s (which holds -dX in
     the compensated stacks), every other token keeps its slot (its delta minus dX there)."""
     if merged_slot is not None:
         idx = torch.where(idx == merged_slot, -1, torch.where(idx < 0, merged_slot, idx)).to(idx.dtype)
     meta = _meta(idx)
-    return () if meta is None else (LoRAPass(meta, merged_slot),)
+    return None if meta is None else LoRAPass(meta, merged_slot)
 
 
 def _meta(idx: torch.Tensor) -> LoRABatchMeta | None:
@@ -124,41 +128,39 @@ class DloraLinearMixin:
     def dlora_set_merged_slot(self, slot: int | None) -> None:
         """The slot of the adapter merged into the base weights (None: nothing merged), from the
         next LoRA linear on. vLLM skips `update_metadata` when the mapping and the slots did not
-        change, so a new slot rebuilds the passes here."""
+        change, so a new slot rebuilds the pass here."""
         if slot == self._dlora_merged_slot:
             return
         self._dlora_merged_slot = slot
-        if hasattr(self, "_dlora_passes"):  # else the first update_metadata builds them
+        if hasattr(self, "_dlora_pass"):  # else the first update_metadata builds it
             self._dlora_build_meta()
 
     def _dlora_build_meta(self) -> None:
-        """The step's passes, once per step, shared by every LoRA linear."""
-        self._dlora_passes = step_passes(self.token_lora_indices, self._dlora_merged_slot)
-        self._dlora_sub_passes: dict[int, tuple[LoRAPass, ...]] = {}
+        """The step's pass, once per step, shared by every LoRA linear."""
+        self._dlora_pass = step_pass(self.token_lora_indices, self._dlora_merged_slot)
+        self._dlora_sub_passes: dict[int, LoRAPass | None] = {}
 
-    def _dlora_passes_for(self, num_tokens: int) -> tuple[LoRAPass, ...]:
-        """The step's passes for `num_tokens` rows of x (empty: no LoRA work). Rows beyond the
+    def _dlora_pass_for(self, num_tokens: int) -> LoRAPass | None:
+        """The step's pass for `num_tokens` rows of x (None: no LoRA work). Rows beyond the
         mapping (padding) get no adapter and no compensation."""
-        passes: tuple[LoRAPass, ...] = getattr(self, "_dlora_passes", ())
-        if not passes or num_tokens >= passes[0].meta.num_tokens:
-            return passes
-        sub = self._dlora_sub_passes.get(num_tokens)
-        if sub is None:
-            heads = ((_head(p.meta, num_tokens), p.compensate) for p in passes)
-            sub = tuple(LoRAPass(m, c) for m, c in heads if m is not None)
-            self._dlora_sub_passes[num_tokens] = sub
-        return sub
+        full: LoRAPass | None = getattr(self, "_dlora_pass", None)
+        if full is None or num_tokens >= full.meta.num_tokens:
+            return full
+        if num_tokens not in self._dlora_sub_passes:
+            head = _head(full.meta, num_tokens)
+            self._dlora_sub_passes[num_tokens] = None if head is None else LoRAPass(head, full.compensate)
+        return self._dlora_sub_passes[num_tokens]
 
     # ---- weights --------------------------------------------------------------------------------
 
     def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
                       merged_slot: int | None = None) -> PackedLoRA:
-        """vLLM's padded stacks of one slice as a PackedLoRA: A viewed, B transposed (cached);
-        with `merged_slot`, the compensated stacks for that merged slot (module NOTE; also cached
-        until the stacks change)."""
+        """vLLM's padded stacks of one slice as a PackedLoRA of each slot's live rank rows (cached,
+        see `_pack`); with `merged_slot`, the compensated stacks for that merged slot (module NOTE;
+        also cached until the stacks change)."""
         cache: dict = self.__dict__.setdefault("_dlora_pack_cache", {})
         key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape))
-        version = _version(b_stacked)
+        version = _version(a_stacked, b_stacked)
         hit = cache.get(key)
         if hit is None or version is None or hit[0] != version:
             hit = (version, _pack(a_stacked, b_stacked), {})
@@ -191,10 +193,13 @@ class DloraLinearMixin:
         add_inputs = kwargs.get("add_inputs", True)
         if not add_inputs:
             y.zero_()
-        passes = self._dlora_passes_for(x.size(0))
-        if not passes:
+        step = self._dlora_pass_for(x.size(0))
+        if step is None:
             return
-        t = passes[0].meta.num_tokens
+        calls = self._dlora_calls(lora_a_stacked, lora_b_stacked, output_slices, step.compensate)
+        if not calls:
+            return  # no resident adapter targets this layer (vLLM wraps every supported module)
+        t = step.meta.num_tokens
         xs = x[:t] if x.size(0) != t else x
         ys = y[:t] if y.size(0) != t else y
         if xs.dtype != lora_a_stacked[0].dtype:
@@ -203,38 +208,91 @@ class DloraLinearMixin:
             self._dlora_logged = True
             log.info("dlora LoRA backend %s (%s) applies its first LoRA batch: %d tokens, %d slots",
                      self.kernel_backend, type(self).__name__, t, lora_a_stacked[0].shape[0])
-        for p in passes:
-            packs = tuple(self._dlora_packed(a, b, p.compensate) for a, b in zip(lora_a_stacked, lora_b_stacked))
-            if self.fuse_slices and len(packs) > 1:
-                add_lora(ys, xs, self._dlora_fused(packs), p.meta, scale, backend=self.kernel_backend)
-                continue
-            offset = 0
-            for lora, size in zip(packs, output_slices):
-                add_lora(ys[:, offset:offset + size], xs, lora, p.meta, scale, backend=self.kernel_backend)
-                offset += size
+        for lora, lo, hi in calls:
+            add_lora(ys if hi - lo == ys.size(1) else ys[:, lo:hi], xs, lora, step.meta, scale,
+                     backend=self.kernel_backend)
 
-    def _dlora_fused(self, packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
-        """The slices of a fused layer (q/k/v, gate/up) as one PackedLoRA (`fuse_slices`), cached
-        for as long as `_dlora_packed` returns the same per-slice objects."""
-        cache: dict = self.__dict__.setdefault("_dlora_fused_cache", {})
-        key = tuple(id(p) for p in packs)
+    def _dlora_calls(self, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
+                     output_slices: tuple[int, ...], compensate: int | None
+                     ) -> tuple[tuple[PackedLoRA, int, int], ...]:
+        """The layer's kernel calls (adapters, output columns lo:hi): one per slice with live rows,
+        or one for all slices (`fuse_slices`, see `_fuse_slices`); each with prepacked oneDNN GEMMs
+        on CPU (`_with_gemm`). Cached per layer and weight state until the stacks change; only the
+        current merged slot's compensated calls are kept."""
+        cache: dict = self.__dict__.setdefault("_dlora_calls_cache", {})
+        key = (tuple(a.data_ptr() for a in a_stacked), tuple(b.data_ptr() for b in b_stacked), compensate)
+        versions = tuple(_version(a, b) for a, b in zip(a_stacked, b_stacked))
         hit = cache.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], packs)):
+        if hit is not None and hit[0] == versions and None not in versions:
             return hit[1]
-        if len(cache) > 64:  # stale entries of replaced stacks (a layer has one key per merged slot)
-            cache.clear()
-        fused = _fuse_slices(packs)
-        cache[key] = (packs, fused)
-        return fused
+        if compensate is not None and compensate != self.__dict__.get("_dlora_calls_merged"):
+            for stale in [k for k in cache if k[2] is not None]:  # another merged slot's
+                del cache[stale]
+            self._dlora_calls_merged = compensate
+        packs = tuple(self._dlora_packed(a, b, compensate) for a, b in zip(a_stacked, b_stacked))
+        cols = [0, *itertools.accumulate(output_slices)]
+        if not any(p.ranks_total for p in packs):
+            calls = ()
+        elif self.fuse_slices and len(packs) > 1:
+            calls = ((self._with_gemm(_fuse_slices(packs)), 0, cols[-1]),)
+        else:
+            calls = tuple((self._with_gemm(p), cols[i], cols[i + 1]) for i, p in enumerate(packs) if p.ranks_total)
+        cache[key] = (versions, calls)
+        return calls
+
+    def _with_gemm(self, lora: PackedLoRA) -> PackedLoRA:
+        """`lora` with oneDNN GEMMs over prepacked copies of its weights, for the einsum kernels on
+        CPU (vLLM's own CPU linears run this way; about 2x torch.matmul at decode sizes); as is
+        elsewhere, or when oneDNN has no kernel for the dtype (fp16)."""
+        if self.kernel_backend != "einsum" or lora.a.device.type != "cpu" or not _onednn_available():
+            return lora
+        try:
+            return dataclasses.replace(lora, gemm=_OneDnnGemm(lora))
+        except RuntimeError as e:  # "could not create a primitive descriptor" (unsupported dtype)
+            log.debug("oneDNN GEMM unavailable for %s LoRA weights (%s): torch.matmul", lora.a.dtype, e)
+            return lora
+
+
+class _OneDnnGemm:
+    """x @ a.T and v @ b (PackedGemm) through vLLM's oneDNN matmul with prepacked weight copies."""
+
+    def __init__(self, lora: PackedLoRA):
+        from vllm import _custom_ops as ops
+
+        self._mm = ops.onednn_mm
+        self._a = ops.create_onednn_mm(lora.a.t(), 32)  # weight [K, N]; 32 cached M sizes, as vLLM
+        self._b = ops.create_onednn_mm(lora.b, 32)
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mm(self._a, x, None)
+
+    def expand(self, v: torch.Tensor) -> torch.Tensor:
+        return self._mm(self._b, v, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_available() -> bool:
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return False
+    return bool(getattr(ops, "_supports_onednn", False))
 
 
 def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
-    n, _, r, h_in = a_stacked.shape
-    h_out = b_stacked.shape[2]
-    a = a_stacked.view(n * r, h_in) if a_stacked.is_contiguous() else a_stacked.reshape(n * r, h_in)
-    b = b_stacked[:, 0].transpose(1, 2).contiguous().view(n * r, h_out)
-    offsets = torch.arange(n + 1, dtype=torch.int32, device=a.device) * r
-    return PackedLoRA(a, b, offsets, (r,) * n)
+    """Each slot's live rank rows, packed (B transposed): slot n's rank is 1 + its last row k with
+    A[n, k] and B[n, :, k] both nonzero. vLLM zero-pads every adapter to max_lora_rank and gives
+    slots without the module (empty, or an adapter that does not target it) all-zero stacks, and a
+    zero row costs the kernels as much as a live one; so a rank-8 adapter under max_lora_rank 16
+    costs 8 rows, not 16, and a layer no resident adapter targets costs nothing (`ranks_total` 0)."""
+    a3, b3 = a_stacked[:, 0], b_stacked[:, 0]                           # [N, R, H_in], [N, H_out, R]
+    live = (a3 != 0).any(dim=2) & (b3 != 0).any(dim=1)                  # [N, R]
+    k = torch.arange(1, live.shape[1] + 1, device=live.device)
+    ranks = tuple(int(r) for r in (live * k).max(dim=1).values.tolist())
+    a = torch.cat([a3[n, :r] for n, r in enumerate(ranks)])
+    b = torch.cat([b3[n, :, :r].t() for n, r in enumerate(ranks)]).contiguous()
+    offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=a.device)
+    return PackedLoRA(a.contiguous(), b, offsets, ranks)
 
 
 def _fuse_slices(packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
@@ -278,9 +336,9 @@ def _compensated(packed: PackedLoRA, merged: int) -> PackedLoRA:
     return PackedLoRA(torch.cat(a_parts), torch.cat(b_parts), new_offsets, tuple(ranks))
 
 
-def _version(t: torch.Tensor) -> int | None:
+def _version(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
     try:
-        return t._version
+        return a._version, b._version
     except RuntimeError:  # inference tensors keep no version counter
         return None
 

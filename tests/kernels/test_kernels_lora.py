@@ -11,6 +11,8 @@ and inputs that must never be read (x rows of -1 tokens, v columns past a token'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,6 +107,42 @@ def test_expand(case: Case, backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES)
 def test_add_lora(case: Case, backend: str) -> None:
+    _check_add_lora(case, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
+def test_rank_zero_adapters_add_nothing(kind: str, backend: str) -> None:
+    """A slot of rank 0 (its adapter does not target this projection): its tokens get no update."""
+    _check_add_lora(Case(kind, torch.float32, "uniform", 4, (8, 0, 16, 0), 96, 64, 16, seed=5), backend)
+
+
+def test_einsum_runs_the_packed_gemms_it_is_given() -> None:
+    """`PackedLoRA.gemm` (e.g. oneDNN with prepacked weights) replaces the einsum's two matmuls."""
+    case = Case("bgmv", torch.float32, "uniform", 4, (8, 16, 4, 8), 96, 64, 16, seed=6)
+    lora, meta, gen = build(case)
+    used = []
+
+    class Fp64Gemm:
+        def shrink(self, x):
+            used.append("shrink")
+            return (x.double() @ lora.a.double().t()).to(x.dtype)
+
+        def expand(self, v):
+            used.append("expand")
+            return (v.double() @ lora.b.double()).to(v.dtype)
+
+    x = _inputs_x(case, meta, gen)
+    written = active_rows_mask(meta, case.h_out)
+    y = poisoned((meta.num_tokens, case.h_out), case.dtype, written, gen)
+    before = y.clone()
+    expected = oracle_add_lora(y, x, lora, meta, SCALE_EXPAND)
+    add_lora(y, x, dataclasses.replace(lora, gemm=Fp64Gemm()), meta, SCALE_EXPAND, backend="einsum")
+    assert used == ["shrink", "expand"]
+    assert_update_close(y, expected, before, written, case.dtype)
+
+
+def _check_add_lora(case: Case, backend: str) -> None:
     lora, meta, gen = build(case)
     x = _inputs_x(case, meta, gen)
     written = active_rows_mask(meta, case.h_out)

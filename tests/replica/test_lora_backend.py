@@ -95,7 +95,7 @@ def test_einsum_wrapper_equals_vllm_cpu_and_fp64(mapping, is_prefill):
 @pytest.mark.parametrize("mapping,is_prefill", CASES)
 def test_meta_is_segmented_for_runs_and_per_token_otherwise(mapping, is_prefill):
     w = wrapper(PunicaWrapperEinsum, mapping, is_prefill)
-    (own,) = w._dlora_passes
+    own = w._dlora_pass
     meta = own.meta
     assert own.compensate is None
     assert meta.is_segmented == is_prefill  # PREFILL has runs of one adapter, DECODE has none
@@ -245,11 +245,11 @@ def test_mixed_step_of_merged_tokens_only_does_no_lora_work(monkeypatch):
     _, _, y0, y, _ = merged_step(PunicaWrapperEinsum, (11, 11, 11, 11), True, torch.float32)
     assert torch.equal(y, y0) and calls == []
     w = wrapper(PunicaWrapperEinsum, (11, 11, 11, 11), True)
-    assert len(w._dlora_passes) == 1  # unmerged, X's tokens apply X
+    assert w._dlora_pass is not None  # unmerged, X's tokens apply X
     w.dlora_set_merged_slot(MERGED)
-    assert w._dlora_passes == ()
+    assert w._dlora_pass is None
     w.dlora_set_merged_slot(None)  # unmerge: back to the normal pass
-    assert len(w._dlora_passes) == 1
+    assert w._dlora_pass is not None
 
 
 def test_mixed_passes_skip_merged_tokens_and_compensate_the_rest():
@@ -258,19 +258,21 @@ def test_mixed_passes_skip_merged_tokens_and_compensate_the_rest():
     from vllm.lora.layers import LoRAMapping
 
     w.update_metadata(LoRAMapping(MIXED_DECODE, MIXED_DECODE, is_prefill=False), list(IDS), SLOTS, 100)
-    (step,) = w._dlora_passes  # one call per slice, as unmerged: X's tokens none, base tokens -dX
+    step = w._dlora_pass  # one call per slice, as unmerged: X's tokens none, base tokens -dX
     assert step.compensate == MERGED and step.meta.token_indices.tolist() == [2, -1, 0, 1, -1, 0]
     a, b = stacks()
     full, comp = w._dlora_packed(a[0], b[0]), w._dlora_packed(a[0], b[0], merged_slot=MERGED)
-    assert full.ranks == (R,) * SLOTS and comp.ranks == (R,) + (2 * R,) * (SLOTS - 1)
-    x_rows = slice(0, R)
-    assert torch.equal(comp.a[:R], full.a[x_rows]) and torch.equal(comp.b[:R], -full.b[x_rows])
-    for j in range(1, SLOTS):  # [A_j; A_X] / [B_j; -B_X]
-        lo = R + (j - 1) * 2 * R
-        assert torch.equal(comp.a[lo:lo + R], full.a[j * R:(j + 1) * R])
-        assert torch.equal(comp.a[lo + R:lo + 2 * R], full.a[x_rows])
-        assert torch.equal(comp.b[lo:lo + R], full.b[j * R:(j + 1) * R])
-        assert torch.equal(comp.b[lo + R:lo + 2 * R], -full.b[x_rows])
+    rx = RANKS[MERGED]
+    assert full.ranks == tuple(RANKS)  # each slot's live rows only (slot 1 is rank 4 padded to 8)
+    assert comp.ranks == tuple(r if j == MERGED else r + rx for j, r in enumerate(RANKS))
+    off, comp_off = full.rank_offsets.tolist(), comp.rank_offsets.tolist()
+    x_rows = slice(off[MERGED], off[MERGED] + rx)
+    for j in range(SLOTS):  # slot X: A_X / -B_X; others [A_j; A_X] / [B_j; -B_X]
+        lo, own = comp_off[j], 0 if j == MERGED else RANKS[j]
+        assert torch.equal(comp.a[lo:lo + own], full.a[off[j]:off[j] + own])
+        assert torch.equal(comp.b[lo:lo + own], full.b[off[j]:off[j] + own])
+        assert torch.equal(comp.a[lo + own:comp_off[j + 1]], full.a[x_rows])
+        assert torch.equal(comp.b[lo + own:comp_off[j + 1]], -full.b[x_rows])
     assert w._dlora_packed(a[0], b[0], merged_slot=MERGED) is comp  # cached with the packed stacks
 
 
@@ -281,10 +283,45 @@ def test_einsum_makes_one_lora_call_per_layer_unmerged_and_mixed(monkeypatch):
     monkeypatch.setattr(punica_dlora, "add_lora", lambda y, x, lora, *a, **kw: calls.append((y.shape, lora.ranks)))
     a, b = stacks()
     run(PunicaWrapperEinsum, MIXED_PREFILL, True, a, b)
-    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), (len(SLICES) * R,) * SLOTS)]
+    k = len(SLICES)
+    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), tuple(k * r for r in RANKS))]
     calls.clear()
     merged_step(PunicaWrapperEinsum, MIXED_PREFILL, True, torch.float32)
-    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), (len(SLICES) * R,) + (len(SLICES) * 2 * R,) * (SLOTS - 1))]
+    rx = RANKS[MERGED]
+    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), tuple(k * (r if j == MERGED else r + rx)
+                                                               for j, r in enumerate(RANKS)))]
+
+
+def test_zero_rows_and_untargeted_layers_cost_nothing(monkeypatch):
+    """vLLM pads every adapter to max_lora_rank and gives modules an adapter does not target
+    all-zero stacks: only live rank rows reach the kernel, and a layer without any gets no call."""
+    calls = []
+    real_add_lora = punica_dlora.add_lora
+    monkeypatch.setattr(punica_dlora, "add_lora", lambda y, x, lora, *a, **kw: (
+        calls.append(lora.ranks), real_add_lora(y, x, lora, *a, **kw)))
+    a, b = stacks()
+    a[1][2].zero_(), b[1][2].zero_()  # slot 2's adapter does not target slice 1 (k_proj, say)
+    x, y0, y = run(PunicaWrapperEinsum, PREFILL, True, a, b)
+    torch.testing.assert_close(y.double(), reference(y0, x, a, b, PREFILL, 0.5), rtol=1e-5, atol=1e-5)
+    assert calls == [(3 * RANKS[0], 3 * RANKS[1], 2 * RANKS[2])]
+    calls.clear()
+    zeros = tuple(torch.zeros_like(t) for t in a), tuple(torch.zeros_like(t) for t in b)
+    _, y0, y = run(PunicaWrapperEinsum, PREFILL, True, *zeros)
+    assert torch.equal(y, y0) and calls == []
+
+
+@pytest.mark.parametrize("dtype, onednn", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)])
+def test_einsum_on_cpu_runs_prepacked_onednn_gemms_where_onednn_has_them(dtype, onednn):
+    a, b = stacks(dtype=dtype)
+    w = wrapper(PunicaWrapperEinsum, DECODE, False)
+    ((lora, lo, hi),) = w._dlora_calls(a, b, SLICES, None)
+    assert (lo, hi) == (0, sum(SLICES))
+    assert isinstance(lora.gemm, punica_dlora._OneDnnGemm) == onednn
+    x, y0 = (t.to(dtype) for t in inputs(len(DECODE)))
+    y = y0.clone()
+    w.add_lora_linear(y, x, a, b, 0.5, SLICES)
+    want = reference(y0, x, a, b, DECODE, 0.5)
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=4 * torch.finfo(dtype).eps * float(want.abs().max()))
 
 
 # ---- install / uninstall / checks ----------------------------------------------------------------

@@ -40,6 +40,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, default in DEFAULTS.items():
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=default)
+    ap.add_argument("--policy", default="unmerged",
+                    help="scheduling.policy of both servers (unmerged: every step runs every adapter's LoRA)")
     ap.add_argument("--out", default=str(RESULTS / "lora_backend_cpu.json"))
     args = ap.parse_args()
     args.compile = False  # dlora's backends need enforce_eager
@@ -51,9 +53,8 @@ def main() -> int:
     ports = {"vllm": 8321, "einsum": 8322}
     configs = {}
     for name in BACKENDS:
-        cfg = dlora_config(args, base, adapters, ports[name], work / f"state-{name}")
-        cfg["engine"]["lora_backend"] = name
-        configs[name] = cfg
+        args.lora_backend = name  # the one difference between the two servers' configs
+        configs[name] = dlora_config(args, base, adapters, ports[name], work / f"state-{name}")
     procs = {name: start_dlora(configs[name], work, name) for name in BACKENDS}
     try:
         for name, proc in procs.items():

@@ -82,10 +82,7 @@ RECENT_ITERATIONS = 512  # measured steps kept until the router's next stats rea
 def policy_from(additional_config, lora_backend: str) -> tuple[str, BatchingConfig]:
     settings = dict((additional_config or {}).get(BATCHING_CONFIG_KEY) or {"policy": "unmerged"})
     name = settings.pop("policy")
-    config = BatchingConfig(**settings)
-    if lora_backend == "vllm":  # vLLM's LoRA ops cannot compensate a merged adapter
-        config = without_mixing(config)
-    return name, config
+    return name, BatchingConfig(**settings).for_lora_backend(lora_backend)
 
 
 def without_mixing(config: BatchingConfig) -> BatchingConfig:

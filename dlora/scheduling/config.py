@@ -6,12 +6,24 @@ earns one second of credit per second its FCFS-due requests are held back, see c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"
 # (the test is strict) yet Alg. 2 can still lower it again from the hypothetical merged throughput.
 THRESHOLD_MIN = 0.05
 THRESHOLD_MAX = 1.0
+
+DEFAULT_MERGED_COST_RATIO = 0.6
+# How much cheaper a merged step is than an unmerged one of the same size, per LoRA backend, until
+# both are measured. A prior far below the truth makes Alg. 2 lower alpha on imagined merged speed
+# and pay real switches to learn otherwise (8 rank-8 q/k/v/o adapters, SmolLM2-135M bf16, 1 core):
+#   vllm:   vLLM's CPU LoRA ops make unmerged decode ~2.5-3x slower than merged;
+#   einsum: live-rank packing + oneDNN GEMMs leave unmerged 1.14-1.25x a base-model step
+#           (16 decodes, in-engine, session 4); its old 0.4 prior cost 4 needless switches at
+#           uniform popularity in bench/dynamic_batching_skew.py;
+#   triton: DESIGN §5's GPU figure.
+MERGED_COST_PRIORS = {"vllm": 0.4, "einsum": 0.85, "triton": DEFAULT_MERGED_COST_RATIO}
 
 
 def _require(cond: bool, name: str, value: object, why: str) -> None:
@@ -38,8 +50,9 @@ class BatchingConfig:
     # Initial switching-cost estimate t_M (DESIGN §5: switch ≈ 0.02 s); replaced by measurements.
     switch_cost_s: float = 0.02
     # Prior merged/unmerged iteration-time ratio at equal batch size, used for the mode not yet
-    # measured (DESIGN §5: merged batches modelled at 0.6 of unmerged cost).
-    merged_cost_ratio: float = 0.6
+    # measured. None: the engine's LoRA backend's (`MERGED_COST_PRIORS`); DEFAULT_MERGED_COST_RATIO
+    # (DESIGN §5: merged batches modelled at 0.6 of unmerged cost) where no backend is known.
+    merged_cost_ratio: float | None = None
     # Alg. 3 credits (seconds). Every adapter (and the base model) starts with initial_credit.
     initial_credit: float = 1.0
     min_credit_to_merge: float = 0.0  # merge only if credit - this step's cost >= this (line 17)
@@ -56,6 +69,20 @@ class BatchingConfig:
     # unmerge. Only dlora's LoRA backends can compensate: the engine turns it off on `vllm`'s.
     mixed_merged: bool = False
 
+    @property
+    def merged_cost_prior(self) -> float:
+        return DEFAULT_MERGED_COST_RATIO if self.merged_cost_ratio is None else self.merged_cost_ratio
+
+    def for_lora_backend(self, backend: str) -> "BatchingConfig":
+        """The config as an engine with LoRA `backend` runs it: an unset merged_cost_ratio becomes
+        the backend's prior, and mixing is off with vLLM's ops (they cannot compensate)."""
+        changes: dict = {}
+        if self.merged_cost_ratio is None:
+            changes["merged_cost_ratio"] = MERGED_COST_PRIORS.get(backend, DEFAULT_MERGED_COST_RATIO)
+        if backend == "vllm":
+            changes["mixed_merged"] = False
+        return dataclasses.replace(self, **changes) if changes else self
+
     def __post_init__(self) -> None:
         _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
         _require(0 < self.beta < self.alpha <= THRESHOLD_MAX, "alpha", (self.alpha, self.beta),
@@ -67,8 +94,8 @@ class BatchingConfig:
         _require(self.break_period_iters >= 1, "break_period_iters", self.break_period_iters,
                  "must be >= 1")
         _require(self.switch_cost_s >= 0, "switch_cost_s", self.switch_cost_s, "must be >= 0")
-        _require(self.merged_cost_ratio > 0, "merged_cost_ratio", self.merged_cost_ratio,
-                 "must be > 0")
+        _require(self.merged_cost_ratio is None or self.merged_cost_ratio > 0, "merged_cost_ratio",
+                 self.merged_cost_ratio, "must be > 0 (or unset: the LoRA backend's prior)")
         _require(self.t_normal < self.t_starve, "t_normal", self.t_normal,
                  f"must be < t_starve ({self.t_starve})")
         _require(self.initial_credit < self.t_normal, "initial_credit", self.initial_credit,

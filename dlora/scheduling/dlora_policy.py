@@ -36,7 +36,7 @@ class DLoRAPolicy(BatchingPolicy):
         super().__init__(config)
         c = self.config
         self.mode, self.merged = Mode.UNMERGED, None
-        self.cost = IterationCostModel(c.merged_cost_ratio)
+        self.cost = IterationCostModel(c.merged_cost_prior)
         self.thresholds = AdaptiveThresholds(c, self.cost)
         self.ledger = CreditLedger(c.initial_credit, c.t_starve, c.t_normal, c.credit_relax_per_s)
         self.switch_cost = c.switch_cost_s  # t_M, seconds

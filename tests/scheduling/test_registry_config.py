@@ -29,9 +29,20 @@ def test_unknown_policy_lists_supported_names(bad):
 
 def test_defaults_follow_the_design():
     c = BatchingConfig()
-    assert (c.gamma_dec, c.gamma_mul, c.switch_cost_s, c.merged_cost_ratio) == (0.05, 1.1, 0.02, 0.6)
+    assert (c.gamma_dec, c.gamma_mul, c.switch_cost_s, c.merged_cost_prior) == (0.05, 1.1, 0.02, 0.6)
     assert c.beta < c.alpha <= 1.0
     assert c.initial_credit < c.t_normal < c.t_starve
+
+
+@pytest.mark.parametrize("backend, prior", [("vllm", 0.4), ("einsum", 0.85), ("triton", 0.6)])
+def test_an_unset_merged_cost_prior_is_the_lora_backends(backend, prior):
+    """vLLM's CPU LoRA ops make unmerged steps ~2.5x merged ones, dlora's einsum kernels ~1.2x: the
+    prior Alg. 2 uses before it has measured both modes follows the backend the engine runs."""
+    assert BatchingConfig().for_lora_backend(backend).merged_cost_ratio == prior
+    assert BatchingConfig(merged_cost_ratio=0.7).for_lora_backend(backend).merged_cost_ratio == 0.7
+    assert make_policy("dlora", BatchingConfig().for_lora_backend(backend)).cost.merged_cost_ratio == prior
+    mixing = BatchingConfig(mixed_merged=True).for_lora_backend(backend)
+    assert mixing.mixed_merged == (backend != "vllm")  # vLLM's ops cannot compensate
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -14,9 +14,9 @@ instead of one small GEMM per adapter, which wins on CPU where per-op dispatch d
 
 The two contractions are plain GEMMs once the axes are packed, so they are written as matmuls
 (torch.einsum adds ~10% dispatch overhead at these sizes), or go through the PackedLoRA's prebuilt
-`gemm` when it has one (a GEMM with prepacked weights is ~2x torch.matmul at decode sizes). Rows with index -1 are never read or
-written. Mask tensors are cached on the batch metadata,
-so they are built once per step and per distinct rank layout.
+`gemm` when it has one (a GEMM with prepacked weights is ~2x torch.matmul at decode sizes). Rows
+with index -1 are never read or written. Mask tensors are cached on the batch metadata, so they
+are built once per step and per distinct rank layout.
 """
 
 from __future__ import annotations

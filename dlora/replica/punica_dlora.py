@@ -21,8 +21,11 @@ as much as live ones, so `_pack` copies only each slot's live rank rows into dlo
 mixed-rank layout (A rows, B transposed), and a layer with none is skipped: in an engine profile
 (SmolLM2-135M, 8 rank-8 q/k/v/o adapters, 16 decodes) half the LoRA time went to such zero layers.
 The packed copy is cached per stacked tensor and rebuilt when either tensor's version counter moves
-(`set_lora` / `reset_lora` write into them in place, which bumps it); it costs at most as much
-memory as vLLM's stacks (about 20 MB for SmolLM2-135M with 4 slots of rank 16 on every module).
+(`set_lora` / `reset_lora` write into them in place, which bumps it). Memory, besides vLLM's own
+stacks (about 20 MB for SmolLM2-135M with 4 slots of rank 16 on every module): per targeted layer
+the per-slice packed copy (live rows only, so at most the stacks' size), for fused layers the
+block-diagonal fused copy (its B is k times the per-slice B of k slices), and oneDNN's prepacked
+copy of whatever is called; while a merge lasts, the compensated versions of the same as well.
 
 Token index -1 means "no adapter"; those rows are never read or written (vLLM's CPU torch ops get
 this wrong, see cpu_lora_fix.py; the kernels skip them natively). A step whose tokens all have -1

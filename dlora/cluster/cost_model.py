@@ -11,7 +11,8 @@ output times the decode cost, with the per-step overhead shared by a full batch 
 Counting every request at full-batch cost makes its work independent of what else runs on the
 replica, so pending time is additive and the ILP stays linear; it underestimates the latency of a nearly
 idle replica, which is harmless because load balancing only matters when replicas are busy.
-Requests of the replica's merged adapter run at `merged_ratio` (0.6, DESIGN §5) of that. The coefficients
+Requests of the replica's merged adapter run at `merged_ratio` (0.6, DESIGN §5) of that. A request whose adapter would find every
+batch slot (vLLM's max_loras) taken also waits for one (`batch_slot_wait`). The coefficients
 start from priors and are refitted from the replica's measured steps (`IterationSample`) by
 least squares pulled towards the priors, so one step size seen so far cannot produce a wild fit.
 """
@@ -82,6 +83,27 @@ def merge_disruption(p: CostParams, view: ReplicaView, adapter: AdapterName) -> 
     if merged is None or adapter == merged:
         return 0.0
     return sum(request_work(p, r) - request_work(p, r, merged=True) for r in view.requests if r.adapter == merged)
+
+
+def batch_slot_wait(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Seconds a request of `adapter` waits for a batch slot on a replica whose max_loras slots all
+    hold other adapters with requests: until the first of those adapters drains (vLLM admits a new
+    adapter into a step only once no running request holds one of the slots), i.e. its longest
+    remaining request, at one token per step of the replica's current batch. A lower bound (their
+    queued requests start later), in wall time rather than work, and zero whenever a slot is free.
+
+    Why dispatch needs it: with 8 adapters and max_loras 4, pending-work balancing spreads every
+    adapter over every replica, and a cold adapter's request then sits in vLLM's waiting queue,
+    skipped step after step, while the busy replica it was sent to keeps serving four others.
+    """
+    if not view.waits_for_batch_slot(adapter):
+        return 0.0
+    left: dict[str, float] = {}
+    for r in view.requests:
+        if r.adapter is not None:
+            left[r.adapter] = max(left.get(r.adapter, 0.0), r.remaining_output_tokens)
+    step_s = p.per_iteration_s + p.per_decode_token_s * min(view.num_requests, p.max_batch)
+    return min(left.values()) * step_s
 
 
 def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:

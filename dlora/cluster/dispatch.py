@@ -7,6 +7,9 @@ model), plus the adapter load time where the adapter is absent, plus the request
 there (cheaper where its adapter is merged), plus the slowdown it would cause where another
 adapter is merged (that replica must unmerge to serve it). So a holder wins ties and small differences, and
 a burst spills over to non-holders, which then load the adapter, once the holders fall behind.
+A replica where max_loras other adapters already have requests is charged the wait for one of
+them to drain (`batch_slot_wait`), so a cold adapter's requests gather where it already runs
+instead of queueing behind four others.
 A replica whose KV use is at or above `kv_high` counts as overloaded and is skipped while any
 other can take the request, and a non-holder with no free adapter slot cannot take it at all.
 
@@ -21,7 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dlora.cluster.cost_model import CostParams, load_time, merge_disruption, pending_time, request_work
+from dlora.cluster.cost_model import (
+    CostParams, batch_slot_wait, load_time, merge_disruption, pending_time, request_work,
+)
 from dlora.cluster.monitor_types import ReplicaView, RequestLoad
 
 KV_HIGH = 0.90
@@ -44,10 +49,11 @@ def _can_take(view: ReplicaView, req: RequestLoad) -> bool:
 
 def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
     """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work, plus
-    the slowdown it causes a replica that has another adapter merged."""
+    the slowdown it causes a replica that has another adapter merged, plus its wait for a batch
+    slot where max_loras other adapters hold them all."""
     merged = req.adapter is not None and req.adapter == view.merged_adapter
     return (pending_time(params, view) + load_time(params, view, req.adapter) + request_work(params, req, merged)
-            + merge_disruption(params, view, req.adapter))
+            + merge_disruption(params, view, req.adapter) + batch_slot_wait(params, view, req.adapter))
 
 
 class DispatchPolicy(ABC):

@@ -57,7 +57,7 @@ def greedy_moves(p: MigrationProblem, deadline: float = float("inf"),
             relief = _overflow(p, s, mem[s]) - _overflow(p, s, mem[s] - g.mem[ri]) if may_overflow[s] else 0.0
             for j in p.receivers:
                 need = absent[gi][j]
-                if need and slots[j] <= 0:
+                if (need and slots[j] <= 0) or p.batch_blocked(g.adapter, j):
                     continue
                 arrive = load[j] + g.work[j][ri] + g.recompute[j][ri] + (load_s[j] if need else 0.0)
                 gain = top - max(left, arrive, p.floor) - p.migration_s + relief

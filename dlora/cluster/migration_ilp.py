@@ -69,7 +69,7 @@ class _Model:
 
 
 def _can_receive(p: MigrationProblem, a: AdapterName, j: int) -> bool:
-    return not p.needs_load(a, j) or p.free_slots(j) > 0
+    return not p.batch_blocked(a, j) and (not p.needs_load(a, j) or p.free_slots(j) > 0)
 
 
 def _affine(terms: list[tuple[pulp.LpVariable, float]], constant: float = 0.0) -> pulp.LpAffineExpression:

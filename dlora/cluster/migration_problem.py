@@ -78,6 +78,12 @@ class MigrationProblem:
     def free_slots(self, j: int) -> int:
         return self.slots[j]
 
+    def batch_blocked(self, adapter: AdapterName, j: int) -> bool:
+        """Receiver j's batch slots (max_loras) are all held by other adapters: a moved request of
+        `adapter` would only wait there. Per move, so several new adapters may still share a
+        receiver's last free slot; the next round corrects that."""
+        return self.replicas[j].waits_for_batch_slot(adapter)
+
 
 def _move_order(r: RequestLoad) -> tuple[bool, int, str]:
     """Queued requests first (nothing to recompute), then the shortest contexts."""

@@ -45,8 +45,9 @@ class ReplicaView:
 
     `kv_usage` is the engine's measured fraction of KV blocks in use; when None (e.g. in a unit
     test) it is derived from the running requests' context tokens over `kv_capacity_tokens`.
-    `adapter_slots` is how many adapters the replica may hold at once (vLLM's max_loras / the
+    `adapter_slots` is how many adapters the replica may hold at once (vLLM's max_cpu_loras / the
     adapter memory budget); idle residents are evictable, adapters with requests are not.
+    `batch_adapter_slots` is how many distinct adapters one engine step may run (vLLM's max_loras).
     """
 
     replica_id: int
@@ -55,6 +56,7 @@ class ReplicaView:
     merged_adapter: str | None = None
     kv_capacity_tokens: int = 1 << 20
     adapter_slots: int = 1 << 20
+    batch_adapter_slots: int = 1 << 20
     kv_usage: float | None = None
     healthy: bool = True
 
@@ -82,6 +84,12 @@ class ReplicaView:
     def adapters_in_use(self) -> frozenset[str]:
         """Adapters with requests here: the engine cannot evict these to make room."""
         return frozenset(r.adapter for r in self.requests if r.adapter is not None)
+
+    def waits_for_batch_slot(self, adapter: AdapterName) -> bool:
+        """A request of `adapter` cannot join a step yet: other adapters with requests here take
+        every batch slot (vLLM admits a new adapter only once one of them has no running request left)."""
+        in_use = self.adapters_in_use()
+        return adapter is not None and adapter not in in_use and len(in_use) >= self.batch_adapter_slots
 
     def free_adapter_slots(self) -> int:
         """Adapters that can still be loaded (idle residents count as free: LRU evicts them)."""

@@ -111,6 +111,7 @@ class RouterConfig:
     # placement dLoRA compares against; dynamic: any replica, adapters loaded where needed.
     static_placement: bool = False
     adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
+    batch_adapter_slots: int = 1 << 20  # distinct adapters in one engine step (vLLM max_loras)
     kv_capacity_tokens: int = 1 << 17  # per replica, until the engine reports its own
     max_batch: int = 64
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
@@ -226,6 +227,7 @@ class Router:
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
             kv_capacity_tokens=self.cfg.kv_capacity_tokens, adapter_slots=self.cfg.adapter_slots,
+            batch_adapter_slots=self.cfg.batch_adapter_slots,
             healthy=slot.healthy,
         )
 

@@ -54,6 +54,13 @@ def base_model_name(cfg: DloraConfig, model_path: str) -> str:
     return cfg.model.served_name or Path(model_path).name
 
 
+def router_config(cfg: DloraConfig) -> RouterConfig:
+    """What the router needs from the server's config: the engines' adapter and batch limits."""
+    return RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
+                        adapter_slots=cfg.engine.max_cpu_loras, batch_adapter_slots=cfg.engine.max_loras,
+                        max_batch=cfg.engine.max_num_seqs, output_lengths=cfg.cluster.output_lengths())
+
+
 async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     """Prepare the model, start the replicas, and register the configured and persisted adapters."""
     from transformers import AutoTokenizer
@@ -65,11 +72,7 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = base_model_name(cfg, model_path)
     manager_box: list[AdapterManager] = []
-    router_cfg = RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
-                              adapter_slots=cfg.engine.max_cpu_loras,
-                              max_batch=cfg.engine.max_num_seqs,
-                              output_lengths=cfg.cluster.output_lengths())
-    router = Router(replicas or create_replicas(cfg, model_path), cfg=router_cfg,
+    router = Router(replicas or create_replicas(cfg, model_path), cfg=router_config(cfg),
                     pinned_adapters=lambda: manager_box[0].pinned_refs())
     adapters = AdapterManager(
         registry=AdapterRegistry(cfg.state_dir),

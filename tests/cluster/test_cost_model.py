@@ -1,7 +1,7 @@
 import pytest
 
 from dlora.cluster.cost_model import (
-    CostParams, ReplicaCostModel, load_time, pending_time, recompute_s, request_work,
+    CostParams, ReplicaCostModel, batch_slot_wait, load_time, pending_time, recompute_s, request_work,
 )
 from dlora.cluster.monitor_types import IterationSample
 from tests.cluster.balancer_factories import make_replica, make_request
@@ -29,6 +29,24 @@ def test_pending_time_sums_requests_with_the_merged_discount_and_load_time_only_
     assert pending_time(P, merged) == pytest.approx(total - 0.4 * request_work(P, reqs[0]))
     assert load_time(P, plain, "a") == 0.0 and load_time(P, plain, None) == 0.0
     assert load_time(P, plain, "z") == P.adapter_load_s
+
+
+def test_batch_slot_wait_is_the_first_in_use_adapter_to_drain_only_when_every_slot_is_taken():
+    # Four adapters hold the four batch slots; "c" has the shortest longest-remaining request (30).
+    reqs = [make_request("b0", "b", output=10, expected=100, running=True),
+            make_request("b1", "b", output=90, expected=100, running=True),  # b's longest: 90 left
+            make_request("c0", "c", output=20, expected=50, running=True),   # c: 30 left
+            make_request("d0", "d", expected=70),                            # queued, 70 left
+            make_request("e0", "e", output=5, expected=45, running=True)]    # 40 left
+    full = make_replica(0, reqs, resident={"a", "b", "c", "d", "e"}, batch_adapter_slots=4)
+    step = P.per_iteration_s + P.per_decode_token_s * len(reqs)
+    assert batch_slot_wait(P, full, "a") == pytest.approx(30 * step)
+    for in_use in ("b", "c", "d", "e"):
+        assert batch_slot_wait(P, full, in_use) == 0.0  # joins its own adapter's slot
+    assert batch_slot_wait(P, full, None) == 0.0  # the base model needs no slot
+    roomy = make_replica(0, reqs, resident={"a", "b", "c", "d", "e"}, batch_adapter_slots=5)
+    assert batch_slot_wait(P, roomy, "a") == 0.0
+    assert batch_slot_wait(P, make_replica(0, reqs), "a") == 0.0  # default: no batch-slot limit
 
 
 def test_fit_recovers_step_coefficients_from_varied_steps():

@@ -1,6 +1,6 @@
 import pytest
 
-from dlora.cluster.cost_model import CostParams, merge_disruption, request_work
+from dlora.cluster.cost_model import CostParams, merge_disruption, pending_time, request_work
 from dlora.cluster.dispatch import (
     DISPATCH_POLICIES, NoEligibleReplica, ProactiveDispatch, make_dispatch_policy,
 )
@@ -84,6 +84,23 @@ def test_other_adapters_avoid_a_merged_replica_until_the_unmerged_one_is_far_bus
     # Once the unmerged replica is far busier, the merged one takes the cold request after all.
     swamped = make_replica(1, many("m", 30, "c", running=True, expected=100), resident={"b", "c"})
     assert choose([merged, swamped], cold, params).replica_id == 0
+
+
+def test_a_cold_adapter_goes_where_a_batch_slot_is_free_not_where_four_others_hold_them():
+    # Replica 0 is lightly loaded but runs four other adapters (max_loras 4); replica 1 has more
+    # work but only "b". A request for "a" would wait on replica 0 until one of the four drains.
+    four = [make_request(f"x{k}", k, output=0, expected=100, running=True) for k in "bcde"]
+    busy = many("b", 8, "b", running=True, expected=100)
+    resident = {"a", "b", "c", "d", "e"}
+    few_slots = [make_replica(0, four, resident=resident, batch_adapter_slots=4),
+                 make_replica(1, busy, resident=resident, batch_adapter_slots=4)]
+    assert pending_time(P, few_slots[0]) < pending_time(P, few_slots[1])
+    assert choose(few_slots).replica_id == 1
+    # An adapter already running on replica 0 joins it there, and without the limit the lighter
+    # replica wins as before.
+    assert choose(few_slots, make_request("c1", "c")).replica_id == 0
+    no_limit = [make_replica(0, four, resident=resident), make_replica(1, busy, resident=resident)]
+    assert choose(no_limit).replica_id == 0
 
 
 def test_unhealthy_replicas_are_never_chosen():

@@ -56,6 +56,26 @@ def test_receiver_without_free_slots_only_gets_requests_whose_adapter_it_holds()
         assert all(rid.startswith("b") for rid, _, _ in plan.moves)
 
 
+def test_receiver_with_every_batch_slot_taken_only_gets_requests_of_adapters_running_there():
+    reqs = many("a", 10, "a", running=True, expected=300) + many("b", 10, "b", running=True, expected=300)
+    hot = make_replica(0, reqs, resident={"a", "b", "c", "d"})
+    # Replica 1 runs "b" and "c" with max_loras 2: an "a" request moved there would wait for a slot.
+    busy_slots = make_replica(1, [*many("c", 1, "c", running=True), *many("x", 1, "b", running=True)],
+                              resident={"a", "b", "c"}, batch_adapter_slots=2)
+    cluster = ClusterView((hot, busy_slots))
+    for solver in SOLVERS + ["greedy"]:
+        plan = plan_migration(cluster, P, MigrationConfig(solver=solver, time_limit_s=5.0))
+        check_plan(cluster, plan)
+        assert plan.moves and all(rid.startswith("b") for rid, _, _ in plan.moves), solver
+    # A replica of "a" alone has nothing to send there, until a batch slot is free.
+    only_a = make_replica(0, reqs[:10], resident={"a"})
+    plan = plan_migration(ClusterView((only_a, busy_slots)), P, MigrationConfig(time_limit_s=5.0))
+    assert plan.moves == ()
+    roomy = make_replica(1, busy_slots.requests, resident={"a", "b", "c"}, batch_adapter_slots=3)
+    plan = plan_migration(ClusterView((only_a, roomy)), P, MigrationConfig(time_limit_s=5.0))
+    assert plan.moves and all(rid.startswith("a") for rid, _, _ in plan.moves)
+
+
 def test_kv_overflow_alone_is_worth_relieving():
     # Equal work, but replica 0 holds 12k KV tokens in a 10k cache: moving requests off it pays.
     over = make_replica(0, many("a", 12, "a", prompt=1000, running=True, expected=1000, output=0),

@@ -125,6 +125,11 @@ def test_proactive_dispatch_prefers_the_holder_until_it_is_busy():
     asyncio.run(run())
 
 
+def test_views_carry_the_engines_batch_adapter_slots():
+    router = Router([SimReplica(0), SimReplica(1)], cfg=RouterConfig(batch_adapter_slots=3))
+    assert [v.batch_adapter_slots for v in router.views()] == [3, 3]
+
+
 def test_balancer_moves_work_from_the_busy_replica():
     async def run():
         router, replicas = make(step_s=0.001, dispatch="round_robin")

@@ -75,10 +75,10 @@ def shipped_engine() -> dict:
     return yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("engine") or {}
 
 
-def scheduling(policy: str) -> dict:
+def scheduling(policy: str, mixed_merged: bool = False) -> dict:
     """The policy with the parameters of configs/default.yaml's `scheduling:` (what users get)."""
     shipped = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("scheduling") or {}
-    return {**shipped, "policy": policy}
+    return {**shipped, "policy": policy, **({"mixed_merged": True} if mixed_merged else {})}
 
 
 def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Path) -> dict:
@@ -90,7 +90,7 @@ def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Pat
                    "lora_backend": args.lora_backend},
         "server": {"port": PORTS[policy], "state_dir": str(state)},
         "cluster": {"num_replicas": 1, "cpu_cores": [0]},
-        "scheduling": scheduling(policy),
+        "scheduling": scheduling(policy, args.mixed_merged and policy == "dlora"),  # baselines stay as they are
         "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
     }
 
@@ -125,6 +125,7 @@ def point_metrics(r: dict) -> dict:
         "mean_e2el_ms": r["mean_e2el_ms"],
         "completed": r["completed"],
         "failed": r["failed"],
+        "first_errors": sorted({e for e in r["errors"] if e})[:3],
         "duration_s": r["duration"],
     }
 
@@ -213,6 +214,8 @@ def main() -> int:
     ap.add_argument("--lora-backend", default=shipped_engine().get("lora_backend", "vllm"),
                     help="engine.lora_backend of dlora's servers (default: configs/default.yaml's); vLLM's "
                          "server always runs its own LoRA ops")
+    ap.add_argument("--mixed-merged", action="store_true", help="scheduling.mixed_merged for dlora's servers: "
+                    "while an adapter is merged, other requests run in the same step (compensated)")
     ap.add_argument("--out", default=str(RESULTS / "dynamic_batching_skew.json"))
     args = ap.parse_args()
     if args.quick:
@@ -255,8 +258,8 @@ def main() -> int:
             for system in order:
                 m = run_point(system, requests)
                 if m["failed"]:
-                    raise RuntimeError(f"{system}: {m['failed']} requests failed at alpha {alpha} (server died? "
-                                       f"see {work / system}.log); no result written")
+                    raise RuntimeError(f"{system}: {m['failed']} requests failed at alpha {alpha}: {m['first_errors']} "
+                                       f"(server died? see {work / system}.log); no result written")
                 points.append({"policy": system, "skew": alpha, "top_share": top_share,
                                "realized_top_share": realized, "metrics": m})
                 extra = f", {m['switches']:.0f} switches" if "switches" in m else ""

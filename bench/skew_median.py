@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Medians over repeated `dynamic_batching_skew.py` runs: one noisy run decides nothing.
+
+Each run's points are (system, skew) -> latency per output token. This takes the median of every
+point over the runs, recomputes the issue's summary from those medians (`summarize`, the same
+function a single run uses), and keeps each run's own summary beside it, so both "the median run"
+and "the median of each ratio" can be read. The runs must share a workload (checked).
+
+    .venv/bin/python bench/skew_median.py bench/results/dynamic_batching_skew.json \\
+        bench/results/dynamic_batching_skew.session4_runC.json ... --out bench/results/dynamic_batching_skew.median.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.dynamic_batching_skew import SYSTEMS, plot, summarize  # noqa: E402
+from bench.servers import write_result  # noqa: E402
+
+METRICS = ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms", "output_throughput", "switches")
+
+
+def median_points(runs: list[dict]) -> list[dict]:
+    """One point per (system, skew): the median of each metric over the runs."""
+    out = []
+    for first in runs[0]["points"]:
+        same = [p for run in runs for p in run["points"] if (p["policy"], p["skew"]) == (first["policy"], first["skew"])]
+        if len(same) != len(runs):
+            raise SystemExit(f"point {first['policy']} at skew {first['skew']} is missing from some runs")
+        metrics = {k: statistics.median(p["metrics"][k] for p in same) for k in METRICS
+                   if all(p["metrics"].get(k) is not None for p in same)}
+        out.append({"policy": first["policy"], "skew": first["skew"], "top_share": first["top_share"],
+                    "metrics": metrics, "per_run": [p["metrics"]["avg_latency_per_output_token_ms"] for p in same]})
+    return out
+
+
+def median_ratios(summaries: list[dict]) -> dict:
+    """Each headline ratio, and each per-skew ratio, as the median of the runs' own values: robust
+    to a machine that is slower in one run for every system alike (point medians are not)."""
+    keys = ("dlora_vs_better_baseline_min", "dlora_vs_worse_baseline_min", "dlora_vs_vllm_server_max_skew")
+    per_skew = {skew: {k: statistics.median(s["per_skew"][skew][k] for s in summaries) for k in ratios}
+                for skew, ratios in summaries[0]["per_skew"].items()}
+    return {**{k: statistics.median(s[k] for s in summaries) for k in keys}, "per_skew": per_skew}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="result JSONs of dynamic_batching_skew.py (same workload)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dynamic_batching_skew.median.json"))
+    args = ap.parse_args()
+    runs = [json.loads(Path(p).read_text()) for p in args.runs]
+    if any(r["workload"] != runs[0]["workload"] for r in runs):
+        raise SystemExit("the runs have different workloads; medians over them would mean nothing")
+    skews = runs[0]["workload"]["alphas"]
+    points = median_points(runs)
+    bases = [r["base_model_reference"] for r in runs if r.get("base_model_reference")]
+    base = ({"avg_latency_per_output_token_ms":
+             statistics.median(b["metrics"]["avg_latency_per_output_token_ms"] for b in bases)}
+            if len(bases) == len(runs) else None)
+    summary = summarize(points, skews, base)
+    per_run = [r["summary"] for r in runs]
+    result = {"runs": args.runs, "workload": runs[0]["workload"], "points": points,
+              "base_model_reference": {"metrics": base} if base else None,
+              "summary": summary | {"median_of_run_ratios": median_ratios(per_run)},
+              "per_run_summary": per_run}
+    for system in SYSTEMS:
+        row = [p for p in points if p["policy"] == system]
+        print(f"{system:9s}", " ".join(f"{p['metrics']['avg_latency_per_output_token_ms']:7.1f}" for p in row))
+    print({k: round(v, 3) for k, v in summary.items() if isinstance(v, float)})
+    own = median_ratios(per_run)
+    print("median of the runs' own ratios:", {k: round(v, 3) for k, v in own.items() if k != "per_skew"})
+    for skew, r in own["per_skew"].items():
+        print(f"  skew {skew}:", {k: round(v, 3) for k, v in r.items()})
+    write_result(result, args.out, plot)  # the same plot, of the medians
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

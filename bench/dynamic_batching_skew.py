@@ -100,7 +100,8 @@ def url(system: str) -> str:
 
 
 def batching_metrics(system: str) -> dict:
-    """Switch count and switch-time sums from a dlora server's /metrics (cumulative)."""
+    """Switch count and switch-time sums from a dlora server's /metrics (cumulative), and the
+    dlora policy's current alpha/beta (why it did or did not merge)."""
     text = httpx.get(f"{url(system)}/metrics", timeout=30).text
     out = {"switches": 0.0, "merge_count": 0.0, "merge_sum_s": 0.0, "unmerge_count": 0.0, "unmerge_sum_s": 0.0}
     for line in text.splitlines():
@@ -108,6 +109,8 @@ def batching_metrics(system: str) -> dict:
             out["switches"] = float(m.group(1))
         elif m := re.fullmatch(r'dlora_switch_seconds_(count|sum)\{op="(\w+)",replica="0"\} (\S+)', line):
             out[f"{m.group(2)}_{'count' if m.group(1) == 'count' else 'sum_s'}"] = float(m.group(3))
+        elif m := re.fullmatch(r'dlora_batching_threshold\{replica="0",threshold="(alpha|beta)"\} (\S+)', line):
+            out[m.group(1)] = float(m.group(2))  # where Alg. 2 left them: not a counter
     return out
 
 
@@ -137,7 +140,8 @@ def run_point(system: str, requests) -> dict:
     m = point_metrics(r)
     if before is not None:
         after = batching_metrics(system)
-        delta = {k: after[k] - before[k] for k in after}
+        delta = {k: after[k] - before.get(k, 0.0) for k in after if k not in ("alpha", "beta")}
+        m.update({f"{k}_after": after[k] for k in ("alpha", "beta") if k in after})
         m["switches"] = delta["switches"]
         for op in ("merge", "unmerge"):
             n = delta[f"{op}_count"]

@@ -162,21 +162,25 @@ def test_module_exit_status_for_bad_value():
 
 
 def test_ctrl_c_saves_partial_result(fake, tmp_path):
-    fake.state.token_delay = 0.05  # 40 tokens -> ~2 s per request; 20 requests at 4 req/s -> ~7 s
-    p = _run_module("--base-url", fake.url, "--num-prompts", "20", "--request-rate", "4", "--input-len", "4",
+    # 40 tokens -> ~2 s per request; 40 requests at 4 req/s arrive over ~10 s, so Ctrl-C after the
+    # 12th arrival (+1 s: the first ones have finished) lands mid-run even if this process is
+    # starved for seconds (20 requests once finished first on a loaded CI machine).
+    fake.state.token_delay = 0.05
+    p = _run_module("--base-url", fake.url, "--num-prompts", "40", "--request-rate", "4", "--input-len", "4",
                     "--output-len", "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
                     "partial.json", "--disable-tqdm")
     deadline = time.time() + 60
-    while sum(1 for b in fake.state.received) < 8 and time.time() < deadline and p.poll() is None:
+    while len(fake.state.received) < 12 and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
     time.sleep(1.0)
+    assert p.poll() is None, f"the run ended before Ctrl-C: {p.communicate()}"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "interrupted: partial result saved to" in out
     res = json.loads((tmp_path / "partial.json").read_text())
-    assert res["interrupted"] is True and res["num_prompts"] == 20
-    assert 0 < res["completed"] < 20
+    assert res["interrupted"] is True and res["num_prompts"] == 40
+    assert 0 < res["completed"] < 40
 
 
 def test_lengths_fit_the_servers_max_model_len(capsys, fake):

@@ -148,10 +148,18 @@ def test_save_workload_then_replay(capsys, fake, tmp_path):
     assert {b["model"] for b in sent} <= {"a1", "a2"}
 
 
+def _default_sigint() -> None:
+    # A shell's background job (`cmd &` without job control, e.g. a CI wrapper) starts with SIGINT
+    # ignored, children inherit that, and Python then installs no KeyboardInterrupt handler: give
+    # the child the terminal default, as a user's Ctrl-C would find it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run_module(*argv, **kw):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "dlora.bench", *argv], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint, **kw)
 
 
 def test_module_exit_status_for_bad_value():
@@ -164,7 +172,7 @@ def test_module_exit_status_for_bad_value():
 def test_ctrl_c_saves_partial_result(fake, tmp_path):
     # 40 tokens -> ~2 s per request; 40 requests at 4 req/s arrive over ~10 s, so Ctrl-C after the
     # 12th arrival (+1 s: the first ones have finished) lands mid-run even if this process is
-    # starved for seconds (20 requests once finished first on a loaded CI machine).
+    # starved for seconds.
     fake.state.token_delay = 0.05
     p = _run_module("--base-url", fake.url, "--num-prompts", "40", "--request-rate", "4", "--input-len", "4",
                     "--output-len", "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename",

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from bench.servers import make_random_adapters, start, stop, wait_healthy, write_result  # noqa: E402
 from dlora import env  # noqa: E402
 from dlora.bench.popularity import popularity_shares  # noqa: E402
-from dlora.bench.runner import run_benchmark  # noqa: E402
+from dlora.bench.runner import first_errors, run_benchmark  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
 
@@ -128,7 +128,7 @@ def point_metrics(r: dict) -> dict:
         "mean_e2el_ms": r["mean_e2el_ms"],
         "completed": r["completed"],
         "failed": r["failed"],
-        "first_errors": sorted({e for e in r["errors"] if e})[:3],
+        "first_errors": first_errors(r),
         "duration_s": r["duration"],
     }
 

@@ -239,9 +239,13 @@ def run_benchmark(
         raise BenchmarkInterrupted(result(True) if run.t0 is not None else None) from None
     res = result(False)
     if res["completed"] == 0:
-        errors = sorted({e for e in res["errors"] if e})[:3]
-        print(f"warning: every request failed; first errors: {errors}", file=sys.stderr)
+        print(f"warning: every request failed; first errors: {first_errors(res)}", file=sys.stderr)
     return res
+
+
+def first_errors(result: dict[str, Any], n: int = 3) -> list[str]:
+    """Up to `n` distinct error messages of a run's failed requests, sorted."""
+    return sorted({e for e in result["errors"] if e})[:n]
 
 
 def run_sweep(

@@ -40,6 +40,7 @@ def greedy_moves(p: MigrationProblem, deadline: float = float("inf"),
     load, mem = list(p.load), list(p.mem)
     nxt = [0] * len(p.groups)
     absent = [{j: p.needs_load(g.adapter, j) for j in p.receivers} for g in p.groups]  # not loaded yet
+    blocked = [{j: p.batch_blocked(g.adapter, j) for j in p.receivers} for g in p.groups]  # on the snapshot, fixed per round
     slots = {j: p.free_slots(j) for j in p.receivers}
     load_s = {j: p.params[j].adapter_load_s for j in p.receivers}
     may_overflow = _may_overflow(p)
@@ -57,7 +58,7 @@ def greedy_moves(p: MigrationProblem, deadline: float = float("inf"),
             relief = _overflow(p, s, mem[s]) - _overflow(p, s, mem[s] - g.mem[ri]) if may_overflow[s] else 0.0
             for j in p.receivers:
                 need = absent[gi][j]
-                if (need and slots[j] <= 0) or p.batch_blocked(g.adapter, j):
+                if (need and slots[j] <= 0) or blocked[gi][j]:
                     continue
                 arrive = load[j] + g.work[j][ri] + g.recompute[j][ri] + (load_s[j] if need else 0.0)
                 gain = top - max(left, arrive, p.floor) - p.migration_s + relief

@@ -26,6 +26,7 @@ from dlora.cluster.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.monitor_types import IterationSample, ReplicaView, RequestLoad
 from dlora.cluster.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.queue_time import QueueTimes
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
@@ -136,6 +137,8 @@ class Router:
         self.cost_models = {s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots}
         # Lengths of finished requests per adapter: what dispatch and migration expect instead of max_tokens.
         self.output_lengths = OutputLengthEstimator(self.cfg.output_lengths)
+        # Each request's queueing delay, from the replicas' measurements (set its observer for /metrics).
+        self.queue_times = QueueTimes(clock)
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -275,10 +278,13 @@ class Router:
         adapter = state.adapter or ""
         self.requests[req.request_id] = state
         self.inflight_by_adapter[adapter] += 1
+        self.queue_times.start(req.request_id, state.adapter)
         try:
             current = req
             while True:
+                choosing = self.clock()
                 slot = await self._choose(state)
+                self.queue_times.router_wait(req.request_id, self.clock() - choosing)
                 try:
                     async for delta in self._run_on(slot, current, state):
                         if delta.finished:  # before the yield: the client may close the stream on it
@@ -304,6 +310,7 @@ class Router:
                     return
         finally:
             del self.requests[req.request_id]
+            self.queue_times.finish(req.request_id)
             self.inflight_by_adapter[adapter] -= 1
             if self.inflight_by_adapter[adapter] <= 0:
                 del self.inflight_by_adapter[adapter]
@@ -317,10 +324,16 @@ class Router:
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""
         state.slot, state.engine_request_id = slot, req.request_id
+        lost = False
         try:
             if req.adapter is not None and req.adapter.int_id not in slot.loaded:
                 await self._load(slot, req.adapter)
+            self.queue_times.sent(state.request.request_id, req.request_id)
+            first = True
             async for delta in slot.replica.generate(req):
+                if first and delta.token_ids:
+                    first = False
+                    self.queue_times.first_token(req.request_id)
                 state.generated.extend(delta.token_ids)
                 if delta.finished and delta.finish_reason == "abort" and state.migrate_to is not None:
                     state.migrated = True
@@ -328,8 +341,12 @@ class Router:
                         yield dataclasses.replace(delta, finished=False, finish_reason=None)
                     return
                 yield delta
+        except ReplicaFailure:
+            lost = True  # the replica's measurement of this request will not come
+            raise
         finally:
             state.slot = None
+            self.queue_times.stream_ended(req.request_id, lost)
 
     async def migrate(self, request_id: str, dst_replica_id: int) -> bool:
         """Move a running request to another replica (abort here, continue there)."""
@@ -357,7 +374,9 @@ class Router:
             s.last_stats = st if st.healthy else s.last_stats
             if st.batching is not None:
                 self._observe_iterations(s.replica_id, st.batching.iterations)
+                self.queue_times.report(st.batching.queue_waits)
             out.append(st)
+        self.queue_times.expire()
         return out
 
     def _observe_iterations(self, replica_id: int, iterations) -> None:

@@ -67,6 +67,7 @@ from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
 from dlora.replica.prefix_states import UNMERGED, PrefixStates, State
+from dlora.replica.queue_waits import QueueWaits
 from dlora.scheduling import (
     BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
 )
@@ -172,6 +173,8 @@ class DloraScheduler(Scheduler):
         # (num_seqs, prefill_tokens, decode_tokens, seconds, merged) per step, for the router's
         # per-replica cost model (dlora/cluster/cost_model.py); drained by each dlora_state() call.
         self._dlora_iterations: deque[tuple[int, int, int, float, bool]] = deque(maxlen=RECENT_ITERATIONS)
+        # Seconds each request waited before its first step (queue_waits.py); drained like the steps.
+        self._dlora_queue_waits = QueueWaits()
         # Weight state of the cached KV blocks (docstring, 5.); None without prefix caching.
         self._dlora_prefix: PrefixStates | None = None
         self._dlora_lookup_state: State = UNMERGED  # the state this step's cache hits must have
@@ -214,6 +217,7 @@ class DloraScheduler(Scheduler):
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "iterations": self._dlora_drain_iterations(),
+            "queue_waits": self._dlora_queue_waits.drain(),
         }
 
     def _dlora_drain_iterations(self) -> list[tuple[int, int, int, float, bool]]:
@@ -236,7 +240,17 @@ class DloraScheduler(Scheduler):
         step = _Step(started, plan.cmds, restricted, plan.target, self._dlora_weights)
         self._dlora_weights = plan.target  # corrected by the worker's reports if a merge fails
         self._dlora_step = step
+        self._dlora_queue_waits.end((r.req_id for r in out.scheduled_new_reqs), started)
         return out
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self._dlora_queue_waits.queued(request.request_id, time.perf_counter())
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        self._dlora_queue_waits.end((r.request_id for r in finished), time.perf_counter())
+        return finished
 
     def update_from_output(self, scheduler_output, model_runner_output):
         ended = time.perf_counter()

@@ -7,6 +7,7 @@ logprobs), and it loads, pins and unloads adapters by their registry ids.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import AsyncIterator
@@ -75,6 +76,13 @@ def to_sampling_params(s: SamplingSpec):
         include_stop_str_in_output=s.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def external_request_id(engine_id: str, randomized: bool = True) -> str:
+    """The id dlora gave a request, from the one vLLM's engine core knows it by: vLLM appends "-" and
+    8 random characters to every request id (`InputProcessor.assign_request_id`) unless
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set (`randomized` False)."""
+    return engine_id.rsplit("-", 1)[0] if randomized else engine_id
 
 
 def _lora_request(ref: AdapterRef | None):
@@ -169,7 +177,12 @@ class EngineHost:
 
     async def batching_state(self) -> BatchingState:
         """The merged/unmerged state kept by the scheduler inside the engine-core process."""
-        return BatchingState.from_dict(await self._started().engine_core.call_utility_async("dlora_batching_state"))
+        from vllm import envs
+
+        state = BatchingState.from_dict(await self._started().engine_core.call_utility_async("dlora_batching_state"))
+        randomized = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
+        waits = tuple((external_request_id(rid, randomized), s) for rid, s in state.queue_waits)
+        return dataclasses.replace(state, queue_waits=waits)
 
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests() if self.engine else 0

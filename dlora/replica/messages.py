@@ -106,6 +106,9 @@ class BatchingState:
     # Steps measured since the previous read: (num_seqs, prefill_tokens, decode_tokens, seconds,
     # merged), switch time excluded. The router fits its per-replica cost model from them.
     iterations: tuple[tuple[int, int, int, float, bool], ...] = ()
+    # Requests whose wait for their first step ended since the previous read: (engine request id,
+    # seconds queued in this replica's scheduler). The router sums them per request (queue_time.py).
+    queue_waits: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchingState":
@@ -118,6 +121,7 @@ class BatchingState:
             kv_usage=d.get("kv_usage"), num_running=int(d.get("num_running", 0)),
             num_waiting=int(d.get("num_waiting", 0)),
             iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
+            queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
         )
 
 

@@ -27,6 +27,11 @@ class Metrics:
                               ["adapter"], buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("dlora_e2e_request_latency_seconds", "End-to-end request latency", ["adapter"],
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # Observed by the router (dlora/cluster/queue_time.py) once the replicas' measurements are in.
+        self.queue_time = Histogram("dlora_request_queue_time_seconds",
+                                    "Time a request waited before an engine first scheduled it, summed over the "
+                                    "replicas it was sent to, plus time held in the router",
+                                    ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("dlora_requests_running", "Requests that have produced a token", ["adapter"], registry=r)
         self.waiting = Gauge("dlora_requests_waiting", "Requests waiting for their first token", ["adapter"],
                              registry=r)
@@ -61,6 +66,9 @@ class Metrics:
         self.prompt_tokens.labels(adapter).inc(prompt_tokens)
         self.waiting.labels(adapter).inc()
         return RequestTracker(self, adapter)
+
+    def observe_queue_time(self, adapter: str | None, seconds: float) -> None:
+        self.queue_time.labels(adapter or "").observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -88,6 +88,7 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     for problem in await adapters.restore(cfg.adapters):
         log.error("%s", problem)
     metrics = Metrics()
+    router.queue_times.observer = metrics.observe_queue_time
 
     def on_round(r) -> None:
         metrics.migration_solve.observe(r.plan.solve_ms / 1000)

@@ -193,17 +193,25 @@ def test_preload_copies_the_hot_adapter_to_the_replica_without_it():
 
 
 class MeasuringReplica(SimReplica):
-    """Reports measured engine steps once, as the engine's scheduler does (drained per read)."""
+    """Reports what the engine's scheduler measures, drained per read, as the engine does: steps, and
+    with `wait_s` a queue wait of that many seconds for every request it was given."""
 
-    def __init__(self, replica_id: int, steps) -> None:
+    def __init__(self, replica_id: int, steps=(), wait_s: float | None = None) -> None:
         super().__init__(replica_id)
-        self.steps = list(steps)
+        self.steps, self.wait_s, self.waits = list(steps), wait_s, []
+
+    async def generate(self, req):
+        if self.wait_s is not None:
+            self.waits.append((req.request_id, self.wait_s))
+        async for d in super().generate(req):
+            yield d
 
     async def stats(self) -> ReplicaStats:
         st = await super().stats()
         steps, self.steps = tuple(self.steps), []
+        waits, self.waits = tuple(self.waits), []
         st.batching = BatchingState(policy="dlora", mode="unmerged", merged_adapter=None, num_switches=0,
-                                    merge_failures=0, switch_times={}, iterations=steps)
+                                    merge_failures=0, switch_times={}, iterations=steps, queue_waits=waits)
         return st
 
 
@@ -271,4 +279,28 @@ def test_a_migrated_request_is_recorded_once_with_its_whole_length():
         assert await router.migrate("m", 1 - router.requests["m"].slot.replica_id)
         assert len(await task) == 40
         assert router.counters["migrations"] == 1 and router.output_lengths.samples("a") == [40]
+    asyncio.run(run())
+
+
+
+def test_queue_time_sums_each_replicas_wait_once_per_request_across_a_migration():
+    async def run():
+        replicas = [MeasuringReplica(0, wait_s=0.25), MeasuringReplica(1, wait_s=0.5)]
+        router = Router(replicas)
+        seen = []
+        router.queue_times.observer = lambda adapter, s: seen.append((adapter, s))
+        await router.start()
+        task = asyncio.create_task(collect(router, request("m", n=40)))
+        while len(router.requests["m"].generated if "m" in router.requests else []) < 5:
+            await asyncio.sleep(0.001)
+        assert await router.migrate("m", 1 - router.requests["m"].slot.replica_id)
+        await asyncio.gather(task, collect(router, request("s", adapter=None, n=5)))
+        s_wait = next(r.wait_s for r in replicas if any(rid == "s" for rid, _ in r.waits))
+        assert seen == []  # the replicas' measurements arrive with their stats
+        await router.refresh_stats()
+        # "m" waited on both replicas (its continuation is "m-r1"); the router's own wait is ~0
+        assert len(seen) == 2 and dict(seen) == {"a": pytest.approx(0.75, abs=0.02),
+                                                 None: pytest.approx(s_wait, abs=0.02)}
+        await router.refresh_stats()
+        assert len(seen) == 2 and router.queue_times.pending == 0
     asyncio.run(run())

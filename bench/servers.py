@@ -37,6 +37,18 @@ def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[
     return paths
 
 
+def shipped_config(section: str) -> dict:
+    """A section of configs/default.yaml: what users get."""
+    root = Path(__file__).resolve().parent.parent
+    return yaml.safe_load((root / "configs" / "default.yaml").read_text()).get(section) or {}
+
+
+def metric_total(text: str, name: str) -> float:
+    """A Prometheus sample from /metrics text, summed over its label sets (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def start(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     print(f"$ {shlex.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,

@@ -72,7 +72,13 @@ DLORA_LORA_BACKEND = EnvVar(
     "LoRA backend of a replica's engine; set from engine.lora_backend by the replica's runtime env",
 )
 
-ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND]
+DLORA_STEP_TRACE: EnvVar[str | None] = EnvVar(
+    "DLORA_STEP_TRACE", None, _opt_str,
+    "directory: each replica's scheduler appends one JSON line per engine step (mode, batch, times)",
+)
+
+ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND,
+       DLORA_STEP_TRACE]
 
 
 def cache_dir() -> Path:

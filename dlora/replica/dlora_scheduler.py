@@ -68,6 +68,7 @@ from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, Switch
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
 from dlora.replica.prefix_states import UNMERGED, PrefixStates, State
 from dlora.replica.queue_waits import QueueWaits
+from dlora.replica.step_trace import adapter_counts, open_trace
 from dlora.scheduling import (
     BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
 )
@@ -93,13 +94,17 @@ def without_mixing(config: BatchingConfig) -> BatchingConfig:
 def _view(r: Request) -> RequestView:
     return RequestView(
         req_id=r.request_id,
-        adapter=r.lora_request.lora_name if r.lora_request else None,
+        adapter=_adapter(r),
         arrival_time=r.arrival_time,
         num_prompt_tokens=r.num_prompt_tokens,
         num_computed_tokens=r.num_computed_tokens,
         num_output_tokens=r.num_output_tokens,
         running=r.status == RequestStatus.RUNNING,
     )
+
+
+def _adapter(r: Request) -> str | None:
+    return r.lora_request.lora_name if r.lora_request else None
 
 
 def _lora_id(r: Request) -> int | None:
@@ -151,6 +156,7 @@ class _Step:
     restricted: bool  # some unfinished requests were hidden
     weights: str | None = None  # adapter merged for this step, as planned
     before: str | None = None  # adapter merged before it
+    trace: dict | None = None  # what the step trace records at schedule time (step_trace.py)
 
 
 class DloraScheduler(Scheduler):
@@ -179,6 +185,7 @@ class DloraScheduler(Scheduler):
         self._dlora_prefix: PrefixStates | None = None
         self._dlora_lookup_state: State = UNMERGED  # the state this step's cache hits must have
         self._dlora_lineage: dict[str, tuple[int, State]] = {}  # req -> (num_preemptions, lineage)
+        self._dlora_trace = open_trace(env.DLORA_STEP_TRACE.get())
         if self.kv_cache_manager.enable_caching:
             self._dlora_prefix = PrefixStates()
             self._dlora_vllm_computed_blocks = self.kv_cache_manager.get_computed_blocks
@@ -238,6 +245,9 @@ class DloraScheduler(Scheduler):
         if plan.cmds:
             setattr(out, CMDS_ATTR, plan.cmds)
         step = _Step(started, plan.cmds, restricted, plan.target, self._dlora_weights)
+        if self._dlora_trace is not None:
+            step.trace = {"unfinished": adapter_counts(_adapter(r) for r in requests),
+                          "allowed": len(plan.visible)}
         self._dlora_weights = plan.target  # corrected by the worker's reports if a merge fails
         self._dlora_step = step
         self._dlora_queue_waits.end((r.req_id for r in out.scheduled_new_reqs), started)
@@ -255,6 +265,9 @@ class DloraScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         ended = time.perf_counter()
         step, self._dlora_step = self._dlora_step, None
+        if step is not None and step.trace is not None:  # before vLLM drops the finished requests
+            step.trace["scheduled"] = adapter_counts(
+                _adapter(self.requests[rid]) for rid in scheduler_output.num_scheduled_tokens if rid in self.requests)
         if step is not None and self._dlora_prefix is not None:
             # Before vLLM frees the blocks of the requests that finish in this step.
             self._dlora_record_blocks(scheduler_output, step, self._dlora_ran(step, model_runner_output))
@@ -481,10 +494,22 @@ class DloraScheduler(Scheduler):
             num_tokens=scheduler_output.total_num_scheduled_tokens,
         ))
         self._dlora_stalled = step.restricted and scheduler_output.total_num_scheduled_tokens == 0
+        if step.trace is not None:
+            self._dlora_write_trace(step, scheduler_output, ended, reports, merged)
         if not (self.running or self.waiting or self.kv_holding_waiting):
             # Idle from now on (schedule() is not called): close the step in the policy's clock,
             # so the idle gap is not taken for the duration of this step.
             self.batching_policy.decide([], time.time(), self._dlora_max_batch)
+
+    def _dlora_write_trace(self, step: _Step, scheduler_output, ended: float, reports, merged) -> None:
+        snap = self.batching_policy.snapshot()
+        self._dlora_trace.write(
+            t=time.time(), step_s=round(ended - step.started, 6),
+            switch_s=round(sum(r.seconds for r in reports), 6), before=step.before, weights=merged,
+            unfinished=step.trace["unfinished"], allowed=step.trace["allowed"], scheduled=step.trace["scheduled"],
+            tokens=scheduler_output.total_num_scheduled_tokens,
+            alpha=snap.alpha, beta=snap.beta, starving=sorted("" if a is None else a for a in snap.starving),
+        )
 
     def _dlora_record_iteration(self, scheduler_output, seconds: float, merged: str | None) -> None:
         """One step for the cluster cost model: a request scheduled for one token is decoding."""

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from dlora import env as dlora_env
 from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
 from dlora.replica.errors import ReplicaFailure
@@ -159,6 +160,9 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by vllm_ext via lora_backend.install
     }
+    trace = dlora_env.DLORA_STEP_TRACE.get()
+    if trace:
+        env[dlora_env.DLORA_STEP_TRACE.name] = trace  # the engine's scheduler writes it (step_trace.py)
     return {"env_vars": env}
 
 

@@ -8,12 +8,14 @@ are reused only in the weight state they were computed in.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
 from dlora.replica.inband import CMDS_ATTR
 from dlora.replica.merge import read_adapter
+from dlora.replica.step_trace import StepTrace
 from tests.replica.inprocess import inprocess_engine
 
 ADAPTERS = ("a0", "a1", "a2")
@@ -62,16 +64,33 @@ def record_steps(scheduler):
     return steps, lambda: setattr(scheduler, "update_from_output", orig)
 
 
-def test_mixed_workload_switching_every_step(llm, tiny_model, oracle):
+def scheduler_trace(directory):
+    (path,) = directory.glob("steps-*.jsonl")
+    return path.read_text().splitlines()
+
+
+def test_mixed_workload_switching_every_step(llm, tiny_model, oracle, tmp_path):
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     before = base_logprobs(llm)
     jobs = [(a, p) for a in (None, *ADAPTERS) for p in PROMPTS]
     steps, unwrap = record_steps(scheduler)
+    scheduler._dlora_trace = StepTrace(tmp_path)  # what DLORA_STEP_TRACE=<dir> opens at start
     try:
         outs = llm.generate([p for _, p in jobs], params(),
                             lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False)
     finally:
         unwrap()
+        scheduler._dlora_trace.close()
+        scheduler._dlora_trace = None
+    # The step trace tells the same story, one line per step.
+    lines = [json.loads(line) for line in scheduler_trace(tmp_path)]
+    assert [(t["weights"], set(t["scheduled"])) for t in lines] == [
+        (w, {"" if a is None else a for a in ran}) for w, ran, _ in steps]
+    assert sum(sum(t["scheduled"].values()) for t in lines) <= sum(t["allowed"] for t in lines)
+    assert all(sum(t["unfinished"].values()) >= t["allowed"] > 0 and t["step_s"] >= t["switch_s"] >= 0
+               for t in lines)
+    assert sum(1 for t in lines if t["switch_s"] > 0) == sum(1 for *_, cmd in steps if cmd)
+    assert sum(t["tokens"] for t in lines) >= len(jobs) * MAX_TOKENS
     # Only the merged adapter's requests ran on merged weights.
     merged_steps = [(w, ran) for w, ran, _ in steps if w is not None]
     assert merged_steps and all(ran <= {w} for w, ran in merged_steps)

@@ -52,7 +52,10 @@ class CostParams:
 
 
 def request_work(p: CostParams, req: RequestLoad, merged: bool = False) -> float:
-    """Seconds of engine time `req` still needs on a replica (merged: its adapter is folded in)."""
+    """Seconds of engine time `req` still needs on a replica (merged: its adapter is folded in).
+
+    A request the engine has not admitted yet prefills its whole context first (a moved one also
+    what it generated elsewhere); an admitted one's prefill counts as done (a step or so away)."""
     prefill = 0 if req.running else req.prompt_tokens + req.output_tokens
     per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
     work = prefill * p.per_prefill_token_s + req.remaining_output_tokens * per_token

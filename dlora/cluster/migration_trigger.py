@@ -32,8 +32,9 @@ class Trigger:
 
 
 def oldest_wait(view: ReplicaView, now: float) -> float:
-    """Seconds the longest-queued request on the replica has waited (0 when none is queued)."""
-    return max((now - r.arrival_time for r in view.requests if not r.running), default=0.0)
+    """Seconds the longest-queued request on the replica has waited there (0 when none is queued);
+    a moved request's wait starts again when its new replica is sent it."""
+    return max((now - r.queued_since for r in view.requests if not r.running), default=0.0)
 
 
 def check_trigger(

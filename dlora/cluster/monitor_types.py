@@ -26,8 +26,13 @@ class RequestLoad:
     # Total output expected: generated so far + the expected remainder (output_lengths.py), at
     # most max_tokens; max_tokens itself when no estimate is used.
     expected_output_tokens: float
-    running: bool  # admitted by the engine (holds KV); False while queued
-    arrival_time: float = 0.0  # seconds, same clock as the `now` passed to the triggers
+    # Admitted by the engine on its current replica (holds KV): its queue wait there was reported
+    # or its first token came. False while queued, including a moved request waiting on its new
+    # replica with tokens generated elsewhere.
+    running: bool
+    # When the current replica was sent the request (seconds, the clock of the `now` the triggers
+    # and the queued-request planner get): what its present wait counts from.
+    queued_since: float = 0.0
 
     @property
     def context_tokens(self) -> int:
@@ -47,7 +52,8 @@ class ReplicaView:
     test) it is derived from the running requests' context tokens over `kv_capacity_tokens`.
     `adapter_slots` is how many adapters the replica may hold at once (vLLM's max_cpu_loras / the
     adapter memory budget); idle residents are evictable, adapters with requests are not.
-    `batch_adapter_slots` is how many distinct adapters one engine step may run (vLLM's max_loras).
+    `batch_adapter_slots` is how many distinct adapters one engine step may run (vLLM's max_loras),
+    `max_running` how many requests it may run (vLLM's max_num_seqs).
     """
 
     replica_id: int
@@ -57,6 +63,7 @@ class ReplicaView:
     kv_capacity_tokens: int = 1 << 20
     adapter_slots: int = 1 << 20
     batch_adapter_slots: int = 1 << 20
+    max_running: int = 1 << 20
     kv_usage: float | None = None
     healthy: bool = True
 
@@ -67,6 +74,10 @@ class ReplicaView:
     @property
     def num_queued(self) -> int:
         return sum(1 for r in self.requests if not r.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.num_requests - self.num_queued
 
     @property
     def kv_used_tokens(self) -> int:

@@ -72,8 +72,11 @@ class RequestState:
     arrival: float
     generated: list[int] = field(default_factory=list)
     resubmissions: int = 0
-    slot: ReplicaSlot | None = None
-    engine_request_id: str | None = None  # the id on the current replica
+    slot: ReplicaSlot | None = None  # the current leg's replica (from its adapter load on)
+    engine_request_id: str | None = None  # the current leg's id on its replica, once sent there
+    # The current leg left vLLM's waiting queue: its queue wait was reported or its first token came.
+    admitted: bool = False
+    queued_since: float = 0.0  # when the current leg started (reset when it is sent)
     migrate_to: int | None = None
     migrated: bool = False  # the last stream ended because of a migration
 
@@ -100,8 +103,7 @@ class RequestState:
         return RequestLoad(
             request_id=self.request.request_id, adapter=self.adapter,
             prompt_tokens=len(self.request.prompt_token_ids), output_tokens=n,
-            expected_output_tokens=expected, running=bool(self.generated),
-            arrival_time=self.arrival,
+            expected_output_tokens=expected, running=self.admitted, queued_since=self.queued_since,
         )
 
 
@@ -114,7 +116,7 @@ class RouterConfig:
     adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
     batch_adapter_slots: int = 1 << 20  # distinct adapters in one engine step (vLLM max_loras)
     kv_capacity_tokens: int = 1 << 17  # per replica, until the engine reports its own
-    max_batch: int = 64
+    max_batch: int = 64  # requests one engine step may run (vLLM max_num_seqs)
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
     output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
 
@@ -230,7 +232,7 @@ class Router:
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
             kv_capacity_tokens=self.cfg.kv_capacity_tokens, adapter_slots=self.cfg.adapter_slots,
-            batch_adapter_slots=self.cfg.batch_adapter_slots,
+            batch_adapter_slots=self.cfg.batch_adapter_slots, max_running=self.cfg.max_batch,
             healthy=slot.healthy,
         )
 
@@ -323,16 +325,17 @@ class Router:
 
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""
-        state.slot, state.engine_request_id = slot, req.request_id
+        state.slot, state.queued_since = slot, self.clock()  # its load counts on `slot` from now
         lost = False
         try:
             if req.adapter is not None and req.adapter.int_id not in slot.loaded:
                 await self._load(slot, req.adapter)
-            self.queue_times.sent(state.request.request_id, req.request_id)
+            self._sent(state, req.request_id)
             first = True
             async for delta in slot.replica.generate(req):
                 if first and delta.token_ids:
                     first = False
+                    state.admitted = True
                     self.queue_times.first_token(req.request_id)
                 state.generated.extend(delta.token_ids)
                 if delta.finished and delta.finish_reason == "abort" and state.migrate_to is not None:
@@ -345,13 +348,34 @@ class Router:
             lost = True  # the replica's measurement of this request will not come
             raise
         finally:
-            state.slot = None
+            # Between legs the request is on no replica: the next one is priced with its re-prefill.
+            state.slot, state.engine_request_id, state.admitted = None, None, False
             self.queue_times.stream_ended(req.request_id, lost)
 
+    def _sent(self, state: RequestState, engine_id: str) -> None:
+        """The current leg goes to its replica as `engine_id`: it waits in that engine's queue until
+        admitted, and from now on it can be moved (`migrate` aborts it by this id)."""
+        state.engine_request_id, state.admitted, state.queued_since = engine_id, False, self.clock()
+        self.queue_times.sent(state.request.request_id, engine_id)
+
+    def _admit(self, waits: tuple[tuple[str, float], ...]) -> None:
+        """A replica reported these engine requests' queue waits: each left its waiting queue
+        (admitted, or aborted, which ends its leg anyway). Reports of earlier legs match nothing."""
+        if not waits:
+            return
+        legs = {st.engine_request_id: st for st in self.requests.values() if st.engine_request_id is not None}
+        for engine_id, _ in waits:
+            if engine_id in legs:
+                legs[engine_id].admitted = True
+
     async def migrate(self, request_id: str, dst_replica_id: int) -> bool:
-        """Move a running request to another replica (abort here, continue there)."""
+        """Move a request, queued or running, to another replica (abort here, continue there).
+
+        Only a leg already sent to its replica can move: one still loading its adapter would miss
+        the abort, run to its end where it is, and keep a stale `migrate_to` that blocks any later move.
+        """
         state = self.requests.get(request_id)
-        if (state is None or state.slot is None or state.migrate_to is not None
+        if (state is None or state.slot is None or state.engine_request_id is None or state.migrate_to is not None
                 or state.slot.replica_id == dst_replica_id or not self.slot(dst_replica_id).healthy):
             return False
         state.migrate_to = dst_replica_id
@@ -374,6 +398,7 @@ class Router:
             s.last_stats = st if st.healthy else s.last_stats
             if st.batching is not None:
                 self._observe_iterations(s.replica_id, st.batching.iterations)
+                self._admit(st.batching.queue_waits)
                 self.queue_times.report(st.batching.queue_waits)
             out.append(st)
         self.queue_times.expire()

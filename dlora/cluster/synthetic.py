@@ -31,7 +31,7 @@ def skewed_cluster(num_requests: int, num_replicas: int, num_adapters: int, seed
         per_replica[j].append(RequestLoad(
             request_id=f"req-{i}", adapter=adapter_name(int(k)), prompt_tokens=int(rng.integers(16, 512)),
             output_tokens=int(rng.integers(0, expected)) if running else 0,
-            expected_output_tokens=expected, running=running, arrival_time=float(i) * 1e-3,
+            expected_output_tokens=expected, running=running, queued_since=float(i) * 1e-3,
         ))
     views = []
     for j, reqs in enumerate(per_replica):

@@ -8,18 +8,22 @@ Output lengths: by default every request runs to its `max_tokens` (as with `igno
 `eos_period` maps an adapter to p, and a token divisible by p then ends its request like an EOS
 ("stop"), so lengths vary per request (≈ geometric, mean p) and are a function of the context,
 hence the same whether or not the request was moved.
+Queueing: with `max_running` set, at most that many requests generate at once and the others wait
+in FIFO order, as in vLLM's waiting queue (an abort ends a wait); like the engine's scheduler it
+reports each request's wait, until it was admitted or aborted, with its stats (`queue_waits`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from dlora.replica.errors import ReplicaFailure
-from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.replica.messages import AdapterRef, BatchingState, Delta, GenerateRequest, ReplicaStats
 
 VOCAB = 1000
 
@@ -34,12 +38,16 @@ class SimReplica:
     step_s: float = 0.002  # seconds per generated token
     max_adapters: int = 4
     eos_period: Mapping[str | None, int] = field(default_factory=dict)  # adapter -> p: tokens % p == 0 end it
+    max_running: int | None = None  # requests generating at once; the rest queue (None: no limit)
     started: int = 0
     loaded: dict[int, str] = field(default_factory=dict)
     add_calls: int = 0
     _alive: bool = False
     _aborted: set[str] = field(default_factory=set)
-    _running: set[str] = field(default_factory=set)
+    _running: set[str] = field(default_factory=set)  # every request it holds, queued or generating
+    _generating: int = 0
+    _queue: dict[str, asyncio.Future] = field(default_factory=dict)  # waiting, oldest first -> admitted?
+    _waits: list[tuple[str, float]] = field(default_factory=list)  # ended since the last stats read
 
     async def start(self) -> None:
         self.started += 1
@@ -48,6 +56,8 @@ class SimReplica:
 
     def kill(self) -> None:
         self._alive = False
+        while self._queue:  # the waiting requests fail with the replica
+            self._wake(False)
 
     def _check(self) -> None:
         if not self._alive:
@@ -60,7 +70,13 @@ class SimReplica:
             raise RuntimeError(f"adapter {adapter} not loaded on replica {self.replica_id}")
         context = tuple(req.prompt_token_ids)
         self._running.add(req.request_id)
+        admitted = False
         try:
+            admitted = await self._admission(req.request_id)
+            self._check()
+            if not admitted:
+                yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
+                return
             for i in range(req.sampling.max_tokens):
                 await asyncio.sleep(self.step_s)
                 self._check()
@@ -77,10 +93,47 @@ class SimReplica:
         finally:
             self._running.discard(req.request_id)
             self._aborted.discard(req.request_id)
+            if admitted:
+                self._release()
+
+    async def _admission(self, request_id: str) -> bool:
+        """Wait for a running slot (FIFO); False when aborted or killed while waiting."""
+        since = time.monotonic()
+        if self.max_running is None or (self._generating < self.max_running and not self._queue):
+            self._generating += 1
+            admitted = True
+        else:
+            fut = self._queue[request_id] = asyncio.get_running_loop().create_future()
+            try:
+                admitted = await fut
+            except asyncio.CancelledError:  # the stream was closed while (or just as) it was admitted
+                if fut.done() and not fut.cancelled() and fut.result():
+                    self._release()
+                raise
+            finally:
+                self._queue.pop(request_id, None)
+        self._waits.append((request_id, time.monotonic() - since))
+        return admitted
+
+    def _release(self) -> None:
+        self._generating -= 1
+        while self._queue and self._alive and not self._wake(True):
+            pass
+
+    def _wake(self, admitted: bool, request_id: str | None = None) -> bool:
+        """End the wait of `request_id` (default: the oldest); False if its waiter was cancelled."""
+        fut = self._queue.pop(request_id if request_id is not None else next(iter(self._queue)))
+        if fut.done():
+            return False
+        self._generating += admitted
+        fut.set_result(admitted)
+        return True
 
     async def abort(self, request_id: str) -> None:
         self._check()
-        if request_id in self._running:
+        if request_id in self._queue:
+            self._wake(False, request_id)
+        elif request_id in self._running:
             self._aborted.add(request_id)
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
@@ -95,8 +148,12 @@ class SimReplica:
 
     async def stats(self) -> ReplicaStats:
         self._check()
+        waits, self._waits = tuple(self._waits), []
+        batching = BatchingState(policy="sim", mode="unmerged", merged_adapter=None, num_switches=0, merge_failures=0,
+                                 switch_times={}, num_running=self._generating, num_waiting=len(self._queue),
+                                 queue_waits=waits)
         return ReplicaStats(self.replica_id, num_unfinished=len(self._running),
-                            resident_adapter_ids=sorted(self.loaded))
+                            resident_adapter_ids=sorted(self.loaded), batching=batching)
 
     async def shutdown(self) -> None:
         self._alive = False

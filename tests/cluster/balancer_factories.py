@@ -7,8 +7,8 @@ from dlora.cluster.monitor_types import ClusterView, ReplicaView, RequestLoad
 
 
 def make_request(rid: str, adapter: str | None = "a", *, prompt: int = 100, output: int = 0,
-                 expected: int = 100, running: bool = False, arrival: float = 0.0) -> RequestLoad:
-    return RequestLoad(rid, adapter, prompt, output, expected, running, arrival)
+                 expected: int = 100, running: bool = False, queued_since: float = 0.0) -> RequestLoad:
+    return RequestLoad(rid, adapter, prompt, output, expected, running, queued_since)
 
 
 def make_replica(rid: int, requests=(), resident=(), **kw) -> ReplicaView:

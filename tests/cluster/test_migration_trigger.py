@@ -22,12 +22,12 @@ def test_count_imbalance_fires_above_16_not_at_16():
 
 
 def test_queue_delay_fires_at_the_threshold_while_another_replica_is_not_waiting():
-    waiting = [make_request("q", arrival=98.0)]  # waited exactly 2.0 s at now=100
+    waiting = [make_request("q", queued_since=98.0)]  # waited exactly 2.0 s at now=100
     assert fire([make_replica(0), make_replica(1, waiting)]) == ("queue_delay", 1)
-    assert fire([make_replica(0), make_replica(1, [make_request("q", arrival=98.001)])]) is None
-    running_long = [make_request("r", arrival=0.0, running=True)]  # running requests do not queue
+    assert fire([make_replica(0), make_replica(1, [make_request("q", queued_since=98.001)])]) is None
+    running_long = [make_request("r", queued_since=0.0, running=True)]  # running requests do not queue
     assert fire([make_replica(0), make_replica(1, running_long)]) is None
-    both = [make_replica(0, [make_request("q0", arrival=90.0)]), make_replica(1, waiting)]
+    both = [make_replica(0, [make_request("q0", queued_since=90.0)]), make_replica(1, waiting)]
     assert fire(both) is None
 
 

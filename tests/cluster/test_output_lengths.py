@@ -86,7 +86,7 @@ def test_config_rejects_bad_values():
 
 def state(rid: str, adapter: str, generated: int, max_tokens: int = 256) -> RequestState:
     req = GenerateRequest(rid, (1,) * 20, SamplingSpec(max_tokens=max_tokens), AdapterRef(adapter, len(adapter), "/x"))
-    return RequestState(req, arrival=0.0, generated=[7] * generated)
+    return RequestState(req, arrival=0.0, generated=[7] * generated, admitted=generated > 0)  # generating there
 
 
 def test_router_load_uses_the_estimate_and_max_tokens_without_one():

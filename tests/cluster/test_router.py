@@ -304,3 +304,81 @@ def test_queue_time_sums_each_replicas_wait_once_per_request_across_a_migration(
         await router.refresh_stats()
         assert len(seen) == 2 and router.queue_times.pending == 0
     asyncio.run(run())
+
+
+def find_load(router: Router, rid: str):
+    """What the balancer sees of request `rid` (None while it is on no replica)."""
+    return next((r for v in router.views() for r in v.requests if r.request_id == rid), None)
+
+
+def tokens(router: Router, rid: str) -> int:
+    return len(router.requests[rid].generated) if rid in router.requests else 0
+
+
+async def until(cond, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+def test_running_means_admitted_on_the_current_replica():
+    async def run():
+        replicas = [SimReplica(i, step_s=0.02, max_running=1) for i in range(2)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
+        await router.start()
+        router.slot(1).healthy = False
+        x = asyncio.create_task(collect(router, request("x", n=30)))
+        y = asyncio.create_task(collect(router, request("y", n=5)))  # queued behind x on replica 0
+        await until(lambda: tokens(router, "x") >= 2)
+        assert find_load(router, "x").running and not find_load(router, "y").running
+        router.slot(0).healthy, router.slot(1).healthy = False, True
+        z = asyncio.create_task(collect(router, request("z", n=15)))  # runs on replica 1
+        await until(lambda: tokens(router, "z") > 0)
+        router.slot(0).healthy = True
+        before, n = router.clock(), len(router.requests["x"].generated)
+        assert await router.migrate("x", 1)
+        await until(lambda: router.requests["x"].engine_request_id == "x-r1")
+        # tokens generated on replica 0, but it waits behind z in replica 1's queue
+        moved = find_load(router, "x")
+        assert not moved.running and moved.output_tokens >= n and moved.queued_since >= before
+        # admitted as soon as replica 1 reports its wait, before its first token there (a step later)
+        while not router.requests["x"].admitted:
+            await router.refresh_stats()
+            await asyncio.sleep(0.002)
+        assert find_load(router, "x").running and len(router.requests["x"].generated) == moved.output_tokens
+        assert await x == reference_tokens("a", (1, 2, 3), 30)
+        await asyncio.gather(y, z)
+    asyncio.run(run())
+
+
+class GatedLoads(SimReplica):
+    """Adapter loads wait for `gate`."""
+
+    def __init__(self, replica_id: int) -> None:
+        super().__init__(replica_id)
+        self.gate = asyncio.Event()
+
+    async def add_adapter(self, ref, pinned=False):
+        await self.gate.wait()
+        await super().add_adapter(ref, pinned)
+
+
+def test_a_request_still_loading_its_adapter_is_not_moved():
+    async def run():
+        replicas = [SimReplica(0), GatedLoads(1)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
+        await router.start()
+        router.slot(0).healthy = False
+        task = asyncio.create_task(collect(router, request("g", n=10)))
+        await until(lambda: "g" in router.requests and router.requests["g"].slot is not None)
+        router.slot(0).healthy = True
+        assert not await router.migrate("g", 0)  # the abort would miss it: not sent yet
+        assert router.requests["g"].migrate_to is None
+        replicas[1].gate.set()
+        await until(lambda: router.requests["g"].engine_request_id is not None)
+        assert await router.migrate("g", 0)  # sent: it can move
+        assert await task == reference_tokens("a", (1, 2, 3), 10)
+        assert router.counters["migrations"] == 1
+    asyncio.run(run())
+

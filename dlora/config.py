@@ -123,6 +123,10 @@ class ClusterConfig:
     migration_top_k: int = 2  # overloaded and underloaded replicas considered per round
     count_imbalance: int = 16  # trigger: unfinished-request counts differ by more than this
     queue_delay_s: float = 2.0  # trigger: a queued request waited this long while another replica is idle
+    # With `migration`: on every monitor tick, requests queued on a replica at least
+    # `queued_min_wait_s` (None = monitor_interval_s) move to replicas that can start them now.
+    migrate_queued: bool = True
+    queued_min_wait_s: float | None = None
     monitor_interval_s: float = 1.0  # how often replica stats are read
     placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
     # Output lengths dispatch and migration expect (dlora/cluster/output_lengths.py): each adapter's
@@ -146,6 +150,13 @@ class ClusterConfig:
                     "placement_interval_s"):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
+        _check(isinstance(self.migrate_queued, bool), "cluster.migrate_queued", self.migrate_queued,
+               "must be true or false")
+        _check(self.queued_min_wait_s is None or (isinstance(self.queued_min_wait_s, (int, float))
+                                                  and not isinstance(self.queued_min_wait_s, bool)
+                                                  and self.queued_min_wait_s >= 0),
+               "cluster.queued_min_wait_s", self.queued_min_wait_s,
+               "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)")
         _check(_is_int(self.output_length_window) and self.output_length_window >= 0, "cluster.output_length_window",
                self.output_length_window, "must be a whole number >= 0 (0 = use max_tokens)")
         _check(_is_int(self.output_length_min_samples) and self.output_length_min_samples >= 1,
@@ -153,6 +164,11 @@ class ClusterConfig:
         _check(self.output_length_prior is None or (_is_int(self.output_length_prior) and self.output_length_prior >= 1),
                "cluster.output_length_prior", self.output_length_prior,
                "must be a whole number of tokens >= 1, or null (= each request's max_tokens)")
+
+    @property
+    def queued_wait_s(self) -> float:
+        """How long a request must have queued before it may move (`queued_min_wait_s` resolved)."""
+        return self.monitor_interval_s if self.queued_min_wait_s is None else float(self.queued_min_wait_s)
 
     def output_lengths(self) -> OutputLengthConfig:
         """The estimator's own config (what the router takes)."""

@@ -52,6 +52,8 @@ adapters:
     ("cluster: {output_length_window: -1}", r"cluster.output_length_window=-1: must be a whole number >= 0"),
     ("cluster: {output_length_min_samples: 0}", r"cluster.output_length_min_samples=0"),
     ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number of tokens"),
+    ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
+    ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -159,3 +161,11 @@ def test_output_length_options_reach_the_estimator_config(tmp_path):
     est = cfg.cluster.output_lengths()
     assert (est.window, est.min_samples, est.prior_tokens) == (32, 4, 100)
     assert config.DloraConfig().cluster.output_lengths().prior_tokens is None  # default: max_tokens until data
+
+
+def test_queued_migration_is_on_by_default_and_waits_one_monitor_interval_unless_told(tmp_path):
+    cluster = config.DloraConfig().cluster
+    assert cluster.migrate_queued and cluster.queued_wait_s == cluster.monitor_interval_s == 1.0
+    cfg = config.load(write(tmp_path, "cluster: {monitor_interval_s: 0.5, migrate_queued: false}"))
+    assert not cfg.cluster.migrate_queued and cfg.cluster.queued_wait_s == 0.5
+    assert config.load(write(tmp_path, "cluster: {queued_min_wait_s: 0}")).cluster.queued_wait_s == 0.0

@@ -1,8 +1,10 @@
 """The balancer loop: read replica stats, and run a co-migration round when a trigger fires.
 
-Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), then
-checks dLoRA's triggers (KV pressure, request-count imbalance, queueing delay; at most one round per
-`migration_interval_s`). A round solves the relaxed co-migration ILP off the event loop, loads the
+Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), moves
+requests stuck in one replica's queue to replicas that can start them now (`migrate_queued`,
+migration_queued.py: cheap, so on every tick), then checks dLoRA's triggers (KV pressure,
+request-count imbalance, queueing delay; at most one round per `migration_interval_s`). Such a
+round solves the relaxed co-migration ILP off the event loop. Either kind of round loads the
 planned adapters on their targets, then moves each planned request (abort + resubmit, see router.py).
 """
 
@@ -10,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from dlora.cluster.migration_ilp import MigrationPlan, plan_migration
 from dlora.cluster.migration_problem import MigrationConfig
+from dlora.cluster.migration_queued import QueuedConfig, plan_queued, queued_trigger
 from dlora.cluster.migration_trigger import Trigger, TriggerConfig, check_trigger
 from dlora.cluster.monitor_types import ClusterView
 from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
@@ -52,6 +56,7 @@ class Balancer:
                                          queue_delay_s=self.cfg.queue_delay_s)
         self.migration_cfg = MigrationConfig(top_k=self.cfg.migration_top_k, solver=self.cfg.migration_solver,
                                              time_limit_s=self.cfg.migration_time_limit_s)
+        self.queued_cfg = QueuedConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high)
 
     async def run(self) -> None:
         while True:
@@ -59,6 +64,8 @@ class Balancer:
             try:
                 await self.router.refresh_stats()
                 if self.cfg.migration:
+                    if self.cfg.migrate_queued:
+                        await self.move_queued()
                     await self.maybe_migrate()
                 if self.cfg.placement == "dynamic":
                     await self.maybe_preload()
@@ -76,6 +83,20 @@ class Balancer:
         self.last_round_at = now
         plan = await asyncio.to_thread(plan_migration, ClusterView(tuple(views)), self.router.cost_params(),
                                        self.migration_cfg)
+        return await self._run_round(trigger, plan)
+
+    async def move_queued(self) -> MigrationRound | None:
+        """Requests queued on one replica go to replicas that can start them now (a round only when
+        some can); not gated by `migration_interval_s`: nothing is recomputed when they move."""
+        t0 = time.perf_counter()
+        queued = plan_queued(self.router.views(), self.router.clock(), self.queued_cfg)
+        if not queued.moves:
+            return None
+        plan = MigrationPlan(moves=queued.moves, loads=queued.loads, solver="queued", status="planned",
+                             solve_ms=1000 * (time.perf_counter() - t0))
+        return await self._run_round(queued_trigger(queued, self.queued_cfg), plan)
+
+    async def _run_round(self, trigger: Trigger, plan: MigrationPlan) -> MigrationRound:
         moved = await self.execute(plan)
         done = MigrationRound(trigger, plan, moved)
         self.rounds.append(done)

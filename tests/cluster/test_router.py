@@ -382,3 +382,40 @@ def test_a_request_still_loading_its_adapter_is_not_moved():
         assert router.counters["migrations"] == 1
     asyncio.run(run())
 
+
+async def _queued_run(migrate_queued: bool):
+    """Four requests on replica 0, which runs two at a time, while replica 1 is down; then replica 1
+    comes back idle and the balancer loop runs."""
+    replicas = [SimReplica(i, step_s=0.005, max_running=2) for i in range(2)]
+    router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", max_batch=2))
+    waits = []
+    router.queue_times.observer = lambda adapter, s: waits.append(s)
+    await router.start()
+    cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.01, queued_min_wait_s=0.02, migrate_queued=migrate_queued)
+    balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+    router.slot(1).healthy = False
+    reqs = [request(f"q{i}", n=100, prompt=(i,)) for i in range(4)]
+    tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+    await until(lambda: all(tokens(router, f"q{i}") for i in range(2)))
+    router.slot(1).healthy = True
+    loop = asyncio.create_task(balancer.run())
+    outs = await asyncio.gather(*tasks)
+    loop.cancel()
+    await router.refresh_stats()
+    assert outs == [reference_tokens("a", (i,), 100) for i in range(4)]
+    assert len(waits) == 4
+    return balancer, router, sum(waits)
+
+
+def test_the_balancer_moves_queued_requests_to_an_idle_replica_every_tick():
+    async def run():
+        balancer, router, waited = await _queued_run(migrate_queued=True)
+        moves = [m for r in balancer.rounds for m in r.plan.moves]
+        assert {r.trigger.reason for r in balancer.rounds} == {"queued"}
+        assert sorted(moves) == [("q2", 0, 1), ("q3", 0, 1)]  # the two waiting ones, nothing running
+        assert router.counters["migrations"] == 2
+        off, off_router, waited_off = await _queued_run(migrate_queued=False)
+        assert not off.rounds and off_router.counters["migrations"] == 0
+        # without the move q2 and q3 wait for a whole request (~0.5 s) each; with it, ~a tick
+        assert waited < 0.5 * waited_off
+    asyncio.run(run())

@@ -246,12 +246,39 @@ def test_kernel_swaps_unmerge_exactly_and_remerge_without_reloading(base_dir, tm
     assert all(model.weights[n] is original[n] for n in original)  # the very same objects
     merger.merge(str(a))
     assert merger.reloads == 1 and all(torch.equal(model.weights[n], merged_a[n]) for n in merged_a)
-    merger.merge(str(b))  # a out by swap, b in by reload; b replaces a in the cache
+    merger.merge(str(b))  # a out by swap, b in by reload; both stay cached
+    assert merger.reloads == 2 and merger.cached_adapters == [str(a), str(b)]
+    for n, want in fp64_reference(base_dir, b).items():
+        assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
+    merger.merge(str(a))  # b out, a in: both by swap
+    assert merger.reloads == 2 and merger.cached_adapters == [str(b), str(a)]
+    assert all(torch.equal(model.weights[n], merged_a[n]) for n in merged_a)
+    merger.merge(str(b))
     assert merger.reloads == 2
     for n, want in fp64_reference(base_dir, b).items():
         assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
-    merger.merge(str(a))
-    assert merger.reloads == 3
+    merger.unmerge()
+    assert all(torch.equal(model.weights[n], original[n]) for n in original)
+
+
+def merged_bytes(base_dir, adapter) -> int:
+    """What the merger counts for one cached adapter: every shard of the fused modules it touches."""
+    merger, model, _ = make_with_kernels(base_dir)
+    merger.merge(str(adapter))
+    return merger._cached[next(iter(merger._cached))][2]
+
+
+def test_cache_keeps_the_most_recently_merged_adapters_within_its_budget(base_dir, tmp_path):
+    a, b, c = (write_adapter(tmp_path / n, ["q_proj"], seed=i) for i, n in enumerate("abc"))
+    one = merged_bytes(base_dir, a)
+    merger, model, original = make_with_kernels(base_dir, cache_bytes=2 * one)  # room for two
+    for adapter in (a, b, a, c):  # a is used again, so b is the least recently merged
+        merger.merge(str(adapter))
+    assert merger.cached_adapters == [str(a), str(c)] and merger.reloads == 3
+    merger.merge(str(b))  # evicted: a reload, which evicts a
+    assert merger.reloads == 4 and merger.cached_adapters == [str(c), str(b)]
+    for n, want in fp64_reference(base_dir, b).items():
+        assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
     merger.unmerge()
     assert all(torch.equal(model.weights[n], original[n]) for n in original)
 

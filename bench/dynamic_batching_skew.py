@@ -5,8 +5,12 @@ One replica of the default model (SmolLM2-135M-Instruct, bf16) with 8 random ran
 adapters. Each point is one `dlora bench` workload at a fixed Poisson arrival rate whose adapter
 popularity goes from uniform to one adapter taking >= 90% of the requests (`skewed` popularity:
 adapter a gets alpha^-a of the requests). The four servers run at once, every engine pinned to
-core 0; they take turns on each workload (the order rotates per point), so only one is loaded
-at a time and slow drifts of the machine's background load hit them alike.
+core 0; they take turns on each workload, so only one is loaded at a time. The machine's speed
+drifts by 10-20% over minutes, more than the differences the goals ask about, so each point runs
+every batching policy `--reps` times (3 by default) in rotating order, and the point's value is
+the median over its reps (vLLM's server, far behind, runs once per point). The summary is computed
+from those medians; `median_of_rep_ratios` beside it takes each ratio per rep (the systems of one
+rep ran back to back) and reports the median over reps.
 
 A last point sends the most skewed workload's requests to the base model (no adapter) on the
 `unmerged` server: a bound no policy can beat (merged inference is base-model speed plus the
@@ -15,11 +19,14 @@ baseline at that skew.
 
 Metrics per point: dLoRA's average latency per output token (sum of E2E latencies / sum of output
 tokens), P90 of the per-request latency per output token, throughput, TTFT; for dlora's servers
-also the switches and switch times read from /metrics. Writes
+also the switches and switch times read from /metrics. Before the points, every server gets the
+same warm-up: a burst over all adapters, then each adapter's requests alone (oneDNN primitives for
+the first shapes, adapter loads, and the first merge of each adapter for the policies that merge),
+so the points measure a server in its steady state. Writes
 bench/results/dynamic_batching_skew.json (+ .png).
 
-    .venv/bin/python bench/dynamic_batching_skew.py               # about 20-25 min on 2 cores
-    .venv/bin/python bench/dynamic_batching_skew.py --quick       # a 4-minute smoke run
+    .venv/bin/python bench/dynamic_batching_skew.py               # about 45 min on 2 cores (--reps 3)
+    .venv/bin/python bench/dynamic_batching_skew.py --quick       # a 5-minute smoke run
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -149,6 +157,39 @@ def run_point(system: str, requests) -> dict:
     return m
 
 
+POINT_METRICS = ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms", "output_throughput", "switches")
+
+
+def median_points(runs: list[list[dict]]) -> list[dict]:
+    """One point per (system, skew) over several runs (or reps) of the same points: the median of
+    each metric, and every run's latency per output token in `per_run`."""
+    out = []
+    for first in runs[0]:
+        same = [p for run in runs for p in run if (p["policy"], p["skew"]) == (first["policy"], first["skew"])]
+        if len(same) != len(runs):
+            raise SystemExit(f"point {first['policy']} at skew {first['skew']} is missing from some runs")
+        metrics = {k: statistics.median(p["metrics"][k] for p in same) for k in POINT_METRICS
+                   if all(p["metrics"].get(k) is not None for p in same)}
+        out.append({"policy": first["policy"], "skew": first["skew"], "top_share": first["top_share"],
+                    "metrics": metrics, "per_run": [p["metrics"]["avg_latency_per_output_token_ms"] for p in same]})
+    return out
+
+
+def median_ratios(summaries: list[dict]) -> dict:
+    """Each headline ratio, and each per-skew ratio, as the median of the runs' own values: robust
+    to a machine that is slower in one run for every system alike (point medians are not)."""
+    keys = ("dlora_vs_better_baseline_min", "dlora_vs_worse_baseline_min", "dlora_vs_vllm_server_max_skew")
+    per_skew = {skew: {k: statistics.median(s["per_skew"][skew][k] for s in summaries) for k in ratios}
+                for skew, ratios in summaries[0]["per_skew"].items()}
+    return {**{k: statistics.median(s[k] for s in summaries) for k in keys}, "per_skew": per_skew}
+
+
+def rep_points(points: list[dict], reps: int) -> list[list[dict]]:
+    """The points of each rep; systems measured once per point (vLLM's server) join every rep."""
+    once = [p for p in points if p.get("rep") is None]
+    return [[p for p in points if p.get("rep") == r] + once for r in range(reps)]
+
+
 def summarize(points: list[dict], skews: list[float], base_reference: dict | None = None) -> dict:
     lat = {(p["policy"], p["skew"]): p["metrics"]["avg_latency_per_output_token_ms"] for p in points}
     better = {s: min(lat[("unmerged", s)], lat[("merged", s)]) for s in skews}
@@ -204,6 +245,37 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def schedule(k: int, reps: int) -> list[tuple[int | None, str]]:
+    """(rep, system) in the order point k runs them: the batching policies `reps` times, each rep's
+    order rotated, so no policy always runs first or last; vLLM's server once, in the middle."""
+    runs = []
+    for rep in range(reps):
+        shift = (k + rep) % len(POLICIES)
+        runs.extend((rep, system) for system in POLICIES[shift:] + POLICIES[:shift])
+    runs.insert(len(runs) // 2, (None, "vllm"))
+    return runs
+
+
+def summarize_reps(points: list[dict], skews: list[float], reps: int, base_reference: dict | None) -> dict:
+    """The issue's summary from the point medians, plus the median of each rep's own ratios."""
+    per_rep = [summarize(run, skews, base_reference) for run in rep_points(points, reps)]
+    return summarize(median_points(rep_points(points, reps)), skews, base_reference) | {
+        "median_of_rep_ratios": median_ratios(per_rep), "per_rep_summary": per_rep}
+
+
+def warm_up(base_url: str, names: tuple[str, ...], args) -> None:
+    """A burst over all adapters, then each adapter's requests alone (see the module docstring)."""
+    burst = generate_workload(WorkloadSpec(num_prompts=2 * len(names), adapters=names, distribution="distinct",
+                                           input_len=args.input_len, output_len=8, request_rate=float("inf"),
+                                           max_model_len=args.max_model_len, seed=99))
+    run_benchmark(base_url, burst, ignore_eos=True, disable_tqdm=True, print_result=False)
+    for name in names:
+        alone = generate_workload(WorkloadSpec(num_prompts=4, adapters=(name,), input_len=args.input_len,
+                                               output_len=16, request_rate=float("inf"),
+                                               max_model_len=args.max_model_len, seed=98))
+        run_benchmark(base_url, alone, ignore_eos=True, disable_tqdm=True, print_result=False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (Poisson)")
@@ -214,7 +286,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="2 skews x 32 requests: a smoke run")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each batching policy per point (median)")
+    ap.add_argument("--quick", action="store_true", help="2 skews x 32 requests, 1 rep: a smoke run")
     ap.add_argument("--lora-backend", default=shipped_engine().get("lora_backend", "vllm"),
                     help="engine.lora_backend of dlora's servers (default: configs/default.yaml's); vLLM's "
                          "server always runs its own LoRA ops")
@@ -223,7 +296,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "dynamic_batching_skew.json"))
     args = ap.parse_args()
     if args.quick:
-        args.alphas, args.num_prompts = [1.0, 10.0], 32
+        args.alphas, args.num_prompts, args.reps = [1.0, 10.0], 32, 1
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: must be >= 1")
 
     t_start = time.monotonic()
     base = prepare_smollm2()
@@ -244,11 +319,8 @@ def main() -> int:
         print(f"[{time.monotonic() - t_start:5.0f}s] all four servers are up", flush=True)
 
         names = tuple(f"a{i}" for i in range(NUM_ADAPTERS))
-        warm = generate_workload(WorkloadSpec(num_prompts=2 * NUM_ADAPTERS, adapters=names, distribution="distinct",
-                                              input_len=args.input_len, output_len=8, request_rate=float("inf"),
-                                              max_model_len=args.max_model_len, seed=99))
-        for system in SYSTEMS:  # first-shape oneDNN primitive builds, adapter loads, first merges
-            run_benchmark(url(system), warm, ignore_eos=True, disable_tqdm=True, print_result=False)
+        for system in SYSTEMS:
+            warm_up(url(system), names, args)
 
         points = []
         for k, alpha in enumerate(args.alphas):
@@ -258,19 +330,18 @@ def main() -> int:
             requests = generate_workload(spec)
             top_share = float(popularity_shares("skewed", NUM_ADAPTERS, alpha)[0])
             realized = sum(r.adapter == "a0" for r in requests) / len(requests)
-            order = SYSTEMS[k % len(SYSTEMS):] + SYSTEMS[:k % len(SYSTEMS)]
-            for system in order:
+            for rep, system in schedule(k, args.reps):
                 m = run_point(system, requests)
                 if m["failed"]:
                     raise RuntimeError(f"{system}: {m['failed']} requests failed at alpha {alpha}: {m['first_errors']} "
                                        f"(server died? see {work / system}.log); no result written")
-                points.append({"policy": system, "skew": alpha, "top_share": top_share,
+                points.append({"policy": system, "skew": alpha, "top_share": top_share, "rep": rep,
                                "realized_top_share": realized, "metrics": m})
                 extra = f", {m['switches']:.0f} switches" if "switches" in m else ""
                 p90 = m["p90_latency_per_output_token_ms"] or float("nan")
-                print(f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) {system:8s} "
-                      f"lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  P90 {p90:8.1f} ms  "
-                      f"{m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}", flush=True)
+                print(f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) rep "
+                      f"{'-' if rep is None else rep} {system:8s} lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  "
+                      f"P90 {p90:8.1f} ms  {m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}", flush=True)
         # The speed-of-light point: the most skewed workload with every request on the base model.
         base_requests = [dataclasses.replace(r, adapter=None) for r in requests]
         base_reference = run_point("unmerged", base_requests)
@@ -291,10 +362,12 @@ def main() -> int:
                      "arrivals": "Poisson", "popularity": "skewed (adapter a gets alpha^-a)", "alphas": args.alphas,
                      "ignore_eos": True, "stream": True},
         "skew": "alpha of the `skewed` popularity; top_share = expected share of the most popular adapter",
-        "points": points,
+        "reps": args.reps,
+        "points": median_points(rep_points(points, args.reps)),
+        "rep_points": points,
         "base_model_reference": {"workload": f"alpha {args.alphas[-1]}'s requests, every one on the base model",
                                  "server": "unmerged", "metrics": base_reference},
-        "summary": summarize(points, args.alphas, base_reference),
+        "summary": summarize_reps(points, args.alphas, args.reps, base_reference),
         "wall_seconds": time.monotonic() - t_start,
     }
     write_result(result, args.out, plot)

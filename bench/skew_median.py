@@ -21,33 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.dynamic_batching_skew import SYSTEMS, plot, summarize  # noqa: E402
+from bench.dynamic_batching_skew import SYSTEMS, median_points, median_ratios, plot, summarize  # noqa: E402
 from bench.servers import write_result  # noqa: E402
-
-METRICS = ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms", "output_throughput", "switches")
-
-
-def median_points(runs: list[dict]) -> list[dict]:
-    """One point per (system, skew): the median of each metric over the runs."""
-    out = []
-    for first in runs[0]["points"]:
-        same = [p for run in runs for p in run["points"] if (p["policy"], p["skew"]) == (first["policy"], first["skew"])]
-        if len(same) != len(runs):
-            raise SystemExit(f"point {first['policy']} at skew {first['skew']} is missing from some runs")
-        metrics = {k: statistics.median(p["metrics"][k] for p in same) for k in METRICS
-                   if all(p["metrics"].get(k) is not None for p in same)}
-        out.append({"policy": first["policy"], "skew": first["skew"], "top_share": first["top_share"],
-                    "metrics": metrics, "per_run": [p["metrics"]["avg_latency_per_output_token_ms"] for p in same]})
-    return out
-
-
-def median_ratios(summaries: list[dict]) -> dict:
-    """Each headline ratio, and each per-skew ratio, as the median of the runs' own values: robust
-    to a machine that is slower in one run for every system alike (point medians are not)."""
-    keys = ("dlora_vs_better_baseline_min", "dlora_vs_worse_baseline_min", "dlora_vs_vllm_server_max_skew")
-    per_skew = {skew: {k: statistics.median(s["per_skew"][skew][k] for s in summaries) for k in ratios}
-                for skew, ratios in summaries[0]["per_skew"].items()}
-    return {**{k: statistics.median(s[k] for s in summaries) for k in keys}, "per_skew": per_skew}
 
 
 def main() -> int:
@@ -59,7 +34,7 @@ def main() -> int:
     if any(r["workload"] != runs[0]["workload"] for r in runs):
         raise SystemExit("the runs have different workloads; medians over them would mean nothing")
     skews = runs[0]["workload"]["alphas"]
-    points = median_points(runs)
+    points = median_points([r["points"] for r in runs])
     bases = [r["base_model_reference"] for r in runs if r.get("base_model_reference")]
     base = ({"avg_latency_per_output_token_ms":
              statistics.median(b["metrics"]["avg_latency_per_output_token_ms"] for b in bases)}

@@ -1,0 +1,48 @@
+"""The skew benchmark's workloads through the replica simulator: policies side by side.
+
+`bench/dynamic_batching_skew.py` sends the same workloads (one replica, 8 adapters, Poisson
+arrivals, 64 prompt / 64 output tokens, `skewed` popularity from uniform to one adapter taking
+>= 90%) to real servers; this runs them through `ReplicaSim` with the real policy objects, so a
+policy change can be judged in seconds, over many seeds, in several cost regimes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dlora.bench.popularity import popularity_shares
+from dlora.bench.workload import WorkloadSpec, generate_workload
+from dlora.scheduling import BatchingConfig, make_policy
+from dlora.sim.replica_sim import ReplicaSim, SimRequest, SimResult
+from dlora.sim.step_costs import StepCosts
+
+NUM_ADAPTERS = 8
+
+
+@dataclass(frozen=True)
+class SkewWorkload:
+    alpha: float  # `skewed` popularity: adapter a gets alpha^-a of the requests
+    rate: float = 1.0
+    num_prompts: int = 56
+    input_len: int = 64
+    output_len: int = 64
+    seed: int = 0
+
+    @property
+    def top_share(self) -> float:
+        return float(popularity_shares("skewed", NUM_ADAPTERS, self.alpha)[0])
+
+    def requests(self) -> list[SimRequest]:
+        spec = WorkloadSpec(num_prompts=self.num_prompts, adapters=tuple(f"a{i}" for i in range(NUM_ADAPTERS)),
+                            distribution="skewed", alpha=self.alpha, input_len=self.input_len,
+                            output_len=self.output_len, request_rate=self.rate, max_model_len=4096, seed=self.seed)
+        return [SimRequest(r.request_id, r.adapter, r.arrival_time, r.prompt_len, r.output_len)
+                for r in generate_workload(spec, with_prompts=False)]
+
+
+def simulate(policy: str, config: BatchingConfig, costs: StepCosts, requests: Iterable[SimRequest],
+             noise_sd: float = 0.0, seed: int = 0, **engine) -> SimResult:
+    sim = ReplicaSim(make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed,
+                     mixed=config.mixed_merged, **engine)
+    return sim.run(requests)

@@ -1,4 +1,5 @@
-"""Two real replicas (Ray actors running vLLM on the tiny model): migration and a killed actor."""
+"""Two real replicas (Ray actors running vLLM on the tiny model): migration, queued-request moves and a
+killed actor. Each engine runs at most MAX_NUM_SEQS requests at once, so requests can queue."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import pytest
 import ray
 
 from dlora import config as config_mod
-from dlora.cluster.router import Router, RouterConfig
+from dlora.cluster.balancer import Balancer
+from dlora.cluster.router import Router
+from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
+from dlora.server.state import router_config
 from tests.harness import tiny_config
 
 N_TOKENS = 48
+MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +26,11 @@ def cluster(tiny_model, tmp_path_factory):
     from dlora.cluster.launcher import create_replicas
 
     raw = tiny_config(tiny_model, tmp_path_factory.mktemp("state"), 0)
-    raw["cluster"] = {"num_replicas": 2}
+    raw["cluster"] = {"num_replicas": 2, "dispatch": "least_loaded"}
+    raw["engine"]["max_num_seqs"] = MAX_NUM_SEQS
     cfg = config_mod.from_dict(raw)
     loop = asyncio.new_event_loop()
-    router = Router(create_replicas(cfg, str(tiny_model.base)), cfg=RouterConfig(dispatch="least_loaded"))
+    router = Router(create_replicas(cfg, str(tiny_model.base)), cfg=router_config(cfg))
     loop.run_until_complete(router.start())
     adapters = {n: AdapterRef(n, i + 1, str(p)) for i, (n, p) in enumerate(sorted(tiny_model.adapters.items()))}
     yield loop, router, adapters
@@ -64,6 +70,42 @@ def test_migrated_request_equals_unmigrated_run(cluster, oracle):
     assert router.counters["migrations"] >= 1
     assert migrated[0] == reference[0] == oracle.greedy("a1", prompt, N_TOKENS)
     assert migrated[1] == reference[1]  # the text stream continues seamlessly too
+
+
+def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(cluster, oracle):
+    loop, router, adapters = cluster
+    tok = oracle.tokenizer()
+    prompts = ["def parse(", "class Node:", "import re\n", "if x is None:", "with open(", "try:\n    "]
+    names = ["a1", None, "a2", "a1", None, "a2"]
+    reqs = [greedy(f"q{i}", tok(p)["input_ids"], adapters[n] if n else None) for i, (p, n) in
+            enumerate(zip(prompts, names))]
+    cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.05, queued_min_wait_s=0.1)
+    balancer = Balancer(router, adapter_ref=lambda n: adapters[n], cfg=cfg)
+
+    async def run():
+        reference = await asyncio.gather(*(collect(router, dataclasses.replace(r, request_id=f"ref-{r.request_id}"))
+                                           for r in reqs))
+        router.slot(1).healthy = False  # everything lands on replica 0, which runs two at a time
+        tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+        while sum(1 for st in router.requests.values() if st.generated) < MAX_NUM_SEQS:
+            await asyncio.sleep(0.005)
+        running = {rid for rid, st in router.requests.items() if st.generated}
+        router.slot(1).healthy = True  # ... until replica 1 comes back idle
+        ticking = asyncio.create_task(balancer.run())
+        outs = await asyncio.gather(*tasks)
+        ticking.cancel()
+        return reference, running, outs
+
+    before = router.counters["migrations"]
+    reference, running, outs = loop.run_until_complete(run())
+    assert outs == reference  # token ids and text, as the undisturbed run gave them
+    for r, n, (ids, _) in zip(reqs, names, outs):  # HF stops at EOS, the engine (ignore_eos) goes on
+        expected = oracle.greedy(n, list(r.prompt_token_ids), N_TOKENS)
+        assert ids[:len(expected)] == expected, r.request_id
+    moves = [m for rnd in balancer.rounds if rnd.trigger.reason == "queued" for m in rnd.plan.moves]
+    assert moves and all((src, dst) == (0, 1) for _, src, dst in moves)
+    assert not {rid for rid, _, _ in moves} & running  # only queued ones
+    assert router.counters["migrations"] - before >= 1
 
 
 def test_killed_replica_actor_loses_no_stream(cluster, oracle):

@@ -43,6 +43,10 @@ Workloads (`--workload`):
     Optional policy `proactive_migration_cap` (not in the default list) is proactive + migration
     with the estimator off (`output_length_window: 0`, every request priced at its cap): the ablation.
 
+Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every monitor tick, moves
+requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
+default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves.
+
 Writes bench/results/cluster_balancing.json (+ .png) by default (use --out for another workload).
 `--quick` is a ~5-minute smoke run of the whole script (small probe, 24 requests at 0.7 of capacity)
 that writes under ~/.cache/dlora/bench-run/cluster/ unless --out is given.
@@ -80,7 +84,12 @@ RESULTS = ROOT / "bench" / "results"
 POLICIES = {
     "round_robin_static": {"dispatch": "round_robin", "placement": "static", "migration": False},
     "proactive": {"dispatch": "proactive", "placement": "dynamic", "migration": False},
-    "proactive_migration": {"dispatch": "proactive", "placement": "dynamic", "migration": True},
+    # dlora: dispatch + co-migration rounds + every tick's moves of queued requests (migrate_queued)
+    "proactive_migration": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
+                            "migrate_queued": True},
+    # ablation: co-migration rounds only, no queued-request moves
+    "proactive_migration_noqueued": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
+                                     "migrate_queued": False},
     # ablation: the same without the output-length estimator (every request priced at its max_tokens)
     "proactive_migration_cap": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                 "output_length_window": 0},
@@ -325,7 +334,7 @@ def plot(result: dict, path: Path) -> None:
     rates = [str(r) for r in result["workload"]["request_rates"]]
     names = [n for n in POLICIES if any(n in result["per_rate"][r] for r in rates)]
     colors = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833",
-              "proactive_migration_cap": "#ccbb44"}
+              "proactive_migration_cap": "#ccbb44", "proactive_migration_noqueued": "#66ccee"}
     panels = (("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
               ("mean_ttft_ms", "mean TTFT, ms"), ("avg_latency_per_output_token_ms", "avg latency per output token, ms"))
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))

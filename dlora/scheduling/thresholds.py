@@ -15,6 +15,15 @@ The batches that ran use their measured compute time; the other mode's batches a
 `IterationCostModel`. t_M is the current switching-cost estimate (measured, seconds). The paper
 gives only the alpha rule and says beta is "similar"; we apply the same rule, in the same
 direction, to beta. alpha stays in [beta + gap, 1], beta in [THRESHOLD_MIN, alpha - gap].
+
+Which merged steps tune beta (our choice, not in the paper): beta decides whether to *stay* merged
+while other requests wait, so without mixing only the merged steps that held a request back
+(B'_i larger than B_i) are counted. A merged step with nobody waiting runs the same batch either
+way, merged always wins it, and counting such steps drove beta down to its floor after a few lone
+merges (traced in the skew benchmark: beta 0.05 at 90% skew, 0.3-0.5 at uniform popularity), so a
+later merge held every newly arrived request of another adapter until it starved. A merged period
+without a held-back step leaves beta where it is. With mixing (`mixed_merged`) a merged step runs
+B_fcfs like an unmerged one, and every step counts.
 """
 
 from __future__ import annotations
@@ -48,10 +57,13 @@ class TuneResult:
 
 
 def period_throughputs(
-    samples: list[PeriodSample], mode: Mode, cost: IterationCostModel, switch_cost: float
+    samples: list[PeriodSample], mode: Mode, cost: IterationCostModel, switch_cost: float,
+    held_back_only: bool = False,
 ) -> tuple[float, float] | None:
-    """(T_merge, T_unmerge) of Alg. 2 lines 4–5 for a period in `mode`; None if not computable."""
-    used = [s for s in samples if s.mode is mode and s.ran > 0 and s.alternative > 0]
+    """(T_merge, T_unmerge) of Alg. 2 lines 4–5 for a period in `mode`; None if not computable.
+    `held_back_only`: a merged period counts only the steps that held requests back (NOTE above)."""
+    used = [s for s in samples if s.mode is mode and s.ran > 0 and s.alternative > 0
+            and not (held_back_only and mode is Mode.MERGED and s.alternative <= s.ran)]
     if not used:
         return None
     other = Mode.UNMERGED if mode is Mode.MERGED else Mode.MERGED
@@ -75,6 +87,7 @@ class AdaptiveThresholds:
     def __init__(self, config: BatchingConfig, cost: IterationCostModel) -> None:
         self.alpha, self.beta = config.alpha, config.beta
         self.gamma_dec, self.gamma_mul = config.gamma_dec, config.gamma_mul
+        self.held_back_only = not config.mixed_merged  # which merged steps tune beta (NOTE)
         self.gap, self.period = config.min_threshold_gap, config.break_period_iters
         self.cost = cost
         self.samples: list[PeriodSample] = []
@@ -99,7 +112,7 @@ class AdaptiveThresholds:
         self.samples = []
         if not samples or mode is None:
             return None
-        tput = period_throughputs(samples, mode, self.cost, switch_cost)
+        tput = period_throughputs(samples, mode, self.cost, switch_cost, self.held_back_only)
         if tput is None:
             return None
         merged_wins = tput[0] > tput[1]

@@ -99,6 +99,30 @@ def test_beta_moves_the_same_way_in_merged_periods():
     assert lost.beta == pytest.approx(0.66)
 
 
+@pytest.mark.parametrize("switch_cost", [0.02, 1.0])
+def test_merged_steps_that_held_nobody_back_do_not_tune_beta(switch_cost):
+    # Nobody waited (the FCFS batch was the merged batch): whatever the throughputs, beta stays.
+    t = tuner(cost_with(M, 0.006))
+    for _ in range(8):
+        t.record(PeriodSample(M, 6, 0.036, 6), "A", switch_cost)
+    assert t.beta == 0.6 and t.history == []
+    # One step that held 4 requests back decides the period: T_merge 6/(0.036 + 1.0) < 10/0.1.
+    for s in (PeriodSample(M, 6, 0.036, 6), PeriodSample(M, 6, 0.036, 10), PeriodSample(M, 6, 0.036, 6)):
+        t.record(s, "A", 1.0)
+    t.break_point(1.0)
+    assert t.beta == pytest.approx(0.66)
+    assert t.history[-1].t_merge == pytest.approx(6 / 1.036)
+
+
+def test_with_mixing_every_merged_step_tunes_beta():
+    # Mixed merged steps run B_fcfs: the same batch in both modes, and it is the question beta asks.
+    t = AdaptiveThresholds(BatchingConfig(alpha=0.9, beta=0.6, break_period_iters=4, mixed_merged=True),
+                           cost_with(M, 0.006))
+    for _ in range(4):
+        t.record(PeriodSample(M, 10, 0.06, 10), "A", 0.02)
+    assert t.beta == pytest.approx(0.55)
+
+
 def test_thresholds_keep_their_gap():
     t = tuner(cost_with(M, 0.006), alpha=0.7, beta=0.64)
     for _ in range(4):

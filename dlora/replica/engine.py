@@ -168,6 +168,10 @@ class EngineHost:
             # Host cache only: vLLM's pin_lora also pins a device slot, which its scheduler does not
             # count, so a batch of max_loras other adapters then fails inside the engine.
             await engine.collective_rpc("dlora_pin_lora", args=(ref.int_id,))
+        if self.cfg.scheduling.policy != "unmerged":
+            # The first merge of an adapter is a full reload (a stall of every running request);
+            # prepared now, between steps, it is a swap when the policy merges it (vllm_ext.py).
+            await engine.collective_rpc("dlora_prepare_merge", args=(ref.path,))
 
     async def remove_adapter(self, int_id: int) -> bool:
         return await self._started().remove_lora(int_id)

@@ -287,6 +287,20 @@ class DloraWorkerExtension:
         report = self._dlora_switcher.apply(SwitchCommand(op, adapter, path, lora_int_id))
         return {"op": report.op, "ok": report.ok, "seconds": report.seconds, "error": report.error}
 
+    def dlora_prepare_merge(self, path: str) -> bool:
+        """Cache an adapter's merged kernels while nothing is merged (`WeightMerger.prepare`), so
+        its first in-band merge is a swap. Between engine steps (a utility call), so the weights the
+        scheduler believes in are the weights in place before and after. False if skipped."""
+        self.dlora_install()
+        switcher = self._dlora_switcher
+        if switcher.merged_adapter is not None:
+            return False
+        try:
+            return switcher.merger().prepare(path)
+        except MergeError as e:  # the base weights are in place; the adapter merges cold later
+            log.warning("preparing the merged weights of %r failed: %s", path, e)
+            return False
+
     def dlora_state(self) -> dict:
         s = getattr(self, "_dlora_switcher", None)
         if s is None:
@@ -296,4 +310,5 @@ class DloraWorkerExtension:
                 "merged_slot": None if s.wrapper is None else s.wrapper._dlora_merged_slot,
                 "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0,
                 "inplace_merges": s._merger.inplace_merges if s._merger else 0,
-                "merge_strategy": s._merger.strategy if s._merger else None}
+                "merge_strategy": s._merger.strategy if s._merger else None,
+                "cached_merges": s._merger.cached_adapters if s._merger else []}

@@ -283,6 +283,28 @@ def test_cache_keeps_the_most_recently_merged_adapters_within_its_budget(base_di
     assert all(torch.equal(model.weights[n], original[n]) for n in original)
 
 
+def test_prepare_caches_the_merge_and_leaves_the_base_in_place(base_dir, tmp_path):
+    a, b, c = (write_adapter(tmp_path / n, ["q_proj", "v_proj"], seed=i) for i, n in enumerate("abc"))
+    one = merged_bytes(base_dir, a)
+    merger, model, original = make_with_kernels(base_dir, cache_bytes=2 * one)
+    assert merger.prepare(str(a)) and merger.merged is None
+    assert all(model.weights[n] is original[n] for n in original)  # the very base objects
+    reloads = merger.reloads
+    merger.merge(str(a))  # a swap now
+    assert merger.reloads == reloads
+    for n, want in fp64_reference(base_dir, a).items():
+        assert torch.allclose(model.weights[n].double(), want, atol=1e-5), n
+    assert not merger.prepare(str(b))  # something is merged: the weights must stay
+    merger.unmerge()
+    assert merger.prepare(str(a)) and merger.prepare(str(b))  # a: already cached
+    assert not merger.prepare(str(c))  # no room left: a prepare never evicts
+    assert merger.cached_adapters == [str(a), str(b)]
+    with pytest.raises(MergeError):
+        merger.prepare(str(tmp_path / "missing"))
+    assert merger.merged is None and all(torch.equal(model.weights[n], original[n]) for n in original)
+    assert not make_with_kernels(base_dir, usable=False)[0].prepare(str(a))  # nothing to cache
+
+
 def test_rewritten_adapter_or_no_budget_means_a_fresh_merge(base_dir, tmp_path):
     a = write_adapter(tmp_path / "a", ["q_proj"], seed=1)
     merger, model, _ = make_with_kernels(base_dir)

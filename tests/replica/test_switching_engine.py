@@ -119,6 +119,24 @@ def test_out_of_band_merges_and_failures_restore_the_base_exactly(llm, tiny_mode
     assert base_logprobs(llm) == before
 
 
+def test_prepared_merge_is_a_swap_and_leaves_the_base_exact(llm, tiny_model, tmp_path):
+    before = base_logprobs(llm)
+    path = str(tmp_path / "a2-copy")  # files no earlier test merged (the cache knows a2 itself)
+    shutil.copytree(tiny_model.adapters["a2"], path)
+    (ok,) = llm.collective_rpc("dlora_prepare_merge", args=(path,))
+    (state,) = llm.collective_rpc("dlora_state")
+    assert ok and path in state["cached_merges"] and state["merged_adapter"] is None
+    assert base_logprobs(llm) == before  # prepared, not merged
+    reloads = state["reloads"]
+    (report,) = llm.collective_rpc("dlora_apply", args=("merge", "a2", path, 3))
+    (state,) = llm.collective_rpc("dlora_state")
+    assert report["ok"] and state["reloads"] == reloads  # the merge was a swap
+    (ok,) = llm.collective_rpc("dlora_prepare_merge", args=(str(tiny_model.adapters["a0"]),))
+    assert not ok  # a2 is merged: a prepare must not touch the weights
+    llm.collective_rpc("dlora_apply", args=("unmerge",))
+    assert base_logprobs(llm) == before
+
+
 def test_merged_weights_serve_the_adapter_without_lora(llm, tiny_model, oracle):
     """Merged + remapped, an adapter's requests equal HF + PEFT (its delta counted exactly once)."""
     a2 = lora(tiny_model, "a2")

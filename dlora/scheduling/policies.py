@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from dlora.scheduling.config import BatchingConfig
-from dlora.scheduling.dynamic_batching import build_queues, fcfs_key, request_ids
+from dlora.scheduling.dynamic_batching import build_queues, request_ids
 from dlora.scheduling.types import (
     AdapterKey, Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch,
 )
@@ -73,14 +73,15 @@ def check_decision(
 
 
 class UnmergedPolicy(BatchingPolicy):
-    """Always unmerged, every request allowed in FCFS order: vLLM's own behaviour."""
+    """Always unmerged, the FCFS batch allowed (the first max_batch requests in FCFS order): vLLM's
+    own behaviour, whose scheduler admits no more than max_num_seqs either."""
 
     name = "unmerged"
 
     def decide(
         self, requests: Sequence[RequestView], now: float, max_batch: int | None = None
     ) -> Decision:
-        return Decision(Mode.UNMERGED, None, request_ids(sorted(requests, key=fcfs_key)))
+        return Decision(Mode.UNMERGED, None, request_ids(build_queues(requests, self.batch_size(max_batch)).fcfs))
 
     def observe(self, stats: IterationStats) -> None:
         pass

@@ -69,7 +69,6 @@ class StepSim:
     max_batch: int
     cost: Callable[[Mode, int], float]
     switch_time: float = 0.02
-    check_max_batch: bool = True  # False for policies that allow everything (unmerged)
     now: float = 0.0
     requests: list[SimRequest] = field(default_factory=list)
     decisions: list = field(default_factory=list)
@@ -90,7 +89,7 @@ class StepSim:
             return
         views = [r.view() for r in live]
         d = self.policy.decide(views, self.now, self.max_batch)
-        check_decision(d, views, self.max_batch if self.check_max_batch else None,
+        check_decision(d, views, self.max_batch,
                        mixed=self.policy.config.mixed_merged)
         self.decisions.append((self.now, d))
         switching = d.switch is not Switch.NONE

@@ -13,11 +13,14 @@ from dlora.scheduling import (
 from tests.scheduling.simlib import StepSim, linear_cost, req, reqs
 
 
-def test_unmerged_allows_every_request_in_fcfs_order():
+def test_unmerged_allows_the_fcfs_batch():
     rs = reqs([("A", 3), (None, 2), ("B", 70)])[::-1]
+    fcfs = tuple(r.req_id for r in sorted(rs, key=lambda r: r.arrival_time))
     d = UnmergedPolicy().decide(rs, now=0.0, max_batch=4)
     assert d.mode is Mode.UNMERGED and d.switch is Switch.NONE and d.merged_adapter is None
-    assert d.allowed_req_ids == tuple(r.req_id for r in sorted(rs, key=lambda r: r.arrival_time))
+    assert d.allowed_req_ids == fcfs[:4]
+    check_decision(d, rs, max_batch=4)  # more requests than max_batch: still within the contract
+    assert UnmergedPolicy(BatchingConfig(max_batch=64)).decide(rs, now=0.0).allowed_req_ids == fcfs[:64]
 
 
 def test_merged_serves_oldest_model_and_never_mixes():
@@ -62,7 +65,7 @@ def random_workload(sim: StepSim, seed: int, n: int = 300, adapters: int = 5) ->
 def test_contract_holds_and_every_request_finishes(name, seed):
     # StepSim checks every decision: never empty while requests exist, merged never mixes, ...
     p = make_policy(name, BatchingConfig(max_batch=8, break_period_iters=8))
-    sim = StepSim(p, 8, linear_cost(0.002, 0.001, 0.5), check_max_batch=name != "unmerged")
+    sim = StepSim(p, 8, linear_cost(0.002, 0.001, 0.5))
     random_workload(sim, seed)
     sim.run_to_completion()
     for _, d in sim.decisions:

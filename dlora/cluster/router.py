@@ -115,7 +115,7 @@ class RouterConfig:
     static_placement: bool = False
     adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
     batch_adapter_slots: int = 1 << 20  # distinct adapters in one engine step (vLLM max_loras)
-    kv_capacity_tokens: int = 1 << 17  # per replica, until the engine reports its own
+    kv_capacity_tokens: int = 1 << 17  # per replica until its engine's stats report the real one
     max_batch: int = 64  # requests one engine step may run (vLLM max_num_seqs)
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
     output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
@@ -231,7 +231,9 @@ class Router:
             replica_id=slot.replica_id, requests=requests, resident_adapters=frozenset(slot.loaded.values()),
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
-            kv_capacity_tokens=self.cfg.kv_capacity_tokens, adapter_slots=self.cfg.adapter_slots,
+            kv_capacity_tokens=(batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens
+                                else self.cfg.kv_capacity_tokens),
+            adapter_slots=self.cfg.adapter_slots,
             batch_adapter_slots=self.cfg.batch_adapter_slots, max_running=self.cfg.max_batch,
             healthy=slot.healthy,
         )

@@ -221,6 +221,7 @@ class DloraScheduler(Scheduler):
             "switch_cost": snap.switch_cost,
             # queue state for the balancer's views and /metrics
             "kv_usage": self.kv_cache_manager.usage,
+            "kv_capacity_tokens": self.cache_config.num_gpu_blocks * self.block_size,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "iterations": self._dlora_drain_iterations(),

@@ -101,6 +101,7 @@ class BatchingState:
     beta: float | None = None
     switch_cost: float | None = None  # the policy's current estimate t_M, seconds
     kv_usage: float | None = None  # fraction of KV blocks in use
+    kv_capacity_tokens: int | None = None  # tokens the engine's KV blocks hold (blocks x block size)
     num_running: int = 0  # requests the engine scheduler holds as running / waiting
     num_waiting: int = 0
     # Steps measured since the previous read: (num_seqs, prefill_tokens, decode_tokens, seconds,
@@ -118,7 +119,7 @@ class BatchingState:
             switch_times={op: SwitchTimes.from_dict(t) for op, t in d["switch_times"].items()},
             credits={str(k): float(v) for k, v in d["credits"].items()}, starving=tuple(d["starving"]),
             alpha=d["alpha"], beta=d["beta"], switch_cost=d["switch_cost"],
-            kv_usage=d.get("kv_usage"), num_running=int(d.get("num_running", 0)),
+            kv_usage=d.get("kv_usage"), kv_capacity_tokens=d.get("kv_capacity_tokens"), num_running=int(d.get("num_running", 0)),
             num_waiting=int(d.get("num_waiting", 0)),
             iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
             queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),

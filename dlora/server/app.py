@@ -27,6 +27,8 @@ async def _refresh_gauges(state: ServerState) -> None:
         m.batching.update(rid, st.batching if st.healthy else None)
         if st.healthy and st.batching is not None:
             m.replica_kv_usage.labels(rid).set(st.batching.kv_usage or 0.0)
+            if st.batching.kv_capacity_tokens:
+                m.replica_kv_capacity.labels(rid).set(st.batching.kv_capacity_tokens)
             m.replica_running.labels(rid).set(st.batching.num_running)
             m.replica_waiting.labels(rid).set(st.batching.num_waiting)
     routed = Counter(s.slot.replica_id for s in state.router.requests.values() if s.slot is not None)

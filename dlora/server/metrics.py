@@ -43,6 +43,8 @@ class Metrics:
                                         ["replica"], registry=r)
         self.replica_kv_usage = Gauge("dlora_replica_kv_usage", "Fraction of the replica's KV cache in use",
                                       ["replica"], registry=r)
+        self.replica_kv_capacity = Gauge("dlora_replica_kv_capacity_tokens", "Tokens the replica's KV cache holds",
+                                         ["replica"], registry=r)
         self.replica_running = Gauge("dlora_replica_running_requests", "Requests the engine runs", ["replica"],
                                      registry=r)
         self.replica_waiting = Gauge("dlora_replica_waiting_requests", "Requests queued in the engine",

@@ -130,6 +130,19 @@ def test_views_carry_the_engines_batch_adapter_slots():
     assert [v.batch_adapter_slots for v in router.views()] == [3, 3]
 
 
+def test_views_carry_each_engines_reported_kv_capacity_else_the_configs():
+    replicas = [SimReplica(0, kv_capacity_tokens=46_000), SimReplica(1)]
+    router = Router(replicas, cfg=RouterConfig(kv_capacity_tokens=1000))
+
+    async def run():
+        await router.start()
+        before = [v.kv_capacity_tokens for v in router.views()]  # no stats read yet
+        await router.refresh_stats()
+        return before, [v.kv_capacity_tokens for v in router.views()]
+
+    assert asyncio.run(run()) == ([1000, 1000], [46_000, 1000])
+
+
 def test_balancer_moves_work_from_the_busy_replica():
     async def run():
         router, replicas = make(step_s=0.001, dispatch="round_robin")

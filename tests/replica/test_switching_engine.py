@@ -210,3 +210,15 @@ def test_prefix_cache_is_not_shared_across_weight_states(llm, tiny_model):
         assert run("unmerged") == (reusable, {None})
     finally:
         scheduler.batching_policy = policy
+
+
+def test_state_reports_the_kv_capacity_the_engine_allocated(llm, tiny_model):
+    """The balancer prices KV room with this (migration ILP, queued moves): VLLM_CPU_KVCACHE_SPACE=1
+    GiB over the tiny fp32 model's bytes per token (K and V, every layer), in whole blocks."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    cfg = json.loads((tiny_model.base / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    block = scheduler.block_size
+    capacity = scheduler.dlora_state()["kv_capacity_tokens"]
+    assert capacity == (2**30 // (bytes_per_token * block)) * block

@@ -46,6 +46,9 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
         assert f'dlora_replica_healthy{{replica="{rid}"}} 1.0' in text
         assert f'dlora_replica_kv_usage{{replica="{rid}"}}' in text
         assert f'dlora_adapters_resident{{replica="{rid}"}} 3.0' in text
+    capacity = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("dlora_replica_kv_capacity_tokens{")}
+    assert capacity.keys() == {"0", "1"} and capacity["0"] == capacity["1"] > 0  # same engine config
     assert "dlora_migrations_total" in text and "dlora_request_resubmissions_total 0.0" in text
     listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters").json()["data"]}
     assert listed["a1"]["resident_on"] == [0, 1]  # the registry is cluster-wide

@@ -9,7 +9,8 @@ Output lengths: by default every request runs to its `max_tokens` (as with `igno
 ("stop"), so lengths vary per request (≈ geometric, mean p) and are a function of the context,
 hence the same whether or not the request was moved.
 Queueing: with `max_running` set, at most that many requests generate at once and the others wait
-in FIFO order, as in vLLM's waiting queue (an abort ends a wait); like the engine's scheduler it
+in FIFO order, as in vLLM's waiting queue (an abort ends a wait); with `max_loras` set, a waiting
+request whose adapter would be one too many is skipped for later ones; like the engine's scheduler it
 reports each request's wait, until it was admitted or aborted, with its stats (`queue_waits`).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -39,6 +41,9 @@ class SimReplica:
     max_adapters: int = 4
     eos_period: Mapping[str | None, int] = field(default_factory=dict)  # adapter -> p: tokens % p == 0 end it
     max_running: int | None = None  # requests generating at once; the rest queue (None: no limit)
+    max_loras: int | None = None  # distinct adapters generating at once (vLLM max_loras; None: no limit)
+    kv_capacity_tokens: int | None = None  # reported in stats as an engine reports its KV size
+    load_s: float = 0.0  # seconds add_adapter takes
     started: int = 0
     loaded: dict[int, str] = field(default_factory=dict)
     add_calls: int = 0
@@ -46,7 +51,8 @@ class SimReplica:
     _aborted: set[str] = field(default_factory=set)
     _running: set[str] = field(default_factory=set)  # every request it holds, queued or generating
     _generating: int = 0
-    _queue: dict[str, asyncio.Future] = field(default_factory=dict)  # waiting, oldest first -> admitted?
+    _generating_adapters: Counter[str | None] = field(default_factory=Counter)
+    _queue: dict[str, tuple[str | None, asyncio.Future]] = field(default_factory=dict)  # waiting, oldest first
     _waits: list[tuple[str, float]] = field(default_factory=list)  # ended since the last stats read
 
     async def start(self) -> None:
@@ -56,8 +62,8 @@ class SimReplica:
 
     def kill(self) -> None:
         self._alive = False
-        while self._queue:  # the waiting requests fail with the replica
-            self._wake(False)
+        for rid in list(self._queue):  # the waiting requests fail with the replica
+            self._fail_wait(rid)
 
     def _check(self) -> None:
         if not self._alive:
@@ -72,7 +78,7 @@ class SimReplica:
         self._running.add(req.request_id)
         admitted = False
         try:
-            admitted = await self._admission(req.request_id)
+            admitted = await self._admission(req.request_id, adapter)
             self._check()
             if not admitted:
                 yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
@@ -94,52 +100,67 @@ class SimReplica:
             self._running.discard(req.request_id)
             self._aborted.discard(req.request_id)
             if admitted:
-                self._release()
+                self._release(adapter)
 
-    async def _admission(self, request_id: str) -> bool:
-        """Wait for a running slot (FIFO); False when aborted or killed while waiting."""
+    async def _admission(self, request_id: str, adapter: str | None) -> bool:
+        """Wait for a running slot; False when aborted or killed while waiting."""
         since = time.monotonic()
-        if self.max_running is None or (self._generating < self.max_running and not self._queue):
-            self._generating += 1
-            admitted = True
-        else:
-            fut = self._queue[request_id] = asyncio.get_running_loop().create_future()
-            try:
-                admitted = await fut
-            except asyncio.CancelledError:  # the stream was closed while (or just as) it was admitted
-                if fut.done() and not fut.cancelled() and fut.result():
-                    self._release()
-                raise
-            finally:
-                self._queue.pop(request_id, None)
+        fut = asyncio.get_running_loop().create_future()
+        self._queue[request_id] = (adapter, fut)
+        self._pump()  # admits it at once (no suspension) when it may run now
+        try:
+            admitted = await fut
+        except asyncio.CancelledError:  # the stream was closed while (or just as) it was admitted
+            if fut.done() and not fut.cancelled() and fut.result():
+                self._release(adapter)
+            raise
+        finally:
+            self._queue.pop(request_id, None)
         self._waits.append((request_id, time.monotonic() - since))
         return admitted
 
-    def _release(self) -> None:
-        self._generating -= 1
-        while self._queue and self._alive and not self._wake(True):
-            pass
+    def _lora_blocked(self, adapter: str | None) -> bool:
+        """vLLM's max_loras: a new adapter joins only while fewer distinct adapters run."""
+        return (self.max_loras is not None and adapter is not None and adapter not in self._generating_adapters
+                and sum(a is not None for a in self._generating_adapters) >= self.max_loras)
 
-    def _wake(self, admitted: bool, request_id: str | None = None) -> bool:
-        """End the wait of `request_id` (default: the oldest); False if its waiter was cancelled."""
-        fut = self._queue.pop(request_id if request_id is not None else next(iter(self._queue)))
-        if fut.done():
-            return False
-        self._generating += admitted
-        fut.set_result(admitted)
-        return True
+    def _pump(self) -> None:
+        """Admit waiting requests oldest first while slots are free, skipping those whose adapter
+        finds every max_loras slot taken (as vLLM's scheduler skips them and takes later ones)."""
+        for rid, (adapter, fut) in list(self._queue.items()):
+            if self.max_running is not None and self._generating >= self.max_running:
+                return
+            if fut.done():  # its waiter was cancelled
+                self._queue.pop(rid, None)
+            elif self._alive and not self._lora_blocked(adapter):
+                self._queue.pop(rid)
+                self._generating += 1
+                self._generating_adapters[adapter] += 1
+                fut.set_result(True)
+
+    def _release(self, adapter: str | None) -> None:
+        self._generating -= 1
+        self._generating_adapters[adapter] -= 1
+        if self._generating_adapters[adapter] <= 0:
+            del self._generating_adapters[adapter]
+        self._pump()
+
+    def _fail_wait(self, request_id: str) -> None:
+        _, fut = self._queue.pop(request_id)
+        if not fut.done():
+            fut.set_result(False)
 
     async def abort(self, request_id: str) -> None:
         self._check()
         if request_id in self._queue:
-            self._wake(False, request_id)
+            self._fail_wait(request_id)
         elif request_id in self._running:
             self._aborted.add(request_id)
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         self._check()
         self.add_calls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.load_s)
         self.loaded[ref.int_id] = ref.name
 
     async def remove_adapter(self, int_id: int) -> bool:
@@ -151,7 +172,7 @@ class SimReplica:
         waits, self._waits = tuple(self._waits), []
         batching = BatchingState(policy="sim", mode="unmerged", merged_adapter=None, num_switches=0, merge_failures=0,
                                  switch_times={}, num_running=self._generating, num_waiting=len(self._queue),
-                                 queue_waits=waits)
+                                 queue_waits=waits, kv_capacity_tokens=self.kv_capacity_tokens)
         return ReplicaStats(self.replica_id, num_unfinished=len(self._running),
                             resident_adapter_ids=sorted(self.loaded), batching=batching)
 

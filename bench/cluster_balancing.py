@@ -129,6 +129,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions "
                     "(sharegpt-eos)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--batching-policy", choices=("unmerged", "merged", "dlora"), default=None,
+                    help="every replica's merged/unmerged policy (default: configs/default.yaml's)")
     ap.add_argument("--migration-interval", type=float, default=2.0)
     ap.add_argument("--count-imbalance", type=int, default=4)
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(POLICIES)}")
@@ -160,11 +162,19 @@ def engine_section(args) -> dict:
             "enforce_eager": shipped.get("enforce_eager", True)}
 
 
+def scheduling_section(args) -> dict:
+    """configs/default.yaml's `scheduling:` section, its policy replaced by --batching-policy if given."""
+    section = dict(shipped_config("scheduling"))
+    if args.batching_policy:
+        section["policy"] = args.batching_policy
+    return section
+
+
 def server_config(args, base: Path, adapters: list[Path], port: int, state: Path, policy: dict) -> dict:
     return {
         "model": {"path": str(base), "served_name": "base", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN},
         "engine": engine_section(args),
-        "scheduling": shipped_config("scheduling"),
+        "scheduling": scheduling_section(args),
         "server": {"port": port, "state_dir": str(state)},
         "cluster": {"num_replicas": 2, "cpu_cores": [0, 1], "migration_interval_s": args.migration_interval,
                     "monitor_interval_s": 0.5, "count_imbalance": args.count_imbalance, **policy},
@@ -415,7 +425,7 @@ def main() -> int:
                      "model": "SmolLM2-135M-Instruct bf16"},
         "capacity_probe": probe,
         "engine": engine_section(args),
-        "scheduling": shipped_config("scheduling"),
+        "scheduling": scheduling_section(args),
         "queueing_delay_metric": "mean of the servers' dlora_request_queue_time_seconds over each rate (sum and count "
                                  "deltas of /metrics): seconds before an engine first scheduled each request, summed "
                                  "over the replicas it ran on, plus time held in the router; mean_ttft_ms is "

@@ -104,6 +104,17 @@ def _select(views: Sequence[ReplicaView], loads: Sequence[float], cfg: Migration
     return senders, receivers
 
 
+def _movable(views: Sequence[ReplicaView], senders: Sequence[int], receivers: Sequence[int]) -> set[str]:
+    """The running requests a plan may move: as many as the receivers have free running slots
+    (max_running minus every request already there), the shortest contexts first. A running request
+    moved where no slot is free would wait in that replica's queue behind its own requests: it
+    gives up its place in a batch, pays a re-prefill and adds a second queueing delay, which the
+    load balance the ILP optimises does not see. Queued requests are always movable."""
+    free = sum(max(0, views[j].max_running - views[j].num_requests) for j in receivers)
+    running = sorted((r for s in senders for r in views[s].requests if r.running), key=_move_order)
+    return {r.request_id for r in running[:free]}
+
+
 def _group(p: MigrationProblem, s: int, adapter: AdapterName, reqs: list[RequestLoad]) -> Group:
     reqs.sort(key=_move_order)
     g = Group(src=s, adapter=adapter, requests=reqs, work={}, recompute={}, mem=[r.context_tokens for r in reqs])
@@ -139,9 +150,12 @@ def build_problem(
                     for q in sel_pars],
         slots=[v.free_adapter_slots() for v in sel],
     )
+    movable = _movable(sel, p.senders, p.receivers)
     for s in p.senders:
         by_adapter: dict[AdapterName, list[RequestLoad]] = {}
         for r in sel[s].requests:
+            if r.running and r.request_id not in movable:
+                continue
             by_adapter.setdefault(r.adapter, []).append(r)
         p.groups.extend(_group(p, s, a, rs) for a, rs in sorted(by_adapter.items(), key=lambda kv: str(kv[0])))
     return p

@@ -56,6 +56,22 @@ def test_receiver_without_free_slots_only_gets_requests_whose_adapter_it_holds()
         assert all(rid.startswith("b") for rid, _, _ in plan.moves)
 
 
+def test_running_requests_move_only_into_the_receivers_free_running_slots():
+    """The receiver runs 1 of its 4: at most 3 running requests may move there (they would queue
+    behind the rest), while queued ones may move whatever the receiver's slots."""
+    reqs = many("r", 10, "a", running=True, expected=300) + many("q", 6, "a", expected=300)
+    hot = make_replica(0, reqs, resident={"a"}, max_running=10)
+    for receiver_running, free in ((1, 3), (4, 0)):
+        cold = make_replica(1, many("c", receiver_running, "a", running=True), resident={"a"}, max_running=4)
+        cluster = ClusterView((hot, cold))
+        for solver in SOLVERS + ["greedy"]:
+            plan = plan_migration(cluster, P, MigrationConfig(solver=solver, time_limit_s=5.0))
+            check_plan(cluster, plan)
+            moved = [rid for rid, _, _ in plan.moves]
+            assert sum(rid.startswith("r") for rid in moved) <= free, (solver, moved)
+            assert sum(rid.startswith("q") for rid in moved) >= 3, (solver, moved)  # the queue is balanced
+
+
 def test_receiver_with_every_batch_slot_taken_only_gets_requests_of_adapters_running_there():
     reqs = many("a", 10, "a", running=True, expected=300) + many("b", 10, "b", running=True, expected=300)
     hot = make_replica(0, reqs, resident={"a", "b", "c", "d"})

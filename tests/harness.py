@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,23 @@ from dlora import env
 START_TIMEOUT_S = 420  # generous: engines start in ~35 s alone, minutes on a busy machine
 
 
+# Below the kernel's ephemeral range (32768+), where Ray's own processes bind random ports after
+# the test picked ours, and above Ray's worker ports (10002-19999).
+PORT_RANGE = (20000, 32000)
+START_ATTEMPTS = 3  # a port taken between picking and binding is retried with another
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
@@ -93,12 +107,22 @@ class ServerProcess:
 
 
 def launch(tmp_dir: Path, cfg: dict) -> ServerProcess:
+    """Start a server on cfg's port; if something else took that port first, on another (written
+    back into `cfg`, so a caller that relaunches the same config gets the port that worked)."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     path = tmp_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    server = ServerProcess(path, tmp_dir / "server.log", cfg["server"]["port"])
-    try:
-        return server.start()
-    finally:
-        if env.DLORA_TEST_KEEP_LOGS.get():
-            print(server.tail(200))
+    for attempt in range(START_ATTEMPTS):
+        path.write_text(yaml.safe_dump(cfg))
+        server = ServerProcess(path, tmp_dir / "server.log", cfg["server"]["port"])
+        offset = server.log_path.stat().st_size if server.log_path.exists() else 0
+        try:
+            return server.start()
+        except RuntimeError:
+            this_run = server.log_path.read_bytes()[offset:].decode(errors="replace")
+            if attempt + 1 == START_ATTEMPTS or "address already in use" not in this_run:
+                raise
+            cfg["server"]["port"] = free_port()
+        finally:
+            if env.DLORA_TEST_KEEP_LOGS.get():
+                print(server.tail(200))
+    raise AssertionError("unreachable")

@@ -30,19 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.servers import write_result  # noqa: E402
-from dlora.bench.popularity import zipf_weights  # noqa: E402
-from dlora.sim.cluster import POLICIES, ClusterSimSpec, simulate  # noqa: E402
+from dlora.sim.cluster import POLICIES, ClusterSimSpec, simulate, static_shares  # noqa: E402
 
 DLORA = "proactive_migration"
 BASELINES = ("round_robin_static", "round_robin", "proactive")
-
-
-def static_shares(spec: ClusterSimSpec) -> list[float]:
-    """Each replica's share of the requests under static placement (adapter i lives on (i+1) mod N)."""
-    shares = [0.0] * spec.replicas
-    for i, w in enumerate(zipf_weights(spec.adapters, spec.alpha)):
-        shares[(i + 1) % spec.replicas] += float(w)
-    return shares
 
 
 def run_load(spec: ClusterSimSpec, load: float, args, t0: float) -> dict:
@@ -55,11 +46,9 @@ def run_load(spec: ClusterSimSpec, load: float, args, t0: float) -> dict:
             print(f"[{time.monotonic() - t0:5.0f}s] load {load:.2f} seed {seed} {policy:20s} queue "
                   f"{r['mean_queue_ms']:7.0f} ms (p90 {r['p90_queue_ms']:7.0f})  TTFT {r['mean_ttft_ms']:7.0f} ms  "
                   f"migrated {r['migrations']}", flush=True)
-    point = {"load": load, "rate": rate,
-             "mean_queue_ms": {p: statistics.median(r["mean_queue_ms"] for r in rs) for p, rs in runs.items()},
-             "mean_ttft_ms": {p: statistics.median(r["mean_ttft_ms"] for r in rs) for p, rs in runs.items()},
-             "migrations": {p: statistics.median(r["migrations"] for r in rs) for p, rs in runs.items()},
-             "runs": runs}
+    point = {"load": load, "rate": rate, "runs": runs,
+             **{key: {p: statistics.median(r[key] for r in rs) for p, rs in runs.items()}
+                for key in ("mean_queue_ms", "mean_ttft_ms", "migrations")}}
     if DLORA in runs:
         point["queueing_vs"] = {b: statistics.median(x["mean_queue_ms"] / max(d["mean_queue_ms"], 1e-9)
                                                      for x, d in zip(runs[b], runs[DLORA]))

@@ -47,6 +47,11 @@ class Replica(Protocol):
     async def shutdown(self) -> None: ...
 
 
+def static_home(adapter_id: int, num_replicas: int) -> int:
+    """Static placement: the one replica an adapter lives on (by its registry id)."""
+    return adapter_id % num_replicas
+
+
 class NoReplicaError(RuntimeError):
     """No replica came back within the recovery timeout."""
 
@@ -203,7 +208,7 @@ class Router:
 
     def home(self, ref: AdapterRef) -> ReplicaSlot:
         """The adapter's replica under static placement."""
-        return self.slots[ref.int_id % len(self.slots)]
+        return self.slots[static_home(ref.int_id, len(self.slots))]
 
     async def load_everywhere(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load on every healthy replica (its home only, under static placement); raises the first

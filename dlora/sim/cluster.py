@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.cost_model import CostParams, ReplicaCostModel
-from dlora.cluster.router import Router, RouterConfig
+from dlora.bench.popularity import zipf_weights
+from dlora.cluster.router import Router, RouterConfig, static_home
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.replica.sim_replica import VOCAB, SimReplica
@@ -106,6 +107,19 @@ class RunResult:
                 "migrations": self.migrations, "wall_s": self.wall_s}
 
 
+def adapter_refs(spec: ClusterSimSpec) -> dict[str, AdapterRef]:
+    """a0 (the most popular) ... with registry ids 1, 2, ... (what static placement keys on)."""
+    return {a: AdapterRef(a, i + 1, f"/sim/{a}") for i, a in enumerate(spec.names())}
+
+
+def static_shares(spec: ClusterSimSpec) -> list[float]:
+    """Each replica's share of the requests under static placement (Zipf popularity in name order)."""
+    shares = [0.0] * spec.replicas
+    for ref, w in zip(adapter_refs(spec).values(), zipf_weights(spec.adapters, spec.alpha)):
+        shares[static_home(ref.int_id, spec.replicas)] += float(w)
+    return shares
+
+
 def cluster_config(spec: ClusterSimSpec, policy: str) -> ClusterConfig:
     dispatch, placement, migration = POLICIES[policy]
     service = spec.service_s
@@ -142,9 +156,8 @@ async def _client(router: Router, req: GenerateRequest, at: float, out: RunResul
 
 async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed: int = 0) -> RunResult:
     """One policy on n requests at `rate` req/s; returns every request's queueing delay."""
-    names = spec.names()
-    refs = {a: AdapterRef(a, i + 1, f"/sim/{a}") for i, a in enumerate(names)}
-    eos = {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(names)} if spec.eos_means else {}
+    refs = adapter_refs(spec)
+    eos = {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(refs)} if spec.eos_means else {}
     replicas = [SimReplica(i, step_s=spec.step_s, max_running=spec.max_running, max_loras=spec.max_loras,
                            load_s=spec.load_s, eos_period=eos) for i in range(spec.replicas)]
     cfg = cluster_config(spec, policy)

@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 
-from bench.cluster_sim import static_shares
-from dlora.sim.cluster import ClusterSimSpec, cluster_config, simulate
+from dlora.sim.cluster import ClusterSimSpec, cluster_config, simulate, static_shares
 
 # Two replicas of two slots, 20 tokens at 5 ms: 0.1 s per request, 40 req/s in all. Zipf(3) over
 # 4 adapters sends 85% of the requests to a0, which static placement keeps on replica 1 alone.

@@ -47,6 +47,12 @@ Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every m
 requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
 default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves.
 
+Reps (`--reps N`): every policy runs N times, each time on a fresh server, the policy order rotated
+per rep. Servers differ: the same policy's queueing has varied up to 2.6x from one server to the
+next (sessions 6-7), so one run decides nothing. `per_rate` then holds each metric's median over
+the reps, the summary is computed from those medians, and `summary.median_of_rep_ratios` is the
+median of each rep's own ratio; every rep's numbers are kept under `per_rep`.
+
 Writes bench/results/cluster_balancing.json (+ .png) by default (use --out for another workload).
 `--quick` is a ~5-minute smoke run of the whole script (small probe, 24 requests at 0.7 of capacity)
 that writes under ~/.cache/dlora/bench-run/cluster/ unless --out is given.
@@ -62,6 +68,7 @@ import argparse
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,7 +84,7 @@ from dlora.bench.runner import run_benchmark  # noqa: E402
 from dlora.bench.workload import WorkloadSpec, generate_workload  # noqa: E402
 from dlora.models.smollm2 import prepare_smollm2  # noqa: E402
 from servers import (  # noqa: E402
-    make_random_adapters, metric_total, shipped_config, start_dlora, stop, wait_healthy, write_result,
+    make_random_adapters, metric_by_label, metric_total, shipped_config, start_dlora, stop, wait_healthy, write_result,
 )
 
 RESULTS = ROOT / "bench" / "results"
@@ -134,12 +141,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--migration-interval", type=float, default=2.0)
     ap.add_argument("--count-imbalance", type=int, default=4)
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(POLICIES)}")
+    ap.add_argument("--reps", type=int, default=1, help="runs of every policy, each on a fresh server, the order "
+                    "rotated per rep; the summary is taken from the per-point medians (module docstring)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 24 requests at 0.7 of a 64-request probe")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/cluster_balancing.json)")
     args = ap.parse_args()
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.quick:
         args.num_prompts, args.load = 24, "0.7"
         args.probe_prompts = args.probe_prompts or 64
@@ -226,7 +237,10 @@ def scrape(url: str) -> dict:
     return {"queue_count": metric_total(text, "dlora_request_queue_time_seconds_count"),
             "queue_sum_s": metric_total(text, "dlora_request_queue_time_seconds_sum"),
             "migrations": metric_total(text, "dlora_migrations_total"),
-            "migration_rounds": metric_total(text, "dlora_migration_rounds_total")}
+            "migration_rounds": metric_total(text, "dlora_migration_rounds_total"),
+            "lora_slot_drains": metric_total(text, "dlora_lora_slot_drains_total"),
+            "by_adapter": {part: metric_by_label(text, f"dlora_request_queue_time_seconds_{part}", "adapter")
+                           for part in ("count", "sum")}}
 
 
 def settled(url: str, requests_sent: int) -> dict:
@@ -282,11 +296,23 @@ def run_rate(server: Server, requests: list, run_kw: dict, cap: int) -> dict:
     before = settled(server.url, server.sent)
     r = server.run(requests, run_kw, percentile_metrics=("ttft", "tpot"))
     after = settled(server.url, server.sent)
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before[k] for k in after if k != "by_adapter"}
     return {k: r[k] for k in KEYS} | {
         "mean_queue_time_ms": 1000 * d["queue_sum_s"] / d["queue_count"] if d["queue_count"] else None,
         "queue_time_count": d["queue_count"], "migration_rounds": d["migration_rounds"],
-        "requests_migrated": d["migrations"]} | length_stats(r, cap)
+        "requests_migrated": d["migrations"], "lora_slot_drains": d["lora_slot_drains"],
+        "queue_by_adapter": queue_by_adapter(before["by_adapter"], after["by_adapter"])} | length_stats(r, cap)
+
+
+def queue_by_adapter(before: dict, after: dict) -> dict:
+    """adapter -> (requests, mean queueing delay in ms) over one rate: where the waiting went."""
+    out = {}
+    for adapter, count in sorted(after["count"].items()):
+        n = count - before["count"].get(adapter, 0.0)
+        if n > 0:
+            s = after["sum"][adapter] - before["sum"].get(adapter, 0.0)
+            out[adapter or "base"] = {"requests": n, "mean_queue_time_ms": 1000 * s / n}
+    return out
 
 
 def length_stats(r: dict, cap: int) -> dict:
@@ -326,6 +352,36 @@ def summarize(per_rate: dict) -> dict:
         if values:
             summary[key] = min(values)  # the worst rate: no rate is picked for the headline
     return summary
+
+
+def rep_order(policies: list[str], rep: int) -> list[str]:
+    """The policies in the order rep `rep` runs them: rotated per rep, so none always goes first."""
+    shift = rep % len(policies)
+    return policies[shift:] + policies[:shift]
+
+
+def median_per_rate(reps: list[dict]) -> dict:
+    """per_rate of several reps -> per (rate, policy) the median of every numeric metric."""
+    out: dict = {}
+    for rate, policies in reps[0].items():
+        out[rate] = {}
+        for name in policies:
+            runs = [rep[rate][name] for rep in reps]
+            out[rate][name] = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items()
+                               if isinstance(v, (int, float)) and all(r.get(k) is not None for r in runs)}
+    return out
+
+
+def summarize_reps(reps: list[dict]) -> dict:
+    """The summary of the per-point medians, plus the median of each rep's own ratios (robust to
+    one server that is slow for every policy of its rep) and each rep's ratios."""
+    if len(reps) == 1:
+        return summarize(reps[0])
+    per_rep = [summarize(rep) for rep in reps]
+    keys = [k for k in per_rep[0] if k != "per_rate"]
+    own = {k: statistics.median(s[k] for s in per_rep) for k in keys}
+    return summarize(median_per_rate(reps)) | {"median_of_rep_ratios": own,
+                                               "per_rep": [{k: s[k] for k in keys} for s in per_rep]}
 
 
 def rate_label(result: dict, i: int) -> str:
@@ -398,20 +454,26 @@ def main() -> int:
         rates = [round(f * probe["steady_request_rate"], 3) for f in fractions]
     workloads = {rate: make_workload(args, rate, k, args.num_prompts, tokenizer) for k, rate in enumerate(rates)}
 
-    per_rate: dict[str, dict] = {str(r): {} for r in rates}
+    reps: list[dict] = [{str(r): {} for r in rates} for _ in range(args.reps)]
     configs = {}
-    for i, name in enumerate(args.policies.split(",")):
-        with Server(*server_args, name, name, 8321 + i) as server:
-            configs[name] = server.cfg["cluster"]
-            server.run(workloads[rates[0]][:8], run_kw, disable_tqdm=True)  # warm-up
-            for rate in rates:
-                got = per_rate[str(rate)][name] = run_rate(server, workloads[rate], run_kw, cap)
-                q = got["mean_queue_time_ms"]
-                print(f"{rate:5.2f} req/s {name:24s} mean queueing {q if q is not None else float('nan'):.0f} ms "
-                      f"({got['queue_time_count']:.0f} requests), mean TTFT {got['mean_ttft_ms']:.0f} ms, "
-                      f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
-                      f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated", flush=True)
-                time.sleep(5)  # let the queues drain before the next rate
+    policies = args.policies.split(",")
+    ports = {name: 8321 + i for i, name in enumerate(policies)}
+    for rep, per_rate in enumerate(reps):
+        for name in rep_order(policies, rep):
+            with Server(*server_args, name, name, ports[name]) as server:
+                configs[name] = server.cfg["cluster"]
+                server.run(workloads[rates[0]][:8], run_kw, disable_tqdm=True)  # warm-up
+                for rate in rates:
+                    got = per_rate[str(rate)][name] = run_rate(server, workloads[rate], run_kw, cap)
+                    q = got["mean_queue_time_ms"]
+                    print(f"rep {rep + 1}/{args.reps} {rate:5.2f} req/s {name:24s} mean queueing "
+                          f"{q if q is not None else float('nan'):.0f} ms ({got['queue_time_count']:.0f} requests), "
+                          f"mean TTFT {got['mean_ttft_ms']:.0f} ms, "
+                          f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
+                          f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated, "
+                          f"{got['lora_slot_drains']:.0f} LoRA-slot drains", flush=True)
+                    time.sleep(5)  # let the queues drain before the next rate
+    per_rate = reps[0] if args.reps == 1 else median_per_rate(reps)
 
     result = {
         "command": shlex.join([".venv/bin/python", *sys.argv]),
@@ -430,10 +492,14 @@ def main() -> int:
                                  "deltas of /metrics): seconds before an engine first scheduled each request, summed "
                                  "over the replicas it ran on, plus time held in the router; mean_ttft_ms is "
                                  "client-side TTFT (queueing + prefill)",
-        "summary_rule": "each ratio is baseline / proactive_migration at one rate; the headline is the minimum over rates",
+        "summary_rule": "each ratio is baseline / proactive_migration at one rate; the headline is the minimum over "
+                        "rates; with reps, per_rate holds each metric's median over the reps and the summary is "
+                        "taken from those (median_of_rep_ratios: the median of each rep's own ratio)",
         "configs": configs,
+        "reps": args.reps,
         "per_rate": per_rate,
-        "summary": summarize(per_rate),
+        **({"per_rep": reps} if args.reps > 1 else {}),
+        "summary": summarize_reps(reps),
     }
     write_result(result, args.out, plot)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -45,8 +46,21 @@ def shipped_config(section: str) -> dict:
 
 def metric_total(text: str, name: str) -> float:
     """A Prometheus sample from /metrics text, summed over its label sets (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(metric_by_label(text, name, None).values())
+
+
+def metric_by_label(text: str, name: str, label: str | None) -> dict[str, float]:
+    """A Prometheus sample from /metrics text, summed per value of one label (None: one "" key)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        key = ""
+        if label is not None:
+            m = re.search(rf'[{{,]{label}="([^"]*)"', line)
+            key = m.group(1) if m else ""
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def start(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:

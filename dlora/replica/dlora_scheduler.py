@@ -73,6 +73,7 @@ from dlora.scheduling import (
     BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
 )
 from dlora.scheduling.dynamic_batching import fcfs_key
+from dlora.scheduling.lora_slots import LoraSlotAging
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def _view(r: Request) -> RequestView:
         num_computed_tokens=r.num_computed_tokens,
         num_output_tokens=r.num_output_tokens,
         running=r.status == RequestStatus.RUNNING,
+        max_tokens=r.max_tokens,
     )
 
 
@@ -168,6 +170,9 @@ class DloraScheduler(Scheduler):
         self._dlora_mixing = config.mixed_merged  # other requests may run while an adapter is merged
         self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
         self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
+        # A request waiting for a LoRA batch slot gets one after config.lora_slot_starve_s (lora_slots.py).
+        self._dlora_slot_aging = (LoraSlotAging(self._dlora_max_loras, config.lora_slot_starve_s)
+                                  if self._dlora_max_loras and config.lora_slot_starve_s is not None else None)
         self._dlora_switching = False  # the worker hooks are installed (dlora_setup)
         self._dlora_weights: str | None = None  # adapter merged on the worker
         self._dlora_blocked: dict[str, float] = {}  # adapter -> monotonic time it may merge again
@@ -213,6 +218,7 @@ class DloraScheduler(Scheduler):
             "mixed_merged": self._dlora_mixing,
             "num_switches": self._dlora_switches,
             "merge_failures": self._dlora_failures,
+            "lora_slot_drains": self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
             "credits": {("" if a is None else a): c for a, c in snap.credits.items()},
             "starving": sorted("" if a is None else a for a in snap.starving),
@@ -283,7 +289,8 @@ class DloraScheduler(Scheduler):
     def _dlora_plan(self, requests: list[Request]) -> _Plan:
         by_id = {r.request_id: r for r in requests}
         views = [_view(r) for r in requests]
-        decision = self.batching_policy.decide(views, time.time(), self._dlora_max_batch)
+        now = time.time()  # the clock of vLLM's arrival_time
+        decision = self.batching_policy.decide(views, now, self._dlora_max_batch)
         try:
             check_decision(decision, views, self._dlora_max_batch, self._dlora_mixing)
         except ValueError as e:
@@ -296,6 +303,9 @@ class DloraScheduler(Scheduler):
         if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
             target = None
             allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
+        if target is None and self._dlora_slot_aging is not None:
+            held = self._dlora_slot_aging.held_back(views, now)
+            allowed = [i for i in allowed if i not in held] if held else allowed
         lr = _lora_request_of(by_id.values(), target) if target is not None else None
         plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id, lr.lora_int_id if lr else None), target)
         if target != self._dlora_weights:

@@ -110,6 +110,7 @@ class BatchingState:
     # Requests whose wait for their first step ended since the previous read: (engine request id,
     # seconds queued in this replica's scheduler). The router sums them per request (queue_time.py).
     queue_waits: tuple[tuple[str, float], ...] = ()
+    lora_slot_drains: int = 0  # adapters drained so a request waiting for a LoRA batch slot got one
 
     @classmethod
     def from_dict(cls, d: dict) -> "BatchingState":
@@ -124,6 +125,7 @@ class BatchingState:
             num_waiting=int(d.get("num_waiting", 0)),
             iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
             queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
+            lora_slot_drains=int(d.get("lora_slot_drains", 0)),
         )
 
 

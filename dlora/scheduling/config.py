@@ -68,6 +68,10 @@ class BatchingConfig:
     # layers compensating the merged delta (see dynamic_batching.py), so nobody waits for an
     # unmerge. Only dlora's LoRA backends can compensate: the engine turns it off on `vllm`'s.
     mixed_merged: bool = False
+    # Not in the paper: seconds a request may wait for a LoRA batch slot (vLLM's max_loras, all
+    # taken by other adapters) before one running adapter is drained for it (lora_slots.py).
+    # None: vLLM's rule, which lets a cold adapter wait as long as the hot ones keep arriving.
+    lora_slot_starve_s: float | None = 1.0
 
     @property
     def merged_cost_prior(self) -> float:
@@ -109,3 +113,5 @@ class BatchingConfig:
                  "must be >= 1")
         _require(isinstance(self.mixed_merged, bool), "mixed_merged", self.mixed_merged,
                  "must be true or false")
+        _require(self.lora_slot_starve_s is None or self.lora_slot_starve_s >= 0, "lora_slot_starve_s",
+                 self.lora_slot_starve_s, "must be >= 0 seconds (or null: never drain a slot)")

@@ -45,6 +45,7 @@ class RequestView:
     num_computed_tokens: int  # prompt + output tokens whose KV exists
     num_output_tokens: int
     running: bool  # admitted by the engine (holds KV); False while waiting
+    max_tokens: int | None = None  # its output cap (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)

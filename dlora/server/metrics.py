@@ -140,6 +140,8 @@ class BatchingCollector:
         switches = CounterMetricFamily("dlora_switches", "Merges and unmerges applied", labels=["replica"])
         failures = CounterMetricFamily("dlora_merge_failures", "Merges that failed (the replica stayed unmerged)",
                                        labels=["replica"])
+        drains = CounterMetricFamily("dlora_lora_slot_drains", "Adapters held back so that a request waiting "
+                                     "for a LoRA batch slot (max_loras) got one", labels=["replica"])
         seconds = HistogramMetricFamily("dlora_switch_seconds", "Time to merge or unmerge one adapter",
                                         labels=["replica", "op"])
         credit = GaugeMetricFamily("dlora_adapter_credit", "Credit of an adapter in the dlora policy (seconds; "
@@ -152,6 +154,7 @@ class BatchingCollector:
                 merged.add_metric([rid, st.merged_adapter], 1)
             switches.add_metric([rid], st.num_switches)
             failures.add_metric([rid], st.merge_failures)
+            drains.add_metric([rid], st.lora_slot_drains)
             for op, t in sorted(st.switch_times.items()):
                 buckets = [(str(b), float(n)) for b, n in zip(SWITCH_SECONDS_BUCKETS, t.bucket_counts)]
                 seconds.add_metric([rid, op], buckets + [("+Inf", float(t.count))], t.total_seconds)
@@ -160,7 +163,7 @@ class BatchingCollector:
             for name, value in (("alpha", st.alpha), ("beta", st.beta)):
                 if value is not None:
                     threshold.add_metric([rid, name], value)
-        yield from (mode, merged, switches, failures, seconds, credit, threshold)
+        yield from (mode, merged, switches, failures, drains, seconds, credit, threshold)
 
 
 class ClusterCollector:

@@ -1,0 +1,60 @@
+"""The cluster benchmark's repetition and summary logic (bench/cluster_balancing.py), no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cluster_balancing import median_per_rate, rep_order, summarize_reps
+from bench.servers import metric_by_label, metric_total
+
+POLICIES = ["round_robin_static", "proactive", "proactive_migration"]
+
+
+def test_each_rep_rotates_the_policy_order():
+    orders = [rep_order(POLICIES, r) for r in range(3)]
+    assert all(sorted(o) == sorted(POLICIES) for o in orders)
+    assert {o[0] for o in orders} == set(POLICIES) and {o[-1] for o in orders} == set(POLICIES)
+
+
+def rep(rr, pro, mig, migrated=0):
+    got = {"round_robin_static": rr, "proactive": pro, "proactive_migration": mig}
+    return {"5.0": {name: {"mean_queue_time_ms": q, "mean_ttft_ms": q + 100, "avg_latency_per_output_token_ms": 50,
+                           "requests_migrated": migrated if name == "proactive_migration" else 0,
+                           "queue_by_adapter": {"a0": {"requests": 3}}}
+                    for name, q in got.items()}}
+
+
+def test_reps_are_summarised_from_point_medians_and_from_each_reps_own_ratios():
+    # rep 2 is a slow server for everyone: its ratios agree with rep 1's, its latencies do not
+    reps = [rep(2000, 1000, 500), rep(6000, 3000, 1500, migrated=4), rep(1800, 1200, 1200)]
+    med = median_per_rate(reps)["5.0"]
+    assert med["proactive"]["mean_queue_time_ms"] == 1200 and med["proactive_migration"]["mean_queue_time_ms"] == 1200
+    assert med["proactive_migration"]["requests_migrated"] == 0
+    assert "queue_by_adapter" not in med["proactive"]  # not a number: per rep only
+    s = summarize_reps(reps)
+    assert s["queueing_vs_round_robin"] == pytest.approx(2000 / 1200)  # medians 2000 / 1200
+    own = s["median_of_rep_ratios"]
+    assert own["queueing_vs_round_robin"] == pytest.approx(4.0)  # median of 4, 4, 1.5
+    assert own["queueing_vs_proactive_only"] == pytest.approx(2.0)  # median of 2, 2, 1
+    assert [r["queueing_vs_proactive_only"] for r in s["per_rep"]] == pytest.approx([2.0, 2.0, 1.0])
+
+
+def test_a_single_rep_keeps_the_plain_summary():
+    s = summarize_reps([rep(2000, 1000, 500)])
+    assert s["queueing_vs_round_robin"] == pytest.approx(4.0) and "median_of_rep_ratios" not in s
+
+
+def test_metrics_are_read_per_label_and_in_total():
+    text = "\n".join([
+        "# HELP dlora_request_queue_time_seconds_sum x",
+        'dlora_request_queue_time_seconds_sum{adapter="a0"} 1.5',
+        'dlora_request_queue_time_seconds_sum{adapter=""} 0.25',
+        'dlora_request_queue_time_seconds_sum{adapter="a1",replica="0"} 2.0',
+        'dlora_request_queue_time_seconds_sum{replica="1",adapter="a1"} 1.0',
+        'dlora_request_queue_time_seconds_count{adapter="a0"} 3.0',
+        "dlora_migrations_total 7.0",
+    ])
+    assert metric_by_label(text, "dlora_request_queue_time_seconds_sum", "adapter") == {"a0": 1.5, "": 0.25, "a1": 3.0}
+    assert metric_total(text, "dlora_request_queue_time_seconds_sum") == pytest.approx(4.75)
+    assert metric_total(text, "dlora_migrations_total") == 7.0
+    assert metric_total(text, "dlora_absent_total") == 0.0

@@ -45,7 +45,9 @@ Workloads (`--workload`):
 
 Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every monitor tick, moves
 requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
-default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves.
+default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves;
+`proactive_slot_aging` (optional) is proactive dispatch on engines with LoRA batch-slot aging
+(`scheduling.lora_slot_starve_s: 1.0`, opt-in), its ablation.
 
 Reps (`--reps N`): every policy runs N times, each time on a fresh server, the policy order rotated
 per rep. Servers differ: the same policy's queueing has varied up to 2.6x from one server to the
@@ -100,6 +102,10 @@ POLICIES = {
     # ablation: the same without the output-length estimator (every request priced at its max_tokens)
     "proactive_migration_cap": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                 "output_length_window": 0},
+    # ablation: proactive dispatch on engines with LoRA batch-slot aging (scheduling.lora_slot_starve_s
+    # 1 s, opt-in); a "scheduling" entry overrides the replicas' scheduling section, the rest is the cluster's
+    "proactive_slot_aging": {"dispatch": "proactive", "placement": "dynamic", "migration": False,
+                             "scheduling": {"lora_slot_starve_s": 1.0}},
 }
 DEFAULT_POLICIES = ("round_robin_static", "proactive", "proactive_migration")
 PROBE_POLICY = "proactive"
@@ -182,10 +188,12 @@ def scheduling_section(args) -> dict:
 
 
 def server_config(args, base: Path, adapters: list[Path], port: int, state: Path, policy: dict) -> dict:
+    policy = dict(policy)
+    scheduling = scheduling_section(args) | policy.pop("scheduling", {})
     return {
         "model": {"path": str(base), "served_name": "base", "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN},
         "engine": engine_section(args),
-        "scheduling": scheduling_section(args),
+        "scheduling": scheduling,
         "server": {"port": port, "state_dir": str(state)},
         "cluster": {"num_replicas": 2, "cpu_cores": [0, 1], "migration_interval_s": args.migration_interval,
                     "monitor_interval_s": 0.5, "count_imbalance": args.count_imbalance, **policy},
@@ -400,7 +408,8 @@ def plot(result: dict, path: Path) -> None:
     rates = [str(r) for r in result["workload"]["request_rates"]]
     names = [n for n in POLICIES if any(n in result["per_rate"][r] for r in rates)]
     colors = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833",
-              "proactive_migration_cap": "#ccbb44", "proactive_migration_noqueued": "#66ccee"}
+              "proactive_migration_cap": "#ccbb44", "proactive_migration_noqueued": "#66ccee",
+              "proactive_slot_aging": "#aa3377"}
     panels = (("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
               ("mean_ttft_ms", "mean TTFT, ms"), ("avg_latency_per_output_token_ms", "avg latency per output token, ms"))
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
@@ -461,7 +470,8 @@ def main() -> int:
     for rep, per_rate in enumerate(reps):
         for name in rep_order(policies, rep):
             with Server(*server_args, name, name, ports[name]) as server:
-                configs[name] = server.cfg["cluster"]
+                configs[name] = server.cfg["cluster"] | (
+                    {"scheduling_override": POLICIES[name]["scheduling"]} if "scheduling" in POLICIES[name] else {})
                 server.run(workloads[rates[0]][:8], run_kw, disable_tqdm=True)  # warm-up
                 for rate in rates:
                     got = per_rate[str(rate)][name] = run_rate(server, workloads[rate], run_kw, cap)

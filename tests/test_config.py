@@ -131,6 +131,9 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     assert defaults.mixed_merged is False
     on = config.load(write(tmp_path, "scheduling: {policy: dlora, mixed_merged: true}")).scheduling
     assert on.to_engine()["mixed_merged"] is True
+    assert defaults.lora_slot_starve_s is None  # vLLM's own max_loras admission
+    on = config.load(write(tmp_path, "scheduling: {lora_slot_starve_s: 0.5}")).scheduling
+    assert on.to_engine()["lora_slot_starve_s"] == 0.5
 
 
 @pytest.mark.parametrize("text, match", [
@@ -139,6 +142,7 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
     ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
     ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
+    ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be >= 0 seconds"),
     ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
 ])
 def test_bad_scheduling_values_name_the_key(tmp_path, text, match):

@@ -70,8 +70,11 @@ class BatchingConfig:
     mixed_merged: bool = False
     # Not in the paper: seconds a request may wait for a LoRA batch slot (vLLM's max_loras, all
     # taken by other adapters) before one running adapter is drained for it (lora_slots.py).
-    # None: vLLM's rule, which lets a cold adapter wait as long as the hot ones keep arriving.
-    lora_slot_starve_s: float | None = 1.0
+    # None (default): vLLM's rule, which lets a cold adapter wait as long as the hot ones keep
+    # arriving. Off by default because draining holds back the drained adapter's newer requests
+    # for as long as its running ones take: with ~200-token outputs that raised proactive
+    # dispatch's mean queueing 1.4-3.6x (bench/results/cluster_balancing.sharegpt_eos.slot_aging_ablation.json).
+    lora_slot_starve_s: float | None = None
 
     @property
     def merged_cost_prior(self) -> float:

@@ -142,7 +142,9 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
     ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
     ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
-    ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be >= 0 seconds"),
+    ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be a number of seconds >= 0"),
+    ("scheduling: {lora_slot_starve_s: soon}", r"scheduling.lora_slot_starve_s='soon': must be a number of seconds"),
+    ("scheduling: {lora_slot_starve_s: true}", r"scheduling.lora_slot_starve_s=True: must be a number of seconds"),
     ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
 ])
 def test_bad_scheduling_values_name_the_key(tmp_path, text, match):

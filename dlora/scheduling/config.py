@@ -116,5 +116,6 @@ class BatchingConfig:
                  "must be >= 1")
         _require(isinstance(self.mixed_merged, bool), "mixed_merged", self.mixed_merged,
                  "must be true or false")
-        _require(self.lora_slot_starve_s is None or self.lora_slot_starve_s >= 0, "lora_slot_starve_s",
-                 self.lora_slot_starve_s, "must be >= 0 seconds (or null: never drain a slot)")
+        starve = self.lora_slot_starve_s
+        _require(starve is None or (isinstance(starve, (int, float)) and not isinstance(starve, bool) and starve >= 0),
+                 "lora_slot_starve_s", starve, "must be a number of seconds >= 0 (or null: never drain a slot)")

@@ -37,9 +37,14 @@ def remaining_work(views: Sequence[RequestView], adapter: AdapterKey) -> int:
                if v.running and v.adapter == adapter)
 
 
+def running_adapters(views: Sequence[RequestView]) -> set[str]:
+    """The adapters holding a LoRA batch slot: those with a running request (the base model takes none)."""
+    return {v.adapter for v in views if v.running and v.adapter is not BASE}
+
+
 def slot_blocked(views: Sequence[RequestView], max_loras: int) -> RequestView | None:
     """The oldest waiting request that no LoRA batch slot can take now (None if there is none)."""
-    running = {v.adapter for v in views if v.running and v.adapter is not BASE}
+    running = running_adapters(views)
     if len(running) < max_loras:
         return None
     blocked = [v for v in views if not v.running and v.adapter is not BASE and v.adapter not in running]
@@ -59,7 +64,7 @@ class LoraSlotAging:
         if starved is None or now - starved.arrival_time < self.starve_s:
             self.draining = None
             return frozenset()
-        running = {v.adapter for v in views if v.running and v.adapter is not BASE}
+        running = running_adapters(views)
         if self.draining not in running:
             self.draining = min(running, key=lambda a: (remaining_work(views, a), str(a)))
             self.drains += 1

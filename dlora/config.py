@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -253,6 +255,39 @@ _SECTIONS = {
 }
 
 
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a YAML/CLI value has the kind a config field is annotated with (an int is a float,
+    a bool is neither: YAML's `true` must not pass as 1)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return _is_int(value)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    return True  # tuples and nested types are checked by the dataclass itself
+
+
+def _check_kinds(cls: type, values: dict[str, Any], section: str) -> None:
+    """Reject a value of the wrong kind with the key and value named, before a check such as
+    `value >= 0` fails with Python's own TypeError text."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        kind = hints.get(key)
+        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        if value is None and type(None) in options:
+            continue
+        kinds = [k for k in options if k in _KINDS]
+        if kinds and not any(_fits(value, k) for k in kinds):
+            why = " or ".join(_KINDS[k] for k in kinds)
+            raise ConfigError(f"{section}.{key}={value!r}: must be {why}"
+                              + (" (or null)" if type(None) in options else ""))
+
+
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
@@ -261,6 +296,7 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     if unknown:
         raise ConfigError(f"{section}: unknown key(s) {unknown}; known: {sorted(names)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    _check_kinds(cls, kwargs, section)
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -319,6 +355,7 @@ def override(cfg: DloraConfig, dotted: dict[str, Any]) -> DloraConfig:
         sub = getattr(cfg, section, None)
         if sub is None or not dataclasses.is_dataclass(sub) or name not in {f.name for f in fields(sub)}:
             raise ConfigError(f"unknown config key {key!r}")
+        _check_kinds(type(sub), {name: value}, section)
         try:
             cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sub, **{name: value})})
         except TypeError as e:

@@ -51,9 +51,17 @@ adapters:
     ("model: [1, 2]", r"model: expected a mapping"),
     ("cluster: {output_length_window: -1}", r"cluster.output_length_window=-1: must be a whole number >= 0"),
     ("cluster: {output_length_min_samples: 0}", r"cluster.output_length_min_samples=0"),
-    ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number of tokens"),
+    ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number \(or null\)"),
     ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
     ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
+    # Every field's kind is checked against its annotation before the field's own range check,
+    # so a string or a YAML bool is named instead of failing with Python's comparison TypeError.
+    ("scheduling: {switch_cost_s: abc}", r"scheduling.switch_cost_s='abc': must be a number$"),
+    ("scheduling: {break_period_iters: 2.5}", r"scheduling.break_period_iters=2.5: must be a whole number$"),
+    ("cluster: {num_replicas: '2'}", r"cluster.num_replicas='2': must be a whole number$"),
+    ("cluster: {migration: 1}", r"cluster.migration=1: must be true or false$"),
+    ("server: {port: true}", r"server.port=True: must be a whole number$"),
+    ("model: {dtype: 16}", r"model.dtype=16: must be a string$"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -108,6 +116,8 @@ def test_overrides_apply_dotted_keys_and_revalidate():
         config.override(cfg, {"server.port": -1})
     with pytest.raises(ConfigError, match="unknown config key 'server.nope'"):
         config.override(cfg, {"server.nope": 1})
+    with pytest.raises(ConfigError, match=r"scheduling.t_starve='x': must be a number$"):
+        config.override(cfg, {"scheduling.t_starve": "x"})
 
 
 def test_admin_token_env_overrides_config(monkeypatch):
@@ -143,8 +153,8 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
     ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
     ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be a number of seconds >= 0"),
-    ("scheduling: {lora_slot_starve_s: soon}", r"scheduling.lora_slot_starve_s='soon': must be a number of seconds"),
-    ("scheduling: {lora_slot_starve_s: true}", r"scheduling.lora_slot_starve_s=True: must be a number of seconds"),
+    ("scheduling: {lora_slot_starve_s: soon}", r"scheduling.lora_slot_starve_s='soon': must be a number \(or null\)"),
+    ("scheduling: {lora_slot_starve_s: true}", r"scheduling.lora_slot_starve_s=True: must be a number \(or null\)"),
     ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
 ])
 def test_bad_scheduling_values_name_the_key(tmp_path, text, match):

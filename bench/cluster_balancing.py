@@ -4,7 +4,7 @@
 Two real replicas (one vLLM engine per core, cores 0 and 1) serve a bursty (Gamma, CV > 1), skewed
 (Zipf) workload from `dlora bench` over 8 random adapters, at a few total request rates. The engines
 run as `configs/default.yaml` ships them (its `engine.lora_backend` and its `scheduling:` section),
-with `max_loras` 4. The policies see the same requests; each runs on a fresh server that then
+with `max_loras` 4 (`--max-loras`). The policies see the same requests; each runs on a fresh server that then
 serves the rates in order.
 
 Headline metric: the mean **queueing delay**, dLoRA's "average queuing delay of requests" (§7.4):
@@ -142,6 +142,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions "
                     "(sharegpt-eos)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=4, help="adapters one engine step may batch (vLLM's "
+                    "max_loras; 8 = every adapter, dLoRA's unmerged batching of any resident adapter)")
     ap.add_argument("--batching-policy", choices=("unmerged", "merged", "dlora"), default=None,
                     help="every replica's merged/unmerged policy (default: configs/default.yaml's)")
     ap.add_argument("--migration-interval", type=float, default=2.0)
@@ -174,7 +176,8 @@ def parse_args() -> argparse.Namespace:
 def engine_section(args) -> dict:
     """The bench's engine sizes with the LoRA backend (and eager mode) of configs/default.yaml."""
     shipped = shipped_config("engine")
-    return {"max_loras": 4, "max_lora_rank": 8, "max_cpu_loras": 8, "kv_cache_space_gib": 1,
+    return {"max_loras": args.max_loras, "max_lora_rank": 8, "max_cpu_loras": max(8, args.max_loras),
+            "kv_cache_space_gib": 1,
             "max_num_seqs": args.max_num_seqs, "lora_backend": shipped.get("lora_backend", "vllm"),
             "enforce_eager": shipped.get("enforce_eager", True)}
 

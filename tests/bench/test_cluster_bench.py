@@ -58,3 +58,20 @@ def test_metrics_are_read_per_label_and_in_total():
     assert metric_total(text, "dlora_request_queue_time_seconds_sum") == pytest.approx(4.75)
     assert metric_total(text, "dlora_migrations_total") == 7.0
     assert metric_total(text, "dlora_absent_total") == 0.0
+
+
+@pytest.mark.parametrize("max_loras", [4, 8, 12])
+def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path, max_loras):
+    import argparse
+
+    from bench.cluster_balancing import POLICIES, server_config
+    from dlora import config
+
+    args = argparse.Namespace(max_num_seqs=16, max_loras=max_loras, batching_policy=None, migration_interval=2.0,
+                              count_imbalance=4)
+    adapters = [tmp_path / f"a{i}" for i in range(8)]
+    data = server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", POLICIES["proactive_migration"])
+    cfg = config.from_dict(data)  # what `dlora serve --config` would accept
+    assert cfg.engine.max_loras == max_loras
+    assert cfg.engine.max_cpu_loras == max(8, max_loras)  # every adapter stays in host memory
+    assert cfg.cluster.migration and cfg.cluster.dispatch == "proactive" and len(cfg.adapters) == 8

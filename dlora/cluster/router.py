@@ -81,6 +81,9 @@ class RequestState:
     engine_request_id: str | None = None  # the current leg's id on its replica, once sent there
     # The current leg left vLLM's waiting queue: its queue wait was reported or its first token came.
     admitted: bool = False
+    # Its replica preempted it back to the waiting queue (KV ran out) at the last stats read: it
+    # holds no KV there and re-prefills its whole context when resumed, like a queued request.
+    preempted: bool = False
     queued_since: float = 0.0  # when the current leg started (reset when it is sent)
     migrate_to: int | None = None
     migrated: bool = False  # the last stream ended because of a migration
@@ -108,7 +111,8 @@ class RequestState:
         return RequestLoad(
             request_id=self.request.request_id, adapter=self.adapter,
             prompt_tokens=len(self.request.prompt_token_ids), output_tokens=n,
-            expected_output_tokens=expected, running=self.admitted, queued_since=self.queued_since,
+            expected_output_tokens=expected, running=self.admitted and not self.preempted,
+            queued_since=self.queued_since,
         )
 
 
@@ -356,13 +360,14 @@ class Router:
             raise
         finally:
             # Between legs the request is on no replica: the next one is priced with its re-prefill.
-            state.slot, state.engine_request_id, state.admitted = None, None, False
+            state.slot, state.engine_request_id, state.admitted, state.preempted = None, None, False, False
             self.queue_times.stream_ended(req.request_id, lost)
 
     def _sent(self, state: RequestState, engine_id: str) -> None:
         """The current leg goes to its replica as `engine_id`: it waits in that engine's queue until
         admitted, and from now on it can be moved (`migrate` aborts it by this id)."""
         state.engine_request_id, state.admitted, state.queued_since = engine_id, False, self.clock()
+        state.preempted = False
         self.queue_times.sent(state.request.request_id, engine_id)
 
     def _admit(self, waits: tuple[tuple[str, float], ...]) -> None:
@@ -374,6 +379,13 @@ class Router:
         for engine_id, _ in waits:
             if engine_id in legs:
                 legs[engine_id].admitted = True
+
+    def _mark_preempted(self, slot: ReplicaSlot, engine_ids: tuple[str, ...]) -> None:
+        """The replica's preempted-and-waiting requests as of this read; a resumed one is running again."""
+        preempted = set(engine_ids)
+        for st in self.requests.values():
+            if st.slot is slot and st.engine_request_id is not None:
+                st.preempted = st.engine_request_id in preempted
 
     async def migrate(self, request_id: str, dst_replica_id: int) -> bool:
         """Move a request, queued or running, to another replica (abort here, continue there).
@@ -406,6 +418,7 @@ class Router:
             if st.batching is not None:
                 self._observe_iterations(s.replica_id, st.batching.iterations)
                 self._admit(st.batching.queue_waits)
+                self._mark_preempted(s, st.batching.preempted)
                 self.queue_times.report(st.batching.queue_waits)
             out.append(st)
         self.queue_times.expire()

@@ -232,6 +232,9 @@ class DloraScheduler(Scheduler):
             "num_waiting": len(self.waiting),
             "iterations": self._dlora_drain_iterations(),
             "queue_waits": self._dlora_queue_waits.drain(),
+            # Preempted (KV ran out) and back in the waiting queue: they re-prefill when resumed,
+            # and the router must not count them as running (dispatch's prefill, queued moves).
+            "preempted": [r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED],
         }
 
     def _dlora_drain_iterations(self) -> list[tuple[int, int, int, float, bool]]:

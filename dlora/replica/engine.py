@@ -186,7 +186,8 @@ class EngineHost:
         state = BatchingState.from_dict(await self._started().engine_core.call_utility_async("dlora_batching_state"))
         randomized = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
         waits = tuple((external_request_id(rid, randomized), s) for rid, s in state.queue_waits)
-        return dataclasses.replace(state, queue_waits=waits)
+        preempted = tuple(external_request_id(rid, randomized) for rid in state.preempted)
+        return dataclasses.replace(state, queue_waits=waits, preempted=preempted)
 
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests() if self.engine else 0

@@ -365,6 +365,44 @@ def test_running_means_admitted_on_the_current_replica():
     asyncio.run(run())
 
 
+class PreemptingReplica(SimReplica):
+    """Reports `preempted` (engine request ids its scheduler put back in the waiting queue) with its stats."""
+
+    def __init__(self, replica_id: int, **kw) -> None:
+        super().__init__(replica_id, **kw)
+        self.preempted: tuple[str, ...] = ()
+
+    async def stats(self) -> ReplicaStats:
+        st = await super().stats()
+        st.batching = BatchingState(policy="dlora", mode="unmerged", merged_adapter=None, num_switches=0,
+                                    merge_failures=0, switch_times={}, preempted=self.preempted)
+        return st
+
+
+def test_a_preempted_request_counts_as_queued_until_its_replica_resumes_it():
+    async def run():
+        replicas = [PreemptingReplica(0, step_s=0.02), PreemptingReplica(1, step_s=0.02)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
+        await router.start()
+        router.slot(1).healthy = False  # x runs on replica 0
+        x = asyncio.create_task(collect(router, request("x", n=40)))
+        await until(lambda: tokens(router, "x") >= 3)
+        assert find_load(router, "x").running
+        replicas[1].preempted = ("x",)  # another replica's report names no leg of its own
+        await router.refresh_stats()
+        assert find_load(router, "x").running
+        replicas[0].preempted = ("x",)
+        await router.refresh_stats()
+        load = find_load(router, "x")
+        # queued again: priced with a prefill of its whole context, and movable by queued moves
+        assert not load.running and load.output_tokens >= 3
+        replicas[0].preempted = ()
+        await router.refresh_stats()
+        assert find_load(router, "x").running
+        assert await x == reference_tokens("a", (1, 2, 3), 40)
+    asyncio.run(run())
+
+
 class GatedLoads(SimReplica):
     """Adapter loads wait for `gate`."""
 

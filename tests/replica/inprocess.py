@@ -12,8 +12,9 @@ from dlora.replica.engine import BATCHING_CONFIG_KEY, SCHEDULER, WORKER_EXTENSIO
 
 
 @contextlib.contextmanager
-def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm"):
-    """`LLM` with `scheduling` (the config section) and LoRA `backend`, switching enabled."""
+def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engine_args):
+    """`LLM` with `scheduling` (the config section) and LoRA `backend`, switching enabled;
+    `engine_args` override vLLM's engine arguments (e.g. num_gpu_blocks_override)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -24,10 +25,11 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm"):
     from vllm import LLM
 
     section = config.from_dict({"scheduling": scheduling}).scheduling
-    engine = LLM(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
-                 max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
-                 scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
-                 additional_config={BATCHING_CONFIG_KEY: section.to_engine()})
+    args = dict(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
+                max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
+                scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
+                additional_config={BATCHING_CONFIG_KEY: section.to_engine()})
+    engine = LLM(**(args | engine_args))
     try:
         assert engine.llm_engine.engine_core.engine_core.dlora_setup() == [True]
         yield engine

@@ -1,0 +1,43 @@
+"""The scheduler reports requests vLLM preempted back to its waiting queue (in-process engine,
+tiny model, a KV cache too small for every request at once), so the router stops counting them
+as running (tests/cluster/test_router.py covers the router's side)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.replica.inprocess import inprocess_engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    # 5 blocks (one is vLLM's null block) hold one max_model_len request; 6 requests growing to
+    # ~300 tokens each cannot all stay.
+    with inprocess_engine(tiny_model, {"policy": "unmerged"}, num_gpu_blocks_override=5) as engine:
+        yield engine
+
+
+def test_preempted_requests_are_reported_while_they_wait_and_only_then(llm):
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = SamplingParams(temperature=0, max_tokens=260, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", "x = 1\n" * 6, params)
+    ran: set[str] = set()  # engine ids that have run a step
+    seen: set[str] = set()
+    done: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = len(out.outputs[0].token_ids)
+        reported = set(scheduler.dlora_state()["preempted"])
+        # each one ran before, holds no running slot now, and vLLM counts its preemption
+        assert reported <= ran and not reported & {r.request_id for r in scheduler.running}
+        assert all(scheduler.requests[rid].num_preemptions > 0 for rid in reported)
+        seen |= reported
+        ran |= {r.request_id for r in scheduler.running}
+    assert seen, "the KV cache was large enough: nothing was preempted"
+    assert scheduler.dlora_state()["preempted"] == []  # all resumed and finished
+    assert done == {f"r{i}": 260 for i in range(6)}

@@ -34,6 +34,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """An int or a float, not a bool (YAML's `true` must not pass as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
     if not cond:
         raise ConfigError(f"{key}={value!r}: {why}")
@@ -154,9 +159,7 @@ class ClusterConfig:
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
         _check(isinstance(self.migrate_queued, bool), "cluster.migrate_queued", self.migrate_queued,
                "must be true or false")
-        _check(self.queued_min_wait_s is None or (isinstance(self.queued_min_wait_s, (int, float))
-                                                  and not isinstance(self.queued_min_wait_s, bool)
-                                                  and self.queued_min_wait_s >= 0),
+        _check(self.queued_min_wait_s is None or (_is_number(self.queued_min_wait_s) and self.queued_min_wait_s >= 0),
                "cluster.queued_min_wait_s", self.queued_min_wait_s,
                "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)")
         _check(_is_int(self.output_length_window) and self.output_length_window >= 0, "cluster.output_length_window",
@@ -266,7 +269,7 @@ def _fits(value: Any, kind: Any) -> bool:
     if kind is int:
         return _is_int(value)
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return _is_number(value)
     if kind is str:
         return isinstance(value, str)
     return True  # tuples and nested types are checked by the dataclass itself

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import yaml
 
 from dlora import env
 from dlora.cluster.output_lengths import OutputLengthConfig
+from dlora.kinds import kind_error
 from dlora.scheduling import BatchingConfig, policy_names
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
@@ -30,18 +29,17 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key and the bad value."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    """An int or a float, not a bool (YAML's `true` must not pass as 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
     if not cond:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _check_kinds(obj: Any, section: str) -> None:
+    """First in every section's __post_init__: a value of the wrong kind (YAML, override or
+    constructor) is named before a range check meets it (dlora/kinds.py)."""
+    why = kind_error(obj, section)
+    if why:
+        raise ConfigError(why)
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,7 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "model")
         _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.max_model_len > 0, "model.max_model_len", self.max_model_len, "must be > 0")
 
@@ -72,6 +71,7 @@ class EngineConfig:
     enforce_eager: bool = True
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "engine")
         _check(self.max_loras >= 1, "engine.max_loras", self.max_loras, "must be >= 1")
         _check(
             self.max_lora_rank in (1, 8, 16, 32, 64, 128, 256, 320, 512),
@@ -82,10 +82,8 @@ class EngineConfig:
             self.max_cpu_loras >= self.max_loras, "engine.max_cpu_loras", self.max_cpu_loras,
             f"must be >= engine.max_loras ({self.max_loras})",
         )
-        _check(
-            isinstance(self.kv_cache_space_gib, int) and self.kv_cache_space_gib > 0,
-            "engine.kv_cache_space_gib", self.kv_cache_space_gib, "must be a whole number of GiB > 0",
-        )
+        _check(self.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", self.kv_cache_space_gib,
+               "must be a whole number of GiB > 0")
         _check(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "must be >= 1")
         _check(
             self.lora_backend in ("vllm", "triton", "einsum"), "engine.lora_backend", self.lora_backend,
@@ -106,6 +104,7 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "server")
         _check(0 <= self.port < 65536, "server.port", self.port, "must be a TCP port (0-65535)")
         _check(self.log_level in LOG_LEVELS, "server.log_level", self.log_level,
                f"must be one of {', '.join(LOG_LEVELS)}")
@@ -146,6 +145,7 @@ class ClusterConfig:
     output_length_prior: int | None = None
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "cluster")
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
         _check(self.dispatch in ("proactive", "least_loaded", "round_robin"), "cluster.dispatch", self.dispatch,
                "must be one of proactive, least_loaded, round_robin")
@@ -157,16 +157,14 @@ class ClusterConfig:
                     "placement_interval_s"):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
-        _check(isinstance(self.migrate_queued, bool), "cluster.migrate_queued", self.migrate_queued,
-               "must be true or false")
-        _check(self.queued_min_wait_s is None or (_is_number(self.queued_min_wait_s) and self.queued_min_wait_s >= 0),
+        _check(self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
                "cluster.queued_min_wait_s", self.queued_min_wait_s,
                "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)")
-        _check(_is_int(self.output_length_window) and self.output_length_window >= 0, "cluster.output_length_window",
+        _check(self.output_length_window >= 0, "cluster.output_length_window",
                self.output_length_window, "must be a whole number >= 0 (0 = use max_tokens)")
-        _check(_is_int(self.output_length_min_samples) and self.output_length_min_samples >= 1,
+        _check(self.output_length_min_samples >= 1,
                "cluster.output_length_min_samples", self.output_length_min_samples, "must be a whole number >= 1")
-        _check(self.output_length_prior is None or (_is_int(self.output_length_prior) and self.output_length_prior >= 1),
+        _check(self.output_length_prior is None or self.output_length_prior >= 1,
                "cluster.output_length_prior", self.output_length_prior,
                "must be a whole number of tokens >= 1, or null (= each request's max_tokens)")
 
@@ -211,6 +209,9 @@ class AdapterSpec:
     name: str
     path: str
     pinned: bool = False
+
+    def __post_init__(self) -> None:
+        _check_kinds(self, "adapters")
 
 
 @dataclass(frozen=True)
@@ -258,39 +259,6 @@ _SECTIONS = {
 }
 
 
-_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
-
-
-def _fits(value: Any, kind: Any) -> bool:
-    """Whether a YAML/CLI value has the kind a config field is annotated with (an int is a float,
-    a bool is neither: YAML's `true` must not pass as 1)."""
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return _is_int(value)
-    if kind is float:
-        return _is_number(value)
-    if kind is str:
-        return isinstance(value, str)
-    return True  # tuples and nested types are checked by the dataclass itself
-
-
-def _check_kinds(cls: type, values: dict[str, Any], section: str) -> None:
-    """Reject a value of the wrong kind with the key and value named, before a check such as
-    `value >= 0` fails with Python's own TypeError text."""
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        kind = hints.get(key)
-        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
-        if value is None and type(None) in options:
-            continue
-        kinds = [k for k in options if k in _KINDS]
-        if kinds and not any(_fits(value, k) for k in kinds):
-            why = " or ".join(_KINDS[k] for k in kinds)
-            raise ConfigError(f"{section}.{key}={value!r}: must be {why}"
-                              + (" (or null)" if type(None) in options else ""))
-
-
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
@@ -299,7 +267,6 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     if unknown:
         raise ConfigError(f"{section}: unknown key(s) {unknown}; known: {sorted(names)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    _check_kinds(cls, kwargs, section)
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -358,7 +325,6 @@ def override(cfg: DloraConfig, dotted: dict[str, Any]) -> DloraConfig:
         sub = getattr(cfg, section, None)
         if sub is None or not dataclasses.is_dataclass(sub) or name not in {f.name for f in fields(sub)}:
             raise ConfigError(f"unknown config key {key!r}")
-        _check_kinds(type(sub), {name: value}, section)
         try:
             cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sub, **{name: value})})
         except TypeError as e:

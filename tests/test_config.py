@@ -62,10 +62,30 @@ adapters:
     ("cluster: {migration: 1}", r"cluster.migration=1: must be true or false$"),
     ("server: {port: true}", r"server.port=True: must be a whole number$"),
     ("model: {dtype: 16}", r"model.dtype=16: must be a string$"),
+    ("adapters: [{name: a, path: /a, pinned: 'yes'}]", r"adapters.pinned='yes': must be true or false$"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         config.load(write(tmp_path, text))
+
+
+def test_constructors_check_kinds_too():
+    """Configs built in code (the simulator, tests, bench scripts) get the kind errors YAML gets,
+    and numpy's numbers pass for numbers."""
+    import numpy as np
+
+    from dlora.scheduling import BatchingConfig
+
+    with pytest.raises(ConfigError, match=r"^cluster.count_imbalance='4': must be a whole number$"):
+        config.ClusterConfig(count_imbalance="4")
+    with pytest.raises(ConfigError, match=r"^cluster.count_imbalance=.*4\.0\)?: must be a whole number$"):
+        config.ClusterConfig(count_imbalance=np.float64(4.0))
+    with pytest.raises(ValueError, match=r"^scheduling.mixed_merged=1: must be true or false$"):
+        BatchingConfig(mixed_merged=1)
+    with pytest.raises(ConfigError, match=r"^engine.kv_cache_space_gib=None: must be a whole number$"):
+        config.EngineConfig(kv_cache_space_gib=None)
+    built = config.ClusterConfig(count_imbalance=np.int64(4), queue_delay_s=np.float32(0.5))
+    assert (built.count_imbalance, built.queue_delay_s) == (4, 0.5)
 
 
 def adapters_yaml(pinned: int, unpinned: int = 0) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dlora.kinds import kind_error
+
 # Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"
 # (the test is strict) yet Alg. 2 can still lower it again from the hypothetical merged throughput.
 THRESHOLD_MIN = 0.05
@@ -91,6 +93,9 @@ class BatchingConfig:
         return dataclasses.replace(self, **changes) if changes else self
 
     def __post_init__(self) -> None:
+        why = kind_error(self, "scheduling")
+        if why:
+            raise ValueError(why)
         _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
         _require(0 < self.beta < self.alpha <= THRESHOLD_MAX, "alpha", (self.alpha, self.beta),
                  f"need 0 < beta < alpha <= {THRESHOLD_MAX}")
@@ -114,8 +119,6 @@ class BatchingConfig:
                  self.credit_relax_per_s, "must be >= 0")
         _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters,
                  "must be >= 1")
-        _require(isinstance(self.mixed_merged, bool), "mixed_merged", self.mixed_merged,
-                 "must be true or false")
         starve = self.lora_slot_starve_s
-        _require(starve is None or (isinstance(starve, (int, float)) and not isinstance(starve, bool) and starve >= 0),
-                 "lora_slot_starve_s", starve, "must be a number of seconds >= 0 (or null: never drain a slot)")
+        _require(starve is None or starve >= 0, "lora_slot_starve_s", starve,
+                 "must be a number of seconds >= 0 (or null: never drain a slot)")

@@ -7,6 +7,7 @@ logprobs), and it loads, pins and unloads adapters by their registry ids.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -24,6 +25,7 @@ WORKER_EXTENSION = "dlora.replica.vllm_ext.DloraWorkerExtension"
 SCHEDULER = "dlora.replica.dlora_scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
+ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
 
 
 def build_engine_args(cfg: DloraConfig, model_path: str):
@@ -111,6 +113,9 @@ class EngineHost:
         self.cfg = cfg
         self.model_path = model_path
         self.engine = None
+        # request id -> set when its stream has ended (see abort)
+        self._streams: dict[str, asyncio.Event] = {}
+        self._retries: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -139,17 +144,23 @@ class EngineHost:
             prompt, to_sampling_params(req.sampling), req.request_id,
             lora_request=_lora_request(req.adapter),
         )
-        async for out in stream:
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            yield Delta(
-                token_ids=ids,
-                text=c.text,
-                logprobs=_convert_logprobs(ids, c.logprobs, req.sampling.logprobs or 0),
-                finished=out.finished,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
+        ended = self._streams[req.request_id] = asyncio.Event()
+        try:
+            async for out in stream:
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                yield Delta(
+                    token_ids=ids,
+                    text=c.text,
+                    logprobs=_convert_logprobs(ids, c.logprobs, req.sampling.logprobs or 0),
+                    finished=out.finished,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+        finally:
+            ended.set()
+            if self._streams.get(req.request_id) is ended:
+                del self._streams[req.request_id]
 
     async def abort(self, request_id: str) -> None:
         if self.engine is None:
@@ -159,6 +170,21 @@ class EngineHost:
             log.debug("abort %s: no engine, nothing to abort", request_id)
             return
         await self.engine.abort(request_id)
+        ended = self._streams.get(request_id)
+        if ended is not None and not ended.is_set():
+            # vLLM registers a request only once its inputs are processed off the event loop, and an
+            # abort before that finds nothing: the request would run to its end (a lost migration,
+            # a disconnected client's tokens computed anyway). Repeat it until the stream ends.
+            task = asyncio.create_task(self._abort_until_ended(request_id, ended))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+
+    async def _abort_until_ended(self, request_id: str, ended: asyncio.Event) -> None:
+        while not ended.is_set() and self.engine is not None:
+            try:
+                await asyncio.wait_for(ended.wait(), ABORT_RETRY_S)
+            except TimeoutError:
+                await self.engine.abort(request_id)
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""

@@ -1,0 +1,98 @@
+"""Aborts reach vLLM's AsyncLLM (the replica actor's EngineHost, tiny model) whenever they come:
+vLLM registers a request only after processing its inputs off the event loop, and its own abort
+of a request it does not know yet is a no-op, so an early abort (a migration of a just-sent
+request, a client gone at once) used to be lost and the request ran to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dlora import config
+from dlora.replica.engine import EngineHost
+from dlora.replica.messages import GenerateRequest, SamplingSpec
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def host(tiny_model):
+    mp = pytest.MonkeyPatch()
+    # What replica_runtime_env gives a replica process (ray_replica.py).
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
+                       "TOKENIZERS_PARALLELISM": "false", "DLORA_LORA_BACKEND": "vllm"}.items():
+        mp.setenv(key, value)
+    cfg = config.from_dict({"model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": 512},
+                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm"}})
+    loop = asyncio.new_event_loop()
+    h = EngineHost(cfg, str(tiny_model.base))
+    try:
+        loop.run_until_complete(h.start())
+        yield h, loop
+    finally:
+        h.shutdown()
+        pending = asyncio.all_tasks(loop)  # vLLM's output handler
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        mp.undo()
+
+
+def request(request_id: str) -> GenerateRequest:
+    return GenerateRequest(request_id, tuple(range(5, 40)),
+                           SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), None)
+
+
+async def abort_after(h: EngineHost, req: GenerateRequest, first_token: bool) -> list:
+    """Start `req`, abort it right away (vLLM still processing its inputs) or after its first
+    token, and return every delta its stream gave."""
+    stream = h.generate(req)
+    deltas = []
+    if first_token:
+        deltas.append(await stream.__anext__())
+        assert deltas[0].token_ids and not deltas[0].finished
+        await h.abort(req.request_id)
+    else:
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the stream has started: vLLM is processing the request's inputs
+        await h.abort(req.request_id)
+        deltas.append(await first)
+    return deltas + [d async for d in stream]
+
+
+def settle(h: EngineHost, loop) -> int:
+    deadline = time.monotonic() + 10
+    while h.num_unfinished() and time.monotonic() < deadline:
+        loop.run_until_complete(asyncio.sleep(0.02))
+    return h.num_unfinished()
+
+
+@pytest.mark.parametrize("first_token", [False, True], ids=["before-vllm-knew-it", "after-first-token"])
+def test_abort_ends_the_request_whenever_it_comes(host, first_token):
+    h, loop = host
+    deltas = loop.run_until_complete(abort_after(h, request(f"r-{first_token}"), first_token))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in deltas) < MAX_TOKENS
+    assert settle(h, loop) == 0
+    assert not h._streams  # nothing left to retry
+
+
+def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
+    """A migrated request comes back under its own id: the early abort of its first leg must not
+    reach its next one."""
+    h, loop = host
+
+    async def legs():
+        aborted = await abort_after(h, request("again"), first_token=False)
+        await asyncio.sleep(0.1)  # any repeated abort of the first leg would land in here
+        return aborted, [d async for d in h.generate(request("again"))]
+
+    first, second = loop.run_until_complete(legs())
+    assert first[-1].finish_reason == "abort"
+    assert second[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in second) == MAX_TOKENS

@@ -184,7 +184,11 @@ class EngineHost:
             try:
                 await asyncio.wait_for(ended.wait(), ABORT_RETRY_S)
             except TimeoutError:
-                await self.engine.abort(request_id)
+                try:
+                    await self.engine.abort(request_id)
+                except Exception as e:  # the engine died: its streams fail, and the router resubmits them
+                    log.debug("abort %s: repeat failed (%s); the stream ends as a replica failure", request_id, e)
+                    return
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""

@@ -96,3 +96,29 @@ def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
     assert first[-1].finish_reason == "abort"
     assert second[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in second) == MAX_TOKENS
+
+
+def test_a_repeated_abort_that_fails_ends_quietly():
+    """The engine dies while an early abort is being repeated: the repeat stops without an error of
+    its own (the stream fails as a replica failure, which the router handles)."""
+
+    class DyingEngine:
+        calls = 0
+
+        async def abort(self, request_id: str) -> None:
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("engine core died")
+
+    h = EngineHost(config.DloraConfig(), "/models/m")
+    h.engine = DyingEngine()
+
+    async def go():
+        h._streams["r"] = asyncio.Event()  # a stream vLLM has not registered yet
+        await h.abort("r")
+        retries = list(h._retries)
+        await asyncio.gather(*retries)  # raises if the repeat raised
+        return len(retries)
+
+    assert asyncio.run(go()) == 1
+    assert h.engine.calls == 2 and not h._retries

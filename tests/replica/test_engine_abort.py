@@ -13,20 +13,18 @@ import pytest
 from dlora import config
 from dlora.replica.engine import EngineHost
 from dlora.replica.messages import GenerateRequest, SamplingSpec
+from dlora.replica.ray_replica import replica_runtime_env
 
 MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def host(tiny_model):
-    mp = pytest.MonkeyPatch()
-    # What replica_runtime_env gives a replica process (ray_replica.py).
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
-                       "TOKENIZERS_PARALLELISM": "false", "DLORA_LORA_BACKEND": "vllm"}.items():
-        mp.setenv(key, value)
     cfg = config.from_dict({"model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": 512},
-                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm"}})
+                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm", "kv_cache_space_gib": 1}})
+    mp = pytest.MonkeyPatch()
+    for key, value in replica_runtime_env(cfg)["env_vars"].items():  # what a replica process gets
+        mp.setenv(key, value)
     loop = asyncio.new_event_loop()
     h = EngineHost(cfg, str(tiny_model.base))
     try:

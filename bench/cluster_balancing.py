@@ -142,6 +142,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions "
                     "(sharegpt-eos)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (engine.num_kv_blocks; "
+                    "default: all of 1 GiB, which no run here fills): a cap small enough that KV, not "
+                    "--max-num-seqs, bounds a replica, so vLLM preempts, as in dLoRA's memory-bound runs")
     ap.add_argument("--max-loras", type=int, default=4, help="adapters one engine step may batch (vLLM's "
                     "max_loras; 8 = every adapter, dLoRA's unmerged batching of any resident adapter)")
     ap.add_argument("--batching-policy", choices=("unmerged", "merged", "dlora"), default=None,
@@ -179,7 +182,7 @@ def engine_section(args) -> dict:
     return {"max_loras": args.max_loras, "max_lora_rank": 8, "max_cpu_loras": max(8, args.max_loras),
             "kv_cache_space_gib": 1,
             "max_num_seqs": args.max_num_seqs, "lora_backend": shipped.get("lora_backend", "vllm"),
-            "enforce_eager": shipped.get("enforce_eager", True)}
+            "enforce_eager": shipped.get("enforce_eager", True), "num_kv_blocks": args.kv_blocks}
 
 
 def scheduling_section(args) -> dict:

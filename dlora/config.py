@@ -64,6 +64,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 16  # adapters kept in host memory, LRU beyond that
     kv_cache_space_gib: int = 1  # vLLM CPU reads whole GiB (VLLM_CPU_KVCACHE_SPACE)
+    # KV blocks per replica (vLLM's num_gpu_blocks_override): a finer cap than whole GiB, e.g. to
+    # give each replica a fixed token budget; None = all of kv_cache_space_gib
+    num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -84,6 +87,8 @@ class EngineConfig:
         )
         _check(self.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", self.kv_cache_space_gib,
                "must be a whole number of GiB > 0")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "engine.num_kv_blocks", self.num_kv_blocks,
+               "must be >= 2 (vLLM keeps one block empty)")
         _check(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "must be >= 1")
         _check(
             self.lora_backend in ("vllm", "triton", "einsum"), "engine.lora_backend", self.lora_backend,

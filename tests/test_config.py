@@ -43,6 +43,8 @@ adapters:
     ("engine: {max_loras: 8, max_cpu_loras: 4}", r"engine.max_cpu_loras=4"),
     ("engine: {kv_cache_space_gib: 0.5}", r"engine.kv_cache_space_gib=0.5"),
     ("engine: {lora_backend: cuda}", r"engine.lora_backend='cuda'"),
+    ("engine: {num_kv_blocks: 1}", r"engine.num_kv_blocks=1: must be >= 2"),
+    ("engine: {num_kv_blocks: 64.5}", r"engine.num_kv_blocks=64.5: must be a whole number \(or null\)"),
     ("server: {port: 70000}", r"server.port=70000"),
     ("server: {log_level: loud}", r"server.log_level='loud': must be one of critical, error, warning, info, debug"),
     ("server: {prot: 1}", r"unknown key\(s\) \['prot'\]"),

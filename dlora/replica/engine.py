@@ -44,6 +44,7 @@ def build_engine_args(cfg: DloraConfig, model_path: str):
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
         enable_prefix_caching=e.enable_prefix_caching,
+        num_gpu_blocks_override=e.num_kv_blocks,
         enforce_eager=e.enforce_eager,
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,

@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-lora-rank", dest="engine.max_lora_rank", type=int)
     p.add_argument("--max-cpu-loras", dest="engine.max_cpu_loras", type=int)
     p.add_argument("--kv-cache-space-gib", dest="engine.kv_cache_space_gib", type=int)
+    p.add_argument("--num-kv-blocks", dest="engine.num_kv_blocks", type=int)
     p.add_argument("--max-num-seqs", dest="engine.max_num_seqs", type=int)
     p.add_argument("--num-replicas", dest="cluster.num_replicas", type=int)
     p.add_argument("--ray-address", dest="cluster.ray_address")

@@ -10,6 +10,7 @@ import pytest
 
 from tests import harness
 
+KV_BLOCKS = 40  # engine.num_kv_blocks: each replica's KV cache, in blocks (vLLM's num_gpu_blocks_override)
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
 
 
@@ -18,6 +19,7 @@ def two_replica_server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two")
     cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
                               **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}})
+    cfg["engine"]["num_kv_blocks"] = KV_BLOCKS
     server = harness.launch(tmp, cfg)
     yield server
     server.stop()
@@ -49,6 +51,8 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     capacity = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("dlora_replica_kv_capacity_tokens{")}
     assert capacity.keys() == {"0", "1"} and capacity["0"] == capacity["1"] > 0  # same engine config
+    block = capacity["0"] / KV_BLOCKS  # the engine allocated exactly engine.num_kv_blocks blocks
+    assert block in (16, 32, 64, 128), capacity
     assert "dlora_migrations_total" in text and "dlora_request_resubmissions_total 0.0" in text
     listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters").json()["data"]}
     assert listed["a1"]["resident_on"] == [0, 1]  # the registry is cluster-wide

@@ -43,6 +43,14 @@ Workloads (`--workload`):
     Optional policy `proactive_migration_cap` (not in the default list) is proactive + migration
     with the estimator off (`output_length_window: 0`, every request priced at its cap): the ablation.
 
+Memory-bound runs (`--kv-blocks N`): by default each replica gets 1 GiB of KV (~46k tokens of this
+model), which no run here fills, so a replica is bounded by its `--max-num-seqs` running slots and
+vLLM never preempts. dLoRA's migration gains come from the other regime (§5.2: "some replicas may
+hold substantial intermediate states of requests even larger than the GPU memory capacity"):
+`--kv-blocks` caps each replica's KV cache (`engine.num_kv_blocks`, 128-token blocks on CPU), so
+with unknown lengths a replica that drew long answers fills its KV, preempts and recomputes, and
+stops admitting, while the other has room. Then the KV trigger and the queued moves have work.
+
 Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every monitor tick, moves
 requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
 default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves;
@@ -253,6 +261,7 @@ def scrape(url: str) -> dict:
             "migrations": metric_total(text, "dlora_migrations_total"),
             "migration_rounds": metric_total(text, "dlora_migration_rounds_total"),
             "lora_slot_drains": metric_total(text, "dlora_lora_slot_drains_total"),
+            "preemptions": metric_total(text, "dlora_preemptions_total"),
             "by_adapter": {part: metric_by_label(text, f"dlora_request_queue_time_seconds_{part}", "adapter")
                            for part in ("count", "sum")}}
 
@@ -315,6 +324,7 @@ def run_rate(server: Server, requests: list, run_kw: dict, cap: int) -> dict:
         "mean_queue_time_ms": 1000 * d["queue_sum_s"] / d["queue_count"] if d["queue_count"] else None,
         "queue_time_count": d["queue_count"], "migration_rounds": d["migration_rounds"],
         "requests_migrated": d["migrations"], "lora_slot_drains": d["lora_slot_drains"],
+        "preemptions": d["preemptions"],
         "queue_by_adapter": queue_by_adapter(before["by_adapter"], after["by_adapter"])} | length_stats(r, cap)
 
 
@@ -487,7 +497,8 @@ def main() -> int:
                           f"mean TTFT {got['mean_ttft_ms']:.0f} ms, "
                           f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
                           f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated, "
-                          f"{got['lora_slot_drains']:.0f} LoRA-slot drains", flush=True)
+                          f"{got['lora_slot_drains']:.0f} LoRA-slot drains, {got['preemptions']:.0f} preemptions",
+                          flush=True)
                     time.sleep(5)  # let the queues drain before the next rate
     per_rate = reps[0] if args.reps == 1 else median_per_rate(reps)
 

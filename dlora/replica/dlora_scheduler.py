@@ -180,6 +180,7 @@ class DloraScheduler(Scheduler):
         self._dlora_stalled = False
         self._dlora_switches = 0
         self._dlora_failures = 0
+        self._dlora_preemptions = 0  # running requests vLLM preempted for KV room (each recomputes on resume)
         self._dlora_times = {MERGE: SwitchHistogram(), UNMERGE: SwitchHistogram()}
         # (num_seqs, prefill_tokens, decode_tokens, seconds, merged) per step, for the router's
         # per-replica cost model (dlora/cluster/cost_model.py); drained by each dlora_state() call.
@@ -219,6 +220,7 @@ class DloraScheduler(Scheduler):
             "num_switches": self._dlora_switches,
             "merge_failures": self._dlora_failures,
             "lora_slot_drains": self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
+            "preemptions": self._dlora_preemptions,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
             "credits": {("" if a is None else a): c for a, c in snap.credits.items()},
             "starving": sorted("" if a is None else a for a in snap.starving),
@@ -236,6 +238,11 @@ class DloraScheduler(Scheduler):
             # and the router must not count them as running (dispatch's prefill, queued moves).
             "preempted": [r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED],
         }
+
+    def _preempt_request(self, request, timestamp: float, *args, **kwargs) -> None:
+        # Counted here because vLLM keeps only a per-request count, which leaves with the request.
+        self._dlora_preemptions += 1
+        super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def _dlora_drain_iterations(self) -> list[tuple[int, int, int, float, bool]]:
         out = list(self._dlora_iterations)

@@ -111,6 +111,7 @@ class BatchingState:
     # seconds queued in this replica's scheduler). The router sums them per request (queue_time.py).
     queue_waits: tuple[tuple[str, float], ...] = ()
     lora_slot_drains: int = 0  # adapters drained so a request waiting for a LoRA batch slot got one
+    preemptions: int = 0  # running requests preempted for KV room since the engine started
     # Engine requests preempted back to the waiting queue and not resumed yet (at the read).
     preempted: tuple[str, ...] = ()
 
@@ -128,6 +129,7 @@ class BatchingState:
             iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
             queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
             lora_slot_drains=int(d.get("lora_slot_drains", 0)),
+            preemptions=int(d.get("preemptions", 0)),
             preempted=tuple(str(rid) for rid in d.get("preempted", ())),
         )
 

@@ -142,6 +142,9 @@ class BatchingCollector:
                                        labels=["replica"])
         drains = CounterMetricFamily("dlora_lora_slot_drains", "Adapters held back so that a request waiting "
                                      "for a LoRA batch slot (max_loras) got one", labels=["replica"])
+        preemptions = CounterMetricFamily("dlora_preemptions", "Running requests the engine preempted because "
+                                          "its KV cache was full (each is recomputed when resumed)",
+                                          labels=["replica"])
         seconds = HistogramMetricFamily("dlora_switch_seconds", "Time to merge or unmerge one adapter",
                                         labels=["replica", "op"])
         credit = GaugeMetricFamily("dlora_adapter_credit", "Credit of an adapter in the dlora policy (seconds; "
@@ -155,6 +158,7 @@ class BatchingCollector:
             switches.add_metric([rid], st.num_switches)
             failures.add_metric([rid], st.merge_failures)
             drains.add_metric([rid], st.lora_slot_drains)
+            preemptions.add_metric([rid], st.preemptions)
             for op, t in sorted(st.switch_times.items()):
                 buckets = [(str(b), float(n)) for b, n in zip(SWITCH_SECONDS_BUCKETS, t.bucket_counts)]
                 seconds.add_metric([rid, op], buckets + [("+Inf", float(t.count))], t.total_seconds)
@@ -163,7 +167,7 @@ class BatchingCollector:
             for name, value in (("alpha", st.alpha), ("beta", st.beta)):
                 if value is not None:
                     threshold.add_metric([rid, name], value)
-        yield from (mode, merged, switches, failures, drains, seconds, credit, threshold)
+        yield from (mode, merged, switches, failures, drains, preemptions, seconds, credit, threshold)
 
 
 class ClusterCollector:

@@ -76,6 +76,23 @@ def test_running_requests_move_only_into_the_receivers_free_running_slots():
             assert sum(rid.startswith("q") for rid in moved) >= 3, (solver, moved)  # the queue is balanced
 
 
+def test_running_requests_move_only_into_the_receivers_kv_room():
+    """Receiver at 50% of a 2,000-token cache: room for 800 tokens up to kv_high 0.9, so at most 4
+    of the 200-token running requests; a receiver at 95% (vLLM fills its blocks whenever requests
+    wait) gets none of them, though its running slots are free."""
+    hot = make_replica(0, many("r", 12, "a", prompt=200, running=True, expected=300), resident={"a"},
+                       kv_capacity_tokens=2_400, kv_usage=1.0)
+    for usage, most in ((0.5, 4), (0.95, 0)):
+        cold = make_replica(1, many("c", 1, "a", running=True), resident={"a"}, kv_capacity_tokens=2_000,
+                            kv_usage=usage)
+        cluster = ClusterView((hot, cold))
+        for solver in SOLVERS + ["greedy"]:
+            plan = plan_migration(cluster, P, MigrationConfig(solver=solver, time_limit_s=LIMIT_S))
+            check_plan(cluster, plan)
+            assert len(plan.moves) <= most, (usage, solver, plan.moves)
+            assert most == 0 or plan.moves, (usage, solver)  # where room exists, the imbalance is relieved
+
+
 def test_receiver_with_every_batch_slot_taken_only_gets_requests_of_adapters_running_there():
     reqs = many("a", 10, "a", running=True, expected=300) + many("b", 10, "b", running=True, expected=300)
     hot = make_replica(0, reqs, resident={"a", "b", "c", "d"})

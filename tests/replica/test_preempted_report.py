@@ -28,7 +28,9 @@ def test_preempted_requests_are_reported_while_they_wait_and_only_then(llm):
     ran: set[str] = set()  # engine ids that have run a step
     seen: set[str] = set()
     done: dict[str, int] = {}
+    counted = {}  # engine id -> vLLM's Request (kept: a finished one leaves scheduler.requests)
     while engine.has_unfinished_requests():
+        counted.update(scheduler.requests)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = len(out.outputs[0].token_ids)
@@ -39,5 +41,8 @@ def test_preempted_requests_are_reported_while_they_wait_and_only_then(llm):
         seen |= reported
         ran |= {r.request_id for r in scheduler.running}
     assert seen, "the KV cache was large enough: nothing was preempted"
+    # the cumulative count (/metrics dlora_preemptions_total) is vLLM's own per-request counts summed
+    preemptions = sum(r.num_preemptions for r in counted.values())
+    assert preemptions >= len(seen) and scheduler.dlora_state()["preemptions"] == preemptions
     assert scheduler.dlora_state()["preempted"] == []  # all resumed and finished
     assert done == {f"r{i}": 260 for i in range(6)}

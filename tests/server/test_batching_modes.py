@@ -160,11 +160,12 @@ def test_batching_collector_renders_the_engine_state():
     state = BatchingState("dlora", "merged", "a0", 3, 1,
                           {"merge": SwitchTimes(2, 0.05, buckets, (0.02, 0.03)),
                            "unmerge": SwitchTimes(1, 0.01, (0, 1) + (1,) * 9, (0.01,))},
-                          {"a0": 0.5, "": 1.25}, ("",), 0.9, 0.6, 0.02)
+                          {"a0": 0.5, "": 1.25}, ("",), 0.9, 0.6, 0.02, preemptions=7)
     m.batching.update("0", state)
     text = m.render().decode()
     for line in ['dlora_batching_mode{replica="0"} 1.0', 'dlora_merged_adapter{adapter="a0",replica="0"} 1.0',
                  'dlora_switches_total{replica="0"} 3.0', 'dlora_merge_failures_total{replica="0"} 1.0',
+                 'dlora_preemptions_total{replica="0"} 7.0',
                  'dlora_switch_seconds_bucket{le="0.02",op="merge",replica="0"} 1.0',
                  'dlora_switch_seconds_count{op="merge",replica="0"} 2.0',
                  'dlora_switch_seconds_sum{op="unmerge",replica="0"} 0.01',

@@ -130,7 +130,7 @@ KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "avg_latency_per_output
         "output_throughput", "request_throughput", "completed", "failed", "duration")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=160, help="requests per rate")
     ap.add_argument("--workload", choices=WORKLOADS, default="fixed", help="see the module docstring")
@@ -164,7 +164,7 @@ def parse_args() -> argparse.Namespace:
                     "rotated per rep; the summary is taken from the per-point medians (module docstring)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 24 requests at 0.7 of a 64-request probe")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/cluster_balancing.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")

@@ -60,18 +60,19 @@ def test_metrics_are_read_per_label_and_in_total():
     assert metric_total(text, "dlora_absent_total") == 0.0
 
 
-@pytest.mark.parametrize("max_loras", [4, 8, 12])
-def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path, max_loras):
-    import argparse
-
-    from bench.cluster_balancing import POLICIES, server_config
+@pytest.mark.parametrize("max_loras, kv_blocks", [(4, None), (8, 20), (12, None)])
+def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path, max_loras, kv_blocks):
+    from bench.cluster_balancing import POLICIES, parse_args, server_config
     from dlora import config
 
-    args = argparse.Namespace(max_num_seqs=16, max_loras=max_loras, batching_policy=None, migration_interval=2.0,
-                              count_imbalance=4)
+    # through the bench's own parser, so every flag the config reads has its default
+    argv = ["--max-loras", str(max_loras), "--request-rates", "1"]
+    argv += ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
+    args = parse_args(argv)
     adapters = [tmp_path / f"a{i}" for i in range(8)]
     data = server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", POLICIES["proactive_migration"])
     cfg = config.from_dict(data)  # what `dlora serve --config` would accept
     assert cfg.engine.max_loras == max_loras
     assert cfg.engine.max_cpu_loras == max(8, max_loras)  # every adapter stays in host memory
+    assert cfg.engine.num_kv_blocks == kv_blocks
     assert cfg.cluster.migration and cfg.cluster.dispatch == "proactive" and len(cfg.adapters) == 8

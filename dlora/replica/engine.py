@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from typing import AsyncIterator
 
 from dlora.config import DloraConfig
@@ -26,6 +27,10 @@ SCHEDULER = "dlora.replica.dlora_scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
+# How long an abort that came before its request's stream waits for that stream. Ray runs an async
+# actor's calls concurrently, so a migration's abort can overtake the generate call it follows by
+# milliseconds; much older ones are for requests that ended (and whose id a later leg may reuse).
+EARLY_ABORT_TTL_S = 10.0
 
 
 def build_engine_args(cfg: DloraConfig, model_path: str):
@@ -117,9 +122,13 @@ class EngineHost:
         # request id -> set when its stream has ended (see abort)
         self._streams: dict[str, asyncio.Event] = {}
         self._retries: set[asyncio.Task] = set()
+        # request id -> when an abort for it came before its stream started (see generate)
+        self._early_aborts: dict[str, float] = {}
 
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._early_aborts.clear()  # a new engine: every request the old one knew of has failed
 
         self.engine = AsyncLLM.from_engine_args(build_engine_args(self.cfg, self.model_path))
         # Install the worker hooks for merged/unmerged switching, then let the scheduler merge.
@@ -140,6 +149,10 @@ class EngineHost:
         return self.engine
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        if self._take_early_abort(req.request_id):
+            # Its abort overtook it: end it as vLLM ends an aborted request, without running it.
+            yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
+            return
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         stream = self._started().generate(
             prompt, to_sampling_params(req.sampling), req.request_id,
@@ -172,13 +185,25 @@ class EngineHost:
             return
         await self.engine.abort(request_id)
         ended = self._streams.get(request_id)
-        if ended is not None and not ended.is_set():
+        if ended is None:
+            self._remember_early_abort(request_id)
+        elif not ended.is_set():
             # vLLM registers a request only once its inputs are processed off the event loop, and an
             # abort before that finds nothing: the request would run to its end (a lost migration,
             # a disconnected client's tokens computed anyway). Repeat it until the stream ends.
             task = asyncio.create_task(self._abort_until_ended(request_id, ended))
             self._retries.add(task)
             task.add_done_callback(self._retries.discard)
+
+    def _remember_early_abort(self, request_id: str) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self._early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
+            del self._early_aborts[rid]
+        self._early_aborts[request_id] = now
+
+    def _take_early_abort(self, request_id: str) -> bool:
+        came = self._early_aborts.pop(request_id, None)
+        return came is not None and time.monotonic() - came <= EARLY_ABORT_TTL_S
 
     async def _abort_until_ended(self, request_id: str, ended: asyncio.Event) -> None:
         while not ended.is_set() and self.engine is not None:

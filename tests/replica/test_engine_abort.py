@@ -11,6 +11,7 @@ import time
 import pytest
 
 from dlora import config
+from dlora.replica import engine as engine_mod
 from dlora.replica.engine import EngineHost
 from dlora.replica.messages import GenerateRequest, SamplingSpec
 from dlora.replica.ray_replica import replica_runtime_env
@@ -94,6 +95,59 @@ def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
     assert first[-1].finish_reason == "abort"
     assert second[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in second) == MAX_TOKENS
+
+
+def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
+    """Ray runs an async actor's calls concurrently, so a migration's abort can reach the replica
+    before the generate call sent ahead of it: the request must still end, without running, and
+    only that leg (the next one under the same id runs)."""
+    h, loop = host
+
+    async def go():
+        await h.abort("overtaken")
+        aborted = [d async for d in h.generate(request("overtaken"))]
+        return aborted, [d async for d in h.generate(request("overtaken"))]
+
+    aborted, next_leg = loop.run_until_complete(go())
+    assert [(d.token_ids, d.finished, d.finish_reason) for d in aborted] == [([], True, "abort")]
+    assert next_leg[-1].finish_reason == "length" and sum(len(d.token_ids) for d in next_leg) == MAX_TOKENS
+    assert settle(h, loop) == 0
+
+
+class CountingEngine:
+    """Stands in for AsyncLLM where only the calls matter."""
+
+    def __init__(self):
+        self.aborts, self.generated = [], []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborts.append(request_id)
+
+    def generate(self, prompt, params, request_id, lora_request=None):
+        self.generated.append(request_id)
+        return self._outputs()
+
+    async def _outputs(self):
+        return
+        yield
+
+
+def test_an_old_abort_does_not_end_a_later_request_with_its_id():
+    """An abort for a request the replica no longer has (it ended as the abort came) is forgotten
+    after EARLY_ABORT_TTL_S: a later leg with the same id is not ended by it."""
+    h = EngineHost(config.DloraConfig(), "/models/m")
+    h.engine = CountingEngine()
+
+    async def go():
+        await h.abort("old")
+        await h.abort("fresh")
+        h._early_aborts["old"] -= engine_mod.EARLY_ABORT_TTL_S + 1
+        return [d async for d in h.generate(request("old"))], [d async for d in h.generate(request("fresh"))]
+
+    old, fresh = asyncio.run(go())
+    assert h.engine.generated == ["old"]  # only the request whose abort had expired reached vLLM
+    assert [d.finish_reason for d in fresh] == ["abort"] and old == []
+    assert not h._early_aborts  # both consumed
 
 
 def test_a_repeated_abort_that_fails_ends_quietly():

@@ -90,11 +90,6 @@ def _move_order(r: RequestLoad) -> tuple[bool, int, str]:
     return r.running, r.context_tokens, r.request_id
 
 
-def _mem(view: ReplicaView) -> float:
-    queued = sum(r.context_tokens for r in view.requests if not r.running)
-    return view.kv_fraction * view.kv_capacity_tokens + queued
-
-
 def _select(views: Sequence[ReplicaView], loads: Sequence[float], cfg: MigrationConfig) -> tuple[list[int], list[int]]:
     """Top-K overloaded (KV-full first, then by load) and top-K underloaded replica positions."""
     order = sorted(range(len(views)), key=lambda i: (views[i].kv_fraction >= cfg.kv_high, loads[i], -i), reverse=True)
@@ -102,11 +97,6 @@ def _select(views: Sequence[ReplicaView], loads: Sequence[float], cfg: Migration
     senders = [i for i in order[:k] if views[i].requests]
     receivers = sorted(order[k:], key=lambda i: (loads[i], i))[:k]
     return senders, receivers
-
-
-def _kv_room(view: ReplicaView, kv_high: float) -> float:
-    """KV tokens the replica can still take up to `kv_high`, after what it runs and queues."""
-    return max(0.0, kv_high * view.kv_capacity_tokens - _mem(view))
 
 
 def _movable(views: Sequence[ReplicaView], senders: Sequence[int], receivers: Sequence[int], kv_high: float) -> set[str]:
@@ -120,7 +110,7 @@ def _movable(views: Sequence[ReplicaView], senders: Sequence[int], receivers: Se
     queued 1.13x longer than dispatch alone, median of 3 reps, 1.67x in the worst; bench/README.md,
     memory-bound run). Queued requests are always movable."""
     free = sum(max(0, views[j].max_running - views[j].num_requests) for j in receivers)
-    room = sum(_kv_room(views[j], kv_high) for j in receivers)
+    room = sum(max(0.0, views[j].kv_room(kv_high)) for j in receivers)
     running = sorted((r for s in senders for r in views[s].requests if r.running), key=_move_order)
     movable: set[str] = set()
     for r in running[:free]:
@@ -159,7 +149,7 @@ def build_problem(
     sel_pars = [pars[i] for i in chosen]
     p = MigrationProblem(
         replicas=sel, senders=list(range(len(senders))), receivers=list(range(len(senders), len(chosen))),
-        params=sel_pars, load=[loads[i] for i in chosen], mem=[_mem(v) for v in sel],
+        params=sel_pars, load=[loads[i] for i in chosen], mem=[v.kv_demand_tokens for v in sel],
         floor=max(rest, default=0.0), groups=[], adapter_tokens=cluster.adapter_tokens,
         default_adapter_tokens=cluster.default_adapter_tokens, migration_s=cfg.migration_s,
         overflow_s=[cfg.overflow_s_per_token if cfg.overflow_s_per_token is not None else q.per_prefill_token_s

@@ -94,9 +94,8 @@ def is_queued(r: RequestLoad, now: float, min_wait_s: float) -> bool:
 def _receiver(view: ReplicaView, now: float, cfg: QueuedConfig) -> _Receiver | None:
     if not view.healthy or any(is_queued(r, now, cfg.min_wait_s) for r in view.requests):
         return None
-    young = [r for r in view.requests if not r.running]
-    starts = view.max_running - view.num_running - len(young)
-    kv = (cfg.kv_high - view.kv_fraction) * view.kv_capacity_tokens - sum(r.context_tokens for r in young)
+    starts = view.max_running - view.num_requests  # its own (young) queued requests start first
+    kv = view.kv_room(cfg.kv_high)
     if starts < 1 or kv <= 0:
         return None
     return _Receiver(view, starts, kv, in_use=set(view.adapters_in_use()))

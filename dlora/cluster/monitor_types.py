@@ -89,6 +89,16 @@ class ReplicaView:
             return self.kv_usage
         return self.kv_used_tokens / max(1, self.kv_capacity_tokens)
 
+    @property
+    def kv_demand_tokens(self) -> float:
+        """KV tokens in use plus the contexts of the queued requests (each needs its KV to start)."""
+        return self.kv_fraction * self.kv_capacity_tokens + sum(r.context_tokens for r in self.requests if not r.running)
+
+    def kv_room(self, kv_high: float) -> float:
+        """KV tokens the replica can still take up to `kv_high`, after what it runs and queues
+        (negative when it is already past it)."""
+        return kv_high * self.kv_capacity_tokens - self.kv_demand_tokens
+
     def holds(self, adapter: AdapterName) -> bool:
         return adapter is None or adapter in self.resident_adapters
 

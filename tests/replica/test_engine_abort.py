@@ -145,6 +145,7 @@ def test_an_old_abort_does_not_end_a_later_request_with_its_id():
         return [d async for d in h.generate(request("old"))], [d async for d in h.generate(request("fresh"))]
 
     old, fresh = asyncio.run(go())
+    assert h.engine.aborts == ["old", "fresh"]  # both aborts were passed to vLLM as well
     assert h.engine.generated == ["old"]  # only the request whose abort had expired reached vLLM
     assert [d.finish_reason for d in fresh] == ["abort"] and old == []
     assert not h._early_aborts  # both consumed

@@ -286,6 +286,8 @@ class Router:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
         """Stream a request's deltas; migrations and replica failures are hidden by resubmission."""
+        if req.arrival_time is None:  # every leg carries it: a moved request keeps its place in line
+            req = dataclasses.replace(req, arrival_time=time.time())
         state = RequestState(req, arrival=self.clock())
         self.arrivals.append((state.arrival, state.adapter))
         adapter = state.adapter or ""

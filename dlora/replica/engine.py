@@ -51,6 +51,9 @@ def build_engine_args(cfg: DloraConfig, model_path: str):
         enable_prefix_caching=e.enable_prefix_caching,
         num_gpu_blocks_override=e.num_kv_blocks,
         enforce_eager=e.enforce_eager,
+        # FCFS by each request's first arrival in the cluster (every priority is 0): a leg moved here
+        # from another replica keeps its place in line instead of joining the tail (engine_input).
+        scheduling_policy="priority",
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
         scheduler_cls=SCHEDULER,
@@ -91,6 +94,18 @@ def external_request_id(engine_id: str, randomized: bool = True) -> str:
     8 random characters to every request id (`InputProcessor.assign_request_id`) unless
     VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set (`randomized` False)."""
     return engine_id.rsplit("-", 1)[0] if randomized else engine_id
+
+
+def engine_input(engine, req: GenerateRequest):
+    """The request's token prompt rendered as vLLM's own API server renders it, stamped with the
+    request's first arrival: vLLM would stamp the time it reaches this engine."""
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    parsed = parse_model_prompt(engine.model_config, {"prompt_token_ids": list(req.prompt_token_ids)})
+    (rendered,) = engine.renderer.render_cmpl([parsed], engine.renderer.default_cmpl_tok_params)
+    if req.arrival_time is not None:
+        rendered["arrival_time"] = req.arrival_time
+    return rendered
 
 
 def _lora_request(ref: AdapterRef | None):
@@ -153,9 +168,9 @@ class EngineHost:
             # Its abort overtook it: end it as vLLM ends an aborted request, without running it.
             yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
             return
-        prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
-        stream = self._started().generate(
-            prompt, to_sampling_params(req.sampling), req.request_id,
+        engine = self._started()
+        stream = engine.generate(
+            engine_input(engine, req), to_sampling_params(req.sampling), req.request_id,
             lora_request=_lora_request(req.adapter),
         )
         ended = self._streams[req.request_id] = asyncio.Event()

@@ -44,6 +44,11 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     adapter: AdapterRef | None = None  # None = the base model
+    # Wall-clock time (time.time(), vLLM's clock) the request first reached the cluster. Every leg
+    # of a moved or resubmitted request carries it, so the receiving engine queues it by it (vLLM's
+    # priority queue orders by (priority, arrival_time)), not behind everything that came later.
+    # None: the time the replica receives it.
+    arrival_time: float | None = None
 
 
 @dataclass(frozen=True)

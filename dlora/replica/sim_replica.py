@@ -9,7 +9,8 @@ Output lengths: by default every request runs to its `max_tokens` (as with `igno
 ("stop"), so lengths vary per request (≈ geometric, mean p) and are a function of the context,
 hence the same whether or not the request was moved.
 Queueing: with `max_running` set, at most that many requests generate at once and the others wait
-in FIFO order, as in vLLM's waiting queue (an abort ends a wait); with `max_loras` set, a waiting
+oldest first by `arrival_time` (the request's first arrival, else when it came here), as in the
+engine's waiting queue (an abort ends a wait); with `max_loras` set, a waiting
 request whose adapter would be one too many is skipped for later ones; like the engine's scheduler it
 reports each request's wait, until it was admitted or aborted, with its stats (`queue_waits`).
 """
@@ -52,7 +53,8 @@ class SimReplica:
     _running: set[str] = field(default_factory=set)  # every request it holds, queued or generating
     _generating: int = 0
     _generating_adapters: Counter[str | None] = field(default_factory=Counter)
-    _queue: dict[str, tuple[str | None, asyncio.Future]] = field(default_factory=dict)  # waiting, oldest first
+    # waiting: request id -> (arrival time, adapter, admission)
+    _queue: dict[str, tuple[float, str | None, asyncio.Future]] = field(default_factory=dict)
     _waits: list[tuple[str, float]] = field(default_factory=list)  # ended since the last stats read
 
     async def start(self) -> None:
@@ -78,7 +80,8 @@ class SimReplica:
         self._running.add(req.request_id)
         admitted = False
         try:
-            admitted = await self._admission(req.request_id, adapter)
+            arrival = time.time() if req.arrival_time is None else req.arrival_time
+            admitted = await self._admission(req.request_id, arrival, adapter)
             self._check()
             if not admitted:
                 yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
@@ -102,11 +105,11 @@ class SimReplica:
             if admitted:
                 self._release(adapter)
 
-    async def _admission(self, request_id: str, adapter: str | None) -> bool:
+    async def _admission(self, request_id: str, arrival: float, adapter: str | None) -> bool:
         """Wait for a running slot; False when aborted or killed while waiting."""
         since = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
-        self._queue[request_id] = (adapter, fut)
+        self._queue[request_id] = (arrival, adapter, fut)
         self._pump()  # admits it at once (no suspension) when it may run now
         try:
             admitted = await fut
@@ -127,7 +130,7 @@ class SimReplica:
     def _pump(self) -> None:
         """Admit waiting requests oldest first while slots are free, skipping those whose adapter
         finds every max_loras slot taken (as vLLM's scheduler skips them and takes later ones)."""
-        for rid, (adapter, fut) in list(self._queue.items()):
+        for rid, (_, adapter, fut) in sorted(self._queue.items(), key=lambda kv: kv[1][0]):
             if self.max_running is not None and self._generating >= self.max_running:
                 return
             if fut.done():  # its waiter was cancelled
@@ -146,7 +149,7 @@ class SimReplica:
         self._pump()
 
     def _fail_wait(self, request_id: str) -> None:
-        _, fut = self._queue.pop(request_id)
+        _, _, fut = self._queue.pop(request_id)
         if not fut.done():
             fut.set_result(False)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 
@@ -99,6 +101,45 @@ def test_killed_replica_loses_no_request_and_comes_back():
             await asyncio.sleep(0.01)
         assert router.slots[0].healthy and replicas[0].started == 2
         assert B.int_id in replicas[0].loaded  # pinned adapters are restored on restart
+    asyncio.run(run())
+
+
+class RecordingReplica(SimReplica):
+    """Records every leg it is sent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.legs: list[GenerateRequest] = []
+
+    def generate(self, req):
+        self.legs.append(req)
+        return super().generate(req)
+
+
+def test_every_leg_carries_the_requests_first_arrival():
+    """A migrated and then resubmitted request's legs all carry the arrival time it first reached
+    the router with (its replica queues it by that), and one stamped by the caller keeps its own."""
+    async def run():
+        replicas = [RecordingReplica(i, step_s=0.002) for i in range(2)]
+        router = Router(replicas)
+        await router.start()
+        before = time.time()
+        task = asyncio.create_task(collect(router, request("m", n=60)))
+        while len(router.requests["m"].generated if "m" in router.requests else []) < 5:
+            await asyncio.sleep(0.001)
+        src = router.requests["m"].slot.replica_id
+        assert await router.migrate("m", 1 - src)
+        while len(router.requests["m"].generated) < 20:
+            await asyncio.sleep(0.001)
+        replicas[router.requests["m"].slot.replica_id].kill()
+        out = await task
+        assert out == reference_tokens("a", (1, 2, 3), 60)
+        legs = [leg for r in replicas for leg in r.legs if leg.request_id.startswith("m")]
+        assert len(legs) == 3 and len({leg.request_id for leg in legs}) == 3  # first leg, migrated, resubmitted
+        assert len({leg.arrival_time for leg in legs}) == 1 and before <= legs[0].arrival_time <= time.time()
+        stamped = dataclasses.replace(request("s", n=3), arrival_time=12.5)
+        await collect(router, stamped)
+        assert [leg.arrival_time for r in replicas for leg in r.legs if leg.request_id == "s"] == [12.5]
     asyncio.run(run())
 
 

@@ -73,3 +73,32 @@ def test_sim_replica_skips_a_request_whose_adapter_finds_every_lora_slot_taken()
     asyncio.run(run())
     assert started["base"] < 0.05  # not held behind b1: skipped past it
     assert started["b1"] >= 0.09  # waited for a1 (10 tokens x 10 ms) to free the LoRA slot
+
+
+def test_sim_replica_admits_by_first_arrival_not_by_when_a_request_came():
+    """One running slot: a request moved here (first arrival 100 s ago) is admitted before one that
+    came earlier to this replica but first arrived later, as the engine's priority queue does."""
+    import time
+
+    from dlora.replica.messages import GenerateRequest, SamplingSpec
+    from dlora.replica.sim_replica import SimReplica
+
+    rep = SimReplica(0, step_s=0.005, max_running=1)
+    order: list[str] = []
+
+    async def one(rid, arrival_time=None):
+        req = GenerateRequest(rid, (1,), SamplingSpec(max_tokens=3, ignore_eos=True), None, arrival_time)
+        async for d in rep.generate(req):
+            if rid not in order:
+                order.append(rid)
+
+    async def run():
+        await rep.start()
+        running = asyncio.create_task(one("running"))
+        await asyncio.sleep(0)
+        new = asyncio.create_task(one("new"))
+        await asyncio.sleep(0)
+        await asyncio.gather(running, new, one("moved", time.time() - 100.0))
+
+    asyncio.run(run())
+    assert order == ["running", "moved", "new"]

@@ -1,11 +1,15 @@
-"""Aborts reach vLLM's AsyncLLM (the replica actor's EngineHost, tiny model) whenever they come:
-vLLM registers a request only after processing its inputs off the event loop, and its own abort
-of a request it does not know yet is a no-op, so an early abort (a migration of a just-sent
-request, a client gone at once) used to be lost and the request ran to its end."""
+"""The replica's EngineHost over vLLM's AsyncLLM (tiny model): aborts and queue order.
+
+Aborts reach the engine whenever they come: vLLM registers a request only after processing its
+inputs off the event loop, and its own abort of a request it does not know yet is a no-op, so an
+early abort (a migration of a just-sent request, a client gone at once) used to be lost and the
+request ran to its end. A request's leg is queued by the request's first arrival in the cluster,
+so a moved request does not join the tail of its new replica's queue."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -19,12 +23,13 @@ from dlora.replica.ray_replica import replica_runtime_env
 MAX_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def host(tiny_model):
-    cfg = config.from_dict({"model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": 512},
-                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm", "kv_cache_space_gib": 1}})
+@contextlib.contextmanager
+def running_host(tiny_model, max_model_len: int = 512, **engine):
+    """An EngineHost on its own event loop, with the environment a replica process gets."""
+    cfg = config.from_dict({"model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": max_model_len},
+                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm", "kv_cache_space_gib": 1} | engine})
     mp = pytest.MonkeyPatch()
-    for key, value in replica_runtime_env(cfg)["env_vars"].items():  # what a replica process gets
+    for key, value in replica_runtime_env(cfg)["env_vars"].items():
         mp.setenv(key, value)
     loop = asyncio.new_event_loop()
     h = EngineHost(cfg, str(tiny_model.base))
@@ -40,6 +45,12 @@ def host(tiny_model):
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def host(tiny_model):
+    with running_host(tiny_model) as h:
+        yield h
 
 
 def request(request_id: str) -> GenerateRequest:
@@ -114,6 +125,61 @@ def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
     assert settle(h, loop) == 0
 
 
+async def first_tokens(h: EngineHost, blockers: list[GenerateRequest], new: GenerateRequest,
+                       moved: GenerateRequest) -> dict[str, float]:
+    """Run `blockers` until each has its first token, then `new`, then `moved` once the engine has
+    `new`; return when each request's first token came."""
+    stamp: dict[str, float] = {}
+
+    async def run(req: GenerateRequest) -> None:
+        async for d in h.generate(req):
+            if d.token_ids and req.request_id not in stamp:
+                stamp[req.request_id] = time.perf_counter()
+
+    tasks = [asyncio.ensure_future(run(b)) for b in blockers]
+    while len(stamp) < len(blockers):
+        await asyncio.sleep(0.005)
+    tasks.append(asyncio.ensure_future(run(new)))
+    while h.num_unfinished() < len(blockers) + 1:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)  # in the engine core's queue, not only in its front end
+    tasks.append(asyncio.ensure_future(run(moved)))
+    await asyncio.gather(*tasks)
+    return stamp
+
+
+def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None) -> GenerateRequest:
+    return GenerateRequest(request_id, tuple(prompt), SamplingSpec(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True), None, arrival_time)
+
+
+def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
+    """Every running slot is taken, a new request waits, then a moved one (first arrival 100 s ago)
+    comes: the next free slot goes to the moved one, not to the one that came to this replica first."""
+    h, loop = host
+    slots = h.cfg.engine.max_num_seqs
+    # Blockers end 4 steps apart, so each frees one slot while the others still run.
+    blockers = [greedy(f"block-{i}", range(5, 40), 24 + 4 * i) for i in range(slots)]
+    stamp = loop.run_until_complete(first_tokens(
+        h, blockers, greedy("new", range(7, 40), 8), greedy("moved", range(9, 40), 8, time.time() - 100.0)))
+    assert stamp["moved"] < stamp["new"]
+    assert settle(h, loop) == 0
+
+
+def test_a_leg_waiting_for_kv_blocks_is_queued_by_the_requests_first_arrival(tiny_model):
+    """Free slots but no free KV block (nothing is held back by the batching policy, so vLLM's own
+    waiting queue decides): the moved request is still admitted first."""
+    with running_host(tiny_model, max_model_len=256, num_kv_blocks=3) as (h, loop):
+        block = h.engine.vllm_config.cache_config.block_size
+        # vLLM keeps one block aside; the two blockers take one of the others each, the first ends
+        # 16 steps before the second (each fits its block: 58 prompt + at most 64 output tokens).
+        blockers = [greedy(f"block-{i}", range(i, i + block - 70), 48 + 16 * i) for i in range(2)]
+        stamp = loop.run_until_complete(first_tokens(
+            h, blockers, greedy("new", range(300, 335), 8), greedy("moved", range(400, 435), 8, time.time() - 100.0)))
+        assert stamp["moved"] < stamp["new"]
+        assert settle(h, loop) == 0
+
+
 class CountingEngine:
     """Stands in for AsyncLLM where only the calls matter."""
 
@@ -132,11 +198,12 @@ class CountingEngine:
         yield
 
 
-def test_an_old_abort_does_not_end_a_later_request_with_its_id():
+def test_an_old_abort_does_not_end_a_later_request_with_its_id(monkeypatch):
     """An abort for a request the replica no longer has (it ended as the abort came) is forgotten
     after EARLY_ABORT_TTL_S: a later leg with the same id is not ended by it."""
     h = EngineHost(config.DloraConfig(), "/models/m")
     h.engine = CountingEngine()
+    monkeypatch.setattr(engine_mod, "engine_input", lambda engine, req: list(req.prompt_token_ids))
 
     async def go():
         await h.abort("old")

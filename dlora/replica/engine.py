@@ -51,8 +51,8 @@ def build_engine_args(cfg: DloraConfig, model_path: str):
         enable_prefix_caching=e.enable_prefix_caching,
         num_gpu_blocks_override=e.num_kv_blocks,
         enforce_eager=e.enforce_eager,
-        # FCFS by each request's first arrival in the cluster (every priority is 0): a leg moved here
-        # from another replica keeps its place in line instead of joining the tail (engine_input).
+        # Waiting requests go by (priority, first arrival in the cluster): FCFS while every priority
+        # is 0, and a leg moved here keeps its place in line instead of joining the tail (engine_input).
         scheduling_policy="priority",
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
@@ -171,7 +171,7 @@ class EngineHost:
         engine = self._started()
         stream = engine.generate(
             engine_input(engine, req), to_sampling_params(req.sampling), req.request_id,
-            lora_request=_lora_request(req.adapter),
+            lora_request=_lora_request(req.adapter), priority=req.priority,
         )
         ended = self._streams[req.request_id] = asyncio.Event()
         try:

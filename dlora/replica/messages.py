@@ -49,6 +49,7 @@ class GenerateRequest:
     # priority queue orders by (priority, arrival_time)), not behind everything that came later.
     # None: the time the replica receives it.
     arrival_time: float | None = None
+    priority: int = 0  # vLLM's request priority: lower is admitted first (the `priority` field)
 
 
 @dataclass(frozen=True)

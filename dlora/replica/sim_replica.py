@@ -9,7 +9,7 @@ Output lengths: by default every request runs to its `max_tokens` (as with `igno
 ("stop"), so lengths vary per request (≈ geometric, mean p) and are a function of the context,
 hence the same whether or not the request was moved.
 Queueing: with `max_running` set, at most that many requests generate at once and the others wait
-oldest first by `arrival_time` (the request's first arrival, else when it came here), as in the
+by (`priority`, `arrival_time`) (the request's first arrival, else when it came here), as in the
 engine's waiting queue (an abort ends a wait); with `max_loras` set, a waiting
 request whose adapter would be one too many is skipped for later ones; like the engine's scheduler it
 reports each request's wait, until it was admitted or aborted, with its stats (`queue_waits`).
@@ -53,8 +53,8 @@ class SimReplica:
     _running: set[str] = field(default_factory=set)  # every request it holds, queued or generating
     _generating: int = 0
     _generating_adapters: Counter[str | None] = field(default_factory=Counter)
-    # waiting: request id -> (arrival time, adapter, admission)
-    _queue: dict[str, tuple[float, str | None, asyncio.Future]] = field(default_factory=dict)
+    # waiting: request id -> ((priority, arrival time), adapter, admission)
+    _queue: dict[str, tuple[tuple[int, float], str | None, asyncio.Future]] = field(default_factory=dict)
     _waits: list[tuple[str, float]] = field(default_factory=list)  # ended since the last stats read
 
     async def start(self) -> None:
@@ -81,7 +81,7 @@ class SimReplica:
         admitted = False
         try:
             arrival = time.time() if req.arrival_time is None else req.arrival_time
-            admitted = await self._admission(req.request_id, arrival, adapter)
+            admitted = await self._admission(req.request_id, (req.priority, arrival), adapter)
             self._check()
             if not admitted:
                 yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
@@ -105,11 +105,11 @@ class SimReplica:
             if admitted:
                 self._release(adapter)
 
-    async def _admission(self, request_id: str, arrival: float, adapter: str | None) -> bool:
+    async def _admission(self, request_id: str, rank: tuple[int, float], adapter: str | None) -> bool:
         """Wait for a running slot; False when aborted or killed while waiting."""
         since = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
-        self._queue[request_id] = (arrival, adapter, fut)
+        self._queue[request_id] = (rank, adapter, fut)
         self._pump()  # admits it at once (no suspension) when it may run now
         try:
             admitted = await fut
@@ -128,7 +128,7 @@ class SimReplica:
                 and sum(a is not None for a in self._generating_adapters) >= self.max_loras)
 
     def _pump(self) -> None:
-        """Admit waiting requests oldest first while slots are free, skipping those whose adapter
+        """Admit waiting requests in (priority, arrival) order while slots are free, skipping those whose adapter
         finds every max_loras slot taken (as vLLM's scheduler skips them and takes later ones)."""
         for rid, (_, adapter, fut) in sorted(self._queue.items(), key=lambda kv: kv[1][0]):
             if self.max_running is not None and self._generating >= self.max_running:

@@ -103,7 +103,7 @@ def make_jobs(request_id: str, prompts: list[list[int]], body: SamplingFields, a
             index = p_idx * body.n + s_idx
             req = GenerateRequest(
                 request_id=f"{request_id}-{index}", prompt_token_ids=tuple(ids),
-                sampling=dataclasses.replace(spec, seed=seed), adapter=adapter,
+                sampling=dataclasses.replace(spec, seed=seed), adapter=adapter, priority=body.priority,
             )
             jobs.append(Job(index=index, prompt_index=p_idx, request=req))
     return jobs

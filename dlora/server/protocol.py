@@ -48,6 +48,9 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # Lower runs earlier, as in vLLM with `--scheduling-policy priority` (dlora's engines always run
+    # it): each engine's waiting queue is ordered by (priority, first arrival).
+    priority: int = 0
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

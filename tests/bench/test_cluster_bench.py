@@ -76,3 +76,33 @@ def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path
     assert cfg.engine.max_cpu_loras == max(8, max_loras)  # every adapter stays in host memory
     assert cfg.engine.num_kv_blocks == kv_blocks
     assert cfg.cluster.migration and cfg.cluster.dispatch == "proactive" and len(cfg.adapters) == 8
+
+
+def test_more_adapters_than_a_replica_holds(tmp_path):
+    """--adapters 32 --max-cpu-loras 8: the server registers all 32, each engine holds 8, the
+    workload spreads over all 32 and their scales cycle through EOS_ADAPTER_SCALES."""
+    from bench.cluster_balancing import (
+        EOS_ADAPTER_SCALES, POLICIES, eos_adapter_scales, make_workload, parse_args, server_config,
+    )
+    from dlora import config
+
+    args = parse_args(["--adapters", "32", "--max-cpu-loras", "8", "--max-loras", "8", "--request-rates", "1",
+                       "--alpha", "0.5"])
+    adapters = [tmp_path / f"a{i}" for i in range(32)]
+    cfg = config.from_dict(server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state",
+                                         POLICIES["proactive"]))
+    assert len(cfg.adapters) == 32 and cfg.engine.max_cpu_loras == 8 and cfg.engine.max_loras == 8
+    work = make_workload(args, 1.0, 0, 400, None)
+    assert {r.adapter for r in work} == {f"a{i}" for i in range(32)}
+    scales = eos_adapter_scales(32)
+    assert scales[:8] == list(EOS_ADAPTER_SCALES) and scales[8:16] == list(EOS_ADAPTER_SCALES)
+
+
+@pytest.mark.parametrize("argv, bad", [(["--adapters", "0"], "--adapters"),
+                                       (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras")])
+def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
+    from bench.cluster_balancing import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--request-rates", "1"])
+    assert bad in capsys.readouterr().err

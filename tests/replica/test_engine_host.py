@@ -125,10 +125,10 @@ def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
     assert settle(h, loop) == 0
 
 
-async def first_tokens(h: EngineHost, blockers: list[GenerateRequest], new: GenerateRequest,
-                       moved: GenerateRequest) -> dict[str, float]:
-    """Run `blockers` until each has its first token, then `new`, then `moved` once the engine has
-    `new`; return when each request's first token came."""
+async def first_tokens(h: EngineHost, blockers: list[GenerateRequest],
+                       waiting: list[GenerateRequest]) -> dict[str, float]:
+    """Run `blockers` until each has its first token, then each of `waiting` in turn once the
+    engine has the one before; return when each request's first token came."""
     stamp: dict[str, float] = {}
 
     async def run(req: GenerateRequest) -> None:
@@ -139,18 +139,19 @@ async def first_tokens(h: EngineHost, blockers: list[GenerateRequest], new: Gene
     tasks = [asyncio.ensure_future(run(b)) for b in blockers]
     while len(stamp) < len(blockers):
         await asyncio.sleep(0.005)
-    tasks.append(asyncio.ensure_future(run(new)))
-    while h.num_unfinished() < len(blockers) + 1:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)  # in the engine core's queue, not only in its front end
-    tasks.append(asyncio.ensure_future(run(moved)))
+    for req in waiting:
+        tasks.append(asyncio.ensure_future(run(req)))
+        while h.num_unfinished() < len(tasks):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)  # in the engine core's queue, not only in its front end
     await asyncio.gather(*tasks)
     return stamp
 
 
-def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None) -> GenerateRequest:
+def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None,
+           priority: int = 0) -> GenerateRequest:
     return GenerateRequest(request_id, tuple(prompt), SamplingSpec(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), None, arrival_time)
+                                                                   ignore_eos=True), None, arrival_time, priority)
 
 
 def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
@@ -161,22 +162,25 @@ def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
     # Blockers end 4 steps apart, so each frees one slot while the others still run.
     blockers = [greedy(f"block-{i}", range(5, 40), 24 + 4 * i) for i in range(slots)]
     stamp = loop.run_until_complete(first_tokens(
-        h, blockers, greedy("new", range(7, 40), 8), greedy("moved", range(9, 40), 8, time.time() - 100.0)))
+        h, blockers, [greedy("new", range(7, 40), 8), greedy("moved", range(9, 40), 8, time.time() - 100.0)]))
     assert stamp["moved"] < stamp["new"]
     assert settle(h, loop) == 0
 
 
 def test_a_leg_waiting_for_kv_blocks_is_queued_by_the_requests_first_arrival(tiny_model):
     """Free slots but no free KV block (nothing is held back by the batching policy, so vLLM's own
-    waiting queue decides): the moved request is still admitted first."""
+    waiting queue decides): the moved request is still admitted before the new one, and a request
+    with a lower `priority` (the API field) before both."""
     with running_host(tiny_model, max_model_len=256, num_kv_blocks=3) as (h, loop):
         block = h.engine.vllm_config.cache_config.block_size
         # vLLM keeps one block aside; the two blockers take one of the others each, the first ends
-        # 16 steps before the second (each fits its block: 58 prompt + at most 64 output tokens).
-        blockers = [greedy(f"block-{i}", range(i, i + block - 70), 48 + 16 * i) for i in range(2)]
-        stamp = loop.run_until_complete(first_tokens(
-            h, blockers, greedy("new", range(300, 335), 8), greedy("moved", range(400, 435), 8, time.time() - 100.0)))
-        assert stamp["moved"] < stamp["new"]
+        # 10 steps before the second (each fits its block: 20 prompt + at most 106 output tokens).
+        blockers = [greedy(f"block-{i}", range(i, i + 20), block - 32 + 10 * i) for i in range(2)]
+        # The first block freed takes each waiting request in turn (4 tokens each).
+        waiting = [greedy("new", range(300, 335), 4), greedy("moved", range(400, 435), 4, time.time() - 100.0),
+                   greedy("urgent", range(100, 135), 4, priority=-1)]
+        stamp = loop.run_until_complete(first_tokens(h, blockers, waiting))
+        assert stamp["urgent"] < stamp["moved"] < stamp["new"]
         assert settle(h, loop) == 0
 
 
@@ -189,7 +193,7 @@ class CountingEngine:
     async def abort(self, request_id: str) -> None:
         self.aborts.append(request_id)
 
-    def generate(self, prompt, params, request_id, lora_request=None):
+    def generate(self, prompt, params, request_id, lora_request=None, priority=0):
         self.generated.append(request_id)
         return self._outputs()
 

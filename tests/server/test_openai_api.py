@@ -128,6 +128,16 @@ def test_batch_of_prompts_and_token_prompt(tiny_server):
     assert by_ids["token_ids"] == single["token_ids"]
 
 
+def test_priority_is_vllms_request_field(tiny_server, oracle):
+    """`priority` (vLLM's extension, lower runs earlier) is accepted on both endpoints and does not
+    change what is generated; queue order under it is tested on the engine (test_engine_host.py)."""
+    choice = complete(tiny_server.url, model="a2", prompt=PROMPTS[2], priority=-3)["choices"][0]
+    assert choice["token_ids"] == oracle.greedy("a2", choice["prompt_token_ids"], MAX_TOKENS)
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=120, json={
+        "model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "priority": 5})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
 def test_models_lists_base_and_adapters(tiny_server):
     data = httpx.get(f"{tiny_server.url}/v1/models").json()["data"]
     by_id = {m["id"]: m for m in data}
@@ -167,6 +177,7 @@ def test_openai_client(tiny_server):
     ({"model": "a0", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
     ({"model": "a0", "prompt": "word " * 600}, 400, "messages"),
     ({"model": "a0", "prompt": [999999]}, 400, "prompt"),
+    ({"model": "a0", "prompt": "x", "priority": "high"}, 400, "priority"),
 ])
 def test_completion_errors_are_openai_shaped(tiny_server, body, status, param):
     r = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60)

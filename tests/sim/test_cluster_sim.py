@@ -75,9 +75,10 @@ def test_sim_replica_skips_a_request_whose_adapter_finds_every_lora_slot_taken()
     assert started["b1"] >= 0.09  # waited for a1 (10 tokens x 10 ms) to free the LoRA slot
 
 
-def test_sim_replica_admits_by_first_arrival_not_by_when_a_request_came():
+def test_sim_replica_admits_by_priority_then_first_arrival_not_by_when_a_request_came():
     """One running slot: a request moved here (first arrival 100 s ago) is admitted before one that
-    came earlier to this replica but first arrived later, as the engine's priority queue does."""
+    came earlier to this replica but first arrived later, and one with a lower priority before both,
+    as the engine's priority queue does."""
     import time
 
     from dlora.replica.messages import GenerateRequest, SamplingSpec
@@ -86,8 +87,8 @@ def test_sim_replica_admits_by_first_arrival_not_by_when_a_request_came():
     rep = SimReplica(0, step_s=0.005, max_running=1)
     order: list[str] = []
 
-    async def one(rid, arrival_time=None):
-        req = GenerateRequest(rid, (1,), SamplingSpec(max_tokens=3, ignore_eos=True), None, arrival_time)
+    async def one(rid, arrival_time=None, priority=0):
+        req = GenerateRequest(rid, (1,), SamplingSpec(max_tokens=3, ignore_eos=True), None, arrival_time, priority)
         async for d in rep.generate(req):
             if rid not in order:
                 order.append(rid)
@@ -98,7 +99,9 @@ def test_sim_replica_admits_by_first_arrival_not_by_when_a_request_came():
         await asyncio.sleep(0)
         new = asyncio.create_task(one("new"))
         await asyncio.sleep(0)
-        await asyncio.gather(running, new, one("moved", time.time() - 100.0))
+        moved = asyncio.create_task(one("moved", time.time() - 100.0))
+        await asyncio.sleep(0)
+        await asyncio.gather(running, new, moved, one("urgent", priority=-1))
 
     asyncio.run(run())
-    assert order == ["running", "moved", "new"]
+    assert order == ["running", "urgent", "moved", "new"]

@@ -53,9 +53,14 @@ def host(tiny_model):
         yield h
 
 
+def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None,
+           priority: int = 0) -> GenerateRequest:
+    return GenerateRequest(request_id, tuple(prompt), SamplingSpec(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True), None, arrival_time, priority)
+
+
 def request(request_id: str) -> GenerateRequest:
-    return GenerateRequest(request_id, tuple(range(5, 40)),
-                           SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), None)
+    return greedy(request_id, range(5, 40), MAX_TOKENS)
 
 
 async def abort_after(h: EngineHost, req: GenerateRequest, first_token: bool) -> list:
@@ -146,12 +151,6 @@ async def first_tokens(h: EngineHost, blockers: list[GenerateRequest],
         await asyncio.sleep(0.02)  # in the engine core's queue, not only in its front end
     await asyncio.gather(*tasks)
     return stamp
-
-
-def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None,
-           priority: int = 0) -> GenerateRequest:
-    return GenerateRequest(request_id, tuple(prompt), SamplingSpec(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), None, arrival_time, priority)
 
 
 def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):

@@ -138,6 +138,10 @@ class ClusterConfig:
     # `queued_min_wait_s` (None = monitor_interval_s) move to replicas that can start them now.
     migrate_queued: bool = True
     queued_min_wait_s: float | None = None
+    # With `migrate_queued`: when no replica can start them, queued requests also move between busy
+    # replicas where that lowers the replicas' summed estimated queue wait by at least this many
+    # seconds (dlora/cluster/migration_rebalance.py); null turns these moves off.
+    rebalance_min_gain_s: float | None = 1.0
     monitor_interval_s: float = 1.0  # how often replica stats are read
     placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
     # Output lengths dispatch and migration expect (dlora/cluster/output_lengths.py): each adapter's
@@ -165,6 +169,8 @@ class ClusterConfig:
         _check(self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
                "cluster.queued_min_wait_s", self.queued_min_wait_s,
                "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)")
+        _check(self.rebalance_min_gain_s is None or self.rebalance_min_gain_s >= 0,
+               "cluster.rebalance_min_gain_s", self.rebalance_min_gain_s, "must be a number of seconds >= 0, or null (off)")
         _check(self.output_length_window >= 0, "cluster.output_length_window",
                self.output_length_window, "must be a whole number >= 0 (0 = use max_tokens)")
         _check(self.output_length_min_samples >= 1,

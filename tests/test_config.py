@@ -56,6 +56,7 @@ adapters:
     ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number \(or null\)"),
     ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
     ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
+    ("cluster: {rebalance_min_gain_s: -1}", r"cluster.rebalance_min_gain_s=-1: must be a number of seconds >= 0"),
     # Every field's kind is checked against its annotation before the field's own range check,
     # so a string or a YAML bool is named instead of failing with Python's comparison TypeError.
     ("scheduling: {switch_cost_s: abc}", r"scheduling.switch_cost_s='abc': must be a number$"),
@@ -207,3 +208,5 @@ def test_queued_migration_is_on_by_default_and_waits_one_monitor_interval_unless
     cfg = config.load(write(tmp_path, "cluster: {monitor_interval_s: 0.5, migrate_queued: false}"))
     assert not cfg.cluster.migrate_queued and cfg.cluster.queued_wait_s == 0.5
     assert config.load(write(tmp_path, "cluster: {queued_min_wait_s: 0}")).cluster.queued_wait_s == 0.0
+    assert cluster.rebalance_min_gain_s == 1.0  # moves between busy replicas too, unless null
+    assert config.load(write(tmp_path, "cluster: {rebalance_min_gain_s: null}")).cluster.rebalance_min_gain_s is None

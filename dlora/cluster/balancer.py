@@ -2,7 +2,8 @@
 
 Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), moves
 requests stuck in one replica's queue to replicas that can start them now (`migrate_queued`,
-migration_queued.py: cheap, so on every tick), then checks dLoRA's triggers (KV pressure,
+migration_queued.py: cheap, so on every tick) or, when none can, to busy replicas where they would
+start sooner (migration_rebalance.py), then checks dLoRA's triggers (KV pressure,
 request-count imbalance, queueing delay; at most one round per `migration_interval_s`). Such a
 round solves the relaxed co-migration ILP off the event loop. Either kind of round loads the
 planned adapters on their targets, then moves each planned request (abort + resubmit, see router.py).
@@ -20,6 +21,7 @@ from typing import Callable
 from dlora.cluster.migration_ilp import MigrationPlan, plan_migration
 from dlora.cluster.migration_problem import MigrationConfig
 from dlora.cluster.migration_queued import QueuedConfig, plan_queued, queued_trigger
+from dlora.cluster.migration_rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
 from dlora.cluster.migration_trigger import Trigger, TriggerConfig, check_trigger
 from dlora.cluster.monitor_types import ClusterView
 from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
@@ -57,6 +59,9 @@ class Balancer:
         self.migration_cfg = MigrationConfig(top_k=self.cfg.migration_top_k, solver=self.cfg.migration_solver,
                                              time_limit_s=self.cfg.migration_time_limit_s)
         self.queued_cfg = QueuedConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high)
+        gain = self.cfg.rebalance_min_gain_s
+        self.rebalance_cfg = None if gain is None else RebalanceConfig(
+            min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
 
     async def run(self) -> None:
         while True:
@@ -86,15 +91,21 @@ class Balancer:
         return await self._run_round(trigger, plan)
 
     async def move_queued(self) -> MigrationRound | None:
-        """Requests queued on one replica go to replicas that can start them now (a round only when
-        some can); not gated by `migration_interval_s`: nothing is recomputed when they move."""
+        """Requests queued on one replica go to replicas that can start them now, else to busy ones
+        where they start sooner (a round only when some move); not gated by `migration_interval_s`:
+        nothing is recomputed when they move."""
         t0 = time.perf_counter()
-        queued = plan_queued(self.router.views(), self.router.clock(), self.queued_cfg)
-        if not queued.moves:
+        views, now = self.router.views(), self.router.clock()
+        queued, solver = plan_queued(views, now, self.queued_cfg), "queued"
+        trigger = queued_trigger(queued, self.queued_cfg) if queued.moves else None
+        if trigger is None and self.rebalance_cfg is not None:
+            queued, solver = plan_rebalance(views, self.router.cost_params(), now, self.rebalance_cfg), "rebalance"
+            trigger = rebalance_trigger(queued, self.rebalance_cfg) if queued.moves else None
+        if trigger is None:
             return None
-        plan = MigrationPlan(moves=queued.moves, loads=queued.loads, solver="queued", status="planned",
+        plan = MigrationPlan(moves=queued.moves, loads=queued.loads, solver=solver, status="planned",
                              solve_ms=1000 * (time.perf_counter() - t0))
-        return await self._run_round(queued_trigger(queued, self.queued_cfg), plan)
+        return await self._run_round(trigger, plan)
 
     async def _run_round(self, trigger: Trigger, plan: MigrationPlan) -> MigrationRound:
         moved = await self.execute(plan)

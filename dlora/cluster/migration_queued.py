@@ -124,9 +124,12 @@ def plan_queued(views: Sequence[ReplicaView], now: float, cfg: QueuedConfig | No
     return QueuedPlan(tuple(moves), tuple(loads), oldest)
 
 
+def main_source(plan: QueuedPlan) -> int:
+    """The replica most of the plan's moves leave (what its round is recorded against)."""
+    return Counter(src for _, src, _ in plan.moves).most_common(1)[0][0]
+
+
 def queued_trigger(plan: QueuedPlan, cfg: QueuedConfig) -> Trigger:
-    """What the balancer records for a round of these moves (reason "queued", from the replica
-    most of them leave)."""
-    src, _ = Counter(src for _, src, _ in plan.moves).most_common(1)[0]
-    return Trigger("queued", src, f"{len(plan.moves)} request(s) queued >= {cfg.min_wait_s:g} s, "
-                                  f"oldest {plan.oldest_wait_s:.2f} s")
+    """What the balancer records for a round of these moves (reason "queued")."""
+    return Trigger("queued", main_source(plan), f"{len(plan.moves)} request(s) queued >= {cfg.min_wait_s:g} s, "
+                                                f"oldest {plan.oldest_wait_s:.2f} s")

@@ -33,6 +33,9 @@ class RequestLoad:
     # When the current replica was sent the request (seconds, the clock of the `now` the triggers
     # and the queued-request planner get): what its present wait counts from.
     queued_since: float = 0.0
+    # When the request first reached the cluster (same clock): every leg keeps it, and each engine
+    # admits its queued requests in this order (vLLM's priority queue with equal priorities).
+    arrival: float = 0.0
 
     @property
     def context_tokens(self) -> int:

@@ -112,7 +112,7 @@ class RequestState:
             request_id=self.request.request_id, adapter=self.adapter,
             prompt_tokens=len(self.request.prompt_token_ids), output_tokens=n,
             expected_output_tokens=expected, running=self.admitted and not self.preempted,
-            queued_since=self.queued_since,
+            queued_since=self.queued_since, arrival=self.arrival,
         )
 
 

@@ -475,16 +475,22 @@ def test_a_request_still_loading_its_adapter_is_not_moved():
     asyncio.run(run())
 
 
+async def _two_sim_replicas(max_running: int, **cluster) -> tuple[Router, Balancer]:
+    """A started round-robin router over two sim replicas that run `max_running` requests at once
+    (5 ms a token), and a balancer that looks every 10 ms and moves requests queued 20 ms."""
+    replicas = [SimReplica(i, step_s=0.005, max_running=max_running) for i in range(2)]
+    router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", max_batch=max_running))
+    await router.start()
+    cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.01, queued_min_wait_s=0.02, **cluster)
+    return router, Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+
+
 async def _queued_run(migrate_queued: bool):
     """Four requests on replica 0, which runs two at a time, while replica 1 is down; then replica 1
     comes back idle and the balancer loop runs."""
-    replicas = [SimReplica(i, step_s=0.005, max_running=2) for i in range(2)]
-    router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", max_batch=2))
+    router, balancer = await _two_sim_replicas(max_running=2, migrate_queued=migrate_queued)
     waits = []
     router.queue_times.observer = lambda adapter, s: waits.append(s)
-    await router.start()
-    cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.01, queued_min_wait_s=0.02, migrate_queued=migrate_queued)
-    balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
     router.slot(1).healthy = False
     reqs = [request(f"q{i}", n=100, prompt=(i,)) for i in range(4)]
     tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
@@ -510,4 +516,38 @@ def test_the_balancer_moves_queued_requests_to_an_idle_replica_every_tick():
         assert not off.rounds and off_router.counters["migrations"] == 0
         # without the move q2 and q3 wait for a whole request (~0.5 s) each; with it, ~a tick
         assert waited < 0.5 * waited_off
+    asyncio.run(run())
+
+
+async def _rebalance_run(gain_s: float | None):
+    """Replica 0 runs one of five requests and queues four; replica 1 runs one: no replica can
+    start a queued request now, so only the rebalancer can move them (one slot each, 40 tokens)."""
+    router, balancer = await _two_sim_replicas(max_running=1, rebalance_min_gain_s=gain_s)
+    router.slot(1).healthy = False
+    reqs = [request(f"q{i}", n=40, prompt=(i,)) for i in range(5)]
+    tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+    await until(lambda: tokens(router, "q0"))
+    router.slot(1).healthy, router.slot(0).healthy = True, False
+    tasks.append(asyncio.create_task(collect(router, request("other", n=40, prompt=(9,)))))
+    await until(lambda: tokens(router, "other"))
+    router.slot(0).healthy = True
+    loop = asyncio.create_task(balancer.run())
+    outs = await asyncio.gather(*tasks)
+    loop.cancel()
+    await router.refresh_stats()
+    assert outs == [reference_tokens("a", (i,), 40) for i in (0, 1, 2, 3, 4, 9)]
+    return balancer
+
+
+def test_the_balancer_moves_the_newest_queued_requests_to_a_busy_replica_where_they_start_sooner():
+    async def run():
+        balancer = await _rebalance_run(gain_s=0.05)
+        assert {r.trigger.reason for r in balancer.rounds} == {"rebalance"}
+        moves = [m for r in balancer.rounds for m in r.plan.moves]
+        # replica 0 would start q1..q4 after 1, 2, 3, 4 requests, replica 1 after "other": q4 (then
+        # q3, unless "other" started far behind q0) start sooner there; q1 and q2 do not
+        assert moves[0] == ("q4", 0, 1) and set(moves) <= {("q4", 0, 1), ("q3", 0, 1)}
+        # off: q1..q4 wait on replica 0 until replica 1 is idle (then the queued planner moves one)
+        off = await _rebalance_run(gain_s=None)
+        assert {r.trigger.reason for r in off.rounds} <= {"queued"}
     asyncio.run(run())

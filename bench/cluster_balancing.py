@@ -113,6 +113,9 @@ POLICIES = {
     # ablation: co-migration rounds only, no queued-request moves
     "proactive_migration_noqueued": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                      "migrate_queued": False},
+    # ablation: queued requests move only to replicas that can start them now, not between busy ones
+    "proactive_migration_norebalance": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
+                                        "migrate_queued": True, "rebalance_min_gain_s": None},
     # ablation: the same without the output-length estimator (every request priced at its max_tokens)
     "proactive_migration_cap": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                 "output_length_window": 0},

@@ -113,9 +113,10 @@ POLICIES = {
     # ablation: co-migration rounds only, no queued-request moves
     "proactive_migration_noqueued": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                      "migrate_queued": False},
-    # ablation: queued requests move only to replicas that can start them now, not between busy ones
-    "proactive_migration_norebalance": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
-                                        "migrate_queued": True, "rebalance_min_gain_s": None},
+    # opt-in variant: queued requests also move between busy replicas where they start sooner
+    # (cluster.rebalance_min_gain_s, off by default: it did not help here, see bench/README.md)
+    "proactive_migration_rebalance": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
+                                      "migrate_queued": True, "rebalance_min_gain_s": 1.0},
     # ablation: the same without the output-length estimator (every request priced at its max_tokens)
     "proactive_migration_cap": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
                                 "output_length_window": 0},
@@ -437,6 +438,13 @@ def rate_label(result: dict, i: int) -> str:
     return f"{fractions[i]:g} x cap\n{rate:.2f} req/s" if fractions else f"{rate:g} req/s"
 
 
+def policy_colors() -> dict[str, str]:
+    """One colour per policy (the baselines and dlora fixed across results, the variants after)."""
+    fixed = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833"}
+    variants = iter(["#ccbb44", "#66ccee", "#aa3377", "#ee6677", "#bbbbbb", "#222255"])
+    return {name: fixed.get(name) or next(variants) for name in POLICIES}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -445,9 +453,7 @@ def plot(result: dict, path: Path) -> None:
 
     rates = [str(r) for r in result["workload"]["request_rates"]]
     names = [n for n in POLICIES if any(n in result["per_rate"][r] for r in rates)]
-    colors = {"round_robin_static": "#999999", "proactive": "#4477aa", "proactive_migration": "#228833",
-              "proactive_migration_cap": "#ccbb44", "proactive_migration_noqueued": "#66ccee",
-              "proactive_slot_aging": "#aa3377"}
+    colors = policy_colors()
     panels = (("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
               ("mean_ttft_ms", "mean TTFT, ms"), ("avg_latency_per_output_token_ms", "avg latency per output token, ms"))
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))

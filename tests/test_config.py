@@ -208,5 +208,5 @@ def test_queued_migration_is_on_by_default_and_waits_one_monitor_interval_unless
     cfg = config.load(write(tmp_path, "cluster: {monitor_interval_s: 0.5, migrate_queued: false}"))
     assert not cfg.cluster.migrate_queued and cfg.cluster.queued_wait_s == 0.5
     assert config.load(write(tmp_path, "cluster: {queued_min_wait_s: 0}")).cluster.queued_wait_s == 0.0
-    assert cluster.rebalance_min_gain_s == 1.0  # moves between busy replicas too, unless null
-    assert config.load(write(tmp_path, "cluster: {rebalance_min_gain_s: null}")).cluster.rebalance_min_gain_s is None
+    assert cluster.rebalance_min_gain_s is None  # moves between busy replicas: opt-in
+    assert config.load(write(tmp_path, "cluster: {rebalance_min_gain_s: 2.5}")).cluster.rebalance_min_gain_s == 2.5

@@ -36,8 +36,13 @@ EARLY_ABORT_TTL_S = 10.0
 def build_engine_args(cfg: DloraConfig, model_path: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    return AsyncEngineArgs(**engine_kwargs(cfg, model_path))
+
+
+def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
+    """vLLM's engine arguments for a replica (also what the in-process test engines start from)."""
     e = cfg.engine
-    return AsyncEngineArgs(
+    return dict(
         model=model_path,
         dtype=cfg.model.dtype,
         max_model_len=cfg.model.max_model_len,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster_balancing import median_per_rate, rep_order, summarize_reps
+from bench.cluster_balancing import POLICIES as ALL_POLICIES, median_per_rate, policy_colors, rep_order, summarize_reps
 from bench.servers import metric_by_label, metric_total
 
 POLICIES = ["round_robin_static", "proactive", "proactive_migration"]
@@ -106,3 +106,8 @@ def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv + ["--request-rates", "1"])
     assert bad in capsys.readouterr().err
+
+
+def test_every_policy_has_its_own_plot_colour():
+    colors = policy_colors()
+    assert set(colors) == set(ALL_POLICIES) and len(set(colors.values())) == len(ALL_POLICIES)

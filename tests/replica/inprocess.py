@@ -8,7 +8,7 @@ import pytest
 
 from dlora import config
 from dlora.replica import lora_backend
-from dlora.replica.engine import BATCHING_CONFIG_KEY, SCHEDULER, WORKER_EXTENSION
+from dlora.replica.engine import engine_kwargs
 
 
 @contextlib.contextmanager
@@ -24,12 +24,11 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
     lora_backend.install(backend)  # vllm_ext is imported once per process: an earlier engine's choice
     from vllm import LLM
 
-    section = config.from_dict({"scheduling": scheduling}).scheduling
-    args = dict(model=str(tiny_model.base), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
-                max_lora_rank=8, max_cpu_loras=4, max_num_seqs=32, enforce_eager=True, seed=0,
-                scheduler_cls=SCHEDULER, worker_extension_cls=WORKER_EXTENSION,
-                additional_config={BATCHING_CONFIG_KEY: section.to_engine()})
-    engine = LLM(**(args | engine_args))
+    cfg = config.from_dict({"model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
+                            "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "max_num_seqs": 32},
+                            "scheduling": scheduling})
+    # A replica's own arguments (its scheduler, priority queue, worker extension, ...), on this model.
+    engine = LLM(**(engine_kwargs(cfg, str(tiny_model.base)) | engine_args))
     try:
         assert engine.llm_engine.engine_core.engine_core.dlora_setup() == [True]
         yield engine

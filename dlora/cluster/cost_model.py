@@ -105,8 +105,12 @@ def batch_slot_wait(p: CostParams, view: ReplicaView, adapter: AdapterName) -> f
     for r in view.requests:
         if r.adapter is not None:
             left[r.adapter] = max(left.get(r.adapter, 0.0), r.remaining_output_tokens)
-    step_s = p.per_iteration_s + p.per_decode_token_s * min(view.num_requests, p.max_batch)
-    return min(left.values()) * step_s
+    return min(left.values()) * step_seconds(p, view.num_requests)
+
+
+def step_seconds(p: CostParams, batch: int) -> float:
+    """Wall time of one decode step of `batch` sequences."""
+    return p.per_iteration_s + p.per_decode_token_s * max(1, min(batch, p.max_batch))
 
 
 def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:

@@ -43,10 +43,6 @@ class NoEligibleReplica(RuntimeError):
     """No healthy replica can take the request (none holds its adapter nor has a free slot)."""
 
 
-def _can_take(view: ReplicaView, req: RequestLoad) -> bool:
-    return view.healthy and (view.holds(req.adapter) or view.free_adapter_slots() > 0)
-
-
 def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
     """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work, plus
     the slowdown it causes a replica that has another adapter merged, plus its wait for a batch
@@ -71,7 +67,7 @@ class DispatchPolicy(ABC):
 
     @staticmethod
     def _eligible(replicas: Sequence[ReplicaView], req: RequestLoad) -> list[ReplicaView]:
-        eligible = [v for v in replicas if _can_take(v, req)]
+        eligible = [v for v in replicas if v.can_take(req.adapter)]
         if not eligible:
             raise NoEligibleReplica(f"no healthy replica holds {req.adapter!r} or has a free adapter slot")
         return eligible

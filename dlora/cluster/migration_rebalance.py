@@ -51,9 +51,7 @@ class _Move:
 def _accepts(dst: ReplicaView, r: RequestLoad) -> bool:
     """A merged receiver runs only its merged adapter's requests until it unmerges; an absent
     adapter needs a slot that no adapter with requests there holds."""
-    if not dst.healthy or (dst.merged_adapter is not None and r.adapter != dst.merged_adapter):
-        return False
-    return dst.holds(r.adapter) or len(dst.adapters_in_use()) < dst.adapter_slots
+    return dst.can_take(r.adapter) and (dst.merged_adapter is None or r.adapter == dst.merged_adapter)
 
 
 def _candidates(src: ReplicaView, dst: ReplicaView, now: float, cfg: RebalanceConfig) -> list[RequestLoad]:
@@ -72,26 +70,27 @@ def _moved(src: ReplicaView, dst: ReplicaView, r: RequestLoad, now: float) -> tu
     arrived = dataclasses.replace(r, running=False, queued_since=now)
     resident = dst.resident_adapters | ({r.adapter} if r.adapter is not None else set())
     return (dataclasses.replace(src, requests=left),
-            dataclasses.replace(dst, requests=dst.requests + (arrived,), resident_adapters=frozenset(resident)))
+            dataclasses.replace(dst, requests=dst.requests + (arrived,), resident_adapters=resident))
 
 
 def _best_move(views: dict[int, ReplicaView], params: Mapping[int, CostParams], now: float,
                cfg: RebalanceConfig) -> _Move | None:
-    waits = {i: start_times(v, params.get(i, CostParams()), cfg.kv_high) for i, v in views.items() if v.healthy}
+    cost = {i: params.get(i, CostParams()) for i in views}
+    waits = {i: start_times(v, cost[i], cfg.kv_high) for i, v in views.items() if v.healthy}
     if len(waits) < 2:
         return None
-    longest = sorted(waits, key=lambda i: -max(waits[i].values(), default=0.0))[:cfg.top_k]
-    shortest = sorted(waits, key=lambda i: max(waits[i].values(), default=0.0))[:cfg.top_k]
+    tail = {i: max(w.values(), default=0.0) for i, w in waits.items()}  # the last queued request's wait
+    longest = sorted(tail, key=lambda i: -tail[i])[:cfg.top_k]
+    shortest = sorted(tail, key=lambda i: tail[i])[:cfg.top_k]
     best = None
     for s in longest:
         for d in shortest:
             if s == d:
                 continue
-            ps, pd = params.get(s, CostParams()), params.get(d, CostParams())
             before = sum(waits[s].values()) + sum(waits[d].values())
             for r in _candidates(views[s], views[d], now, cfg):
                 src, dst = _moved(views[s], views[d], r, now)
-                gain = before - total_wait(src, ps, cfg.kv_high) - total_wait(dst, pd, cfg.kv_high)
+                gain = before - total_wait(src, cost[s], cfg.kv_high) - total_wait(dst, cost[d], cfg.kv_high)
                 if gain >= cfg.min_gain_s and (best is None or gain > best.gain_s):
                     best = _Move(gain, r, s, d)
     return best

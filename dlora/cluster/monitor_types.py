@@ -115,6 +115,10 @@ class ReplicaView:
         in_use = self.adapters_in_use()
         return adapter is not None and adapter not in in_use and len(in_use) >= self.batch_adapter_slots
 
+    def can_take(self, adapter: AdapterName) -> bool:
+        """Healthy, and holds `adapter` or has a slot free to load it."""
+        return self.healthy and (self.holds(adapter) or self.free_adapter_slots() > 0)
+
     def free_adapter_slots(self) -> int:
         """Adapters that can still be loaded (idle residents count as free: LRU evicts them)."""
         return max(0, self.adapter_slots - len(self.adapters_in_use()))

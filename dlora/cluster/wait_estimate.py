@@ -23,13 +23,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from dlora.cluster.cost_model import CostParams, batch_slot_wait, load_time
+from dlora.cluster.cost_model import CostParams, batch_slot_wait, load_time, step_seconds
 from dlora.cluster.monitor_types import ReplicaView, RequestLoad
-
-
-def step_seconds(p: CostParams, batch: int) -> float:
-    """Wall time of one decode step of `batch` sequences."""
-    return p.per_iteration_s + p.per_decode_token_s * max(1, min(batch, p.max_batch))
 
 
 def queue_order(view: ReplicaView) -> list[RequestLoad]:

@@ -1,0 +1,270 @@
+"""The most that moving queued requests could gain over dispatch at arrival, on a given trace.
+
+dLoRA's reactive half exists because dispatch decides once, at arrival, on estimated lengths: a
+request may then wait on one replica while another frees a slot. The best any migration of
+queued requests can do about that is *late binding*: one queue for the whole cluster, in arrival
+order, each request starting on whichever replica frees a slot for it first, with moves free and
+instant. So on one trace
+
+    mean queueing delay(dispatch at arrival) / mean queueing delay(late binding)
+
+bounds what queued-request migration can win over dispatch alone (dLoRA's "vs proactive-only"),
+whatever the planner. This module computes both on the same requests with an event-driven model
+of the replicas, cheaply and without the machine's noise:
+
+- a replica runs continuous-batching steps: at each step start it admits queued requests in
+  arrival order while it has a free running slot (`max_running`), skipping one whose adapter would
+  be one distinct adapter too many for a step (`max_loras`, as vLLM does) or could not be loaded
+  (`adapter_slots` full of adapters with requests there); the step lasts `StepCosts.step` (unmerged
+  LoRA, the `cpu-einsum` fit by default, plus the load time of adapters it loads) and gives each
+  running request one token; an admitted request's first step prefills its prompt;
+- `at_arrival`: each request goes, once, where the real `ProactiveDispatch` sends it, over views
+  of the modelled replicas with expected lengths from the real `OutputLengthEstimator` fed with
+  finished requests (`oracle_lengths` gives dispatch the true lengths instead);
+- `late_binding`: the cluster-wide queue above;
+- `moves`: dispatch at arrival, and any replica starting a step also takes requests queued
+  elsewhere that have waited `move_after_s` (oldest first): queued-request migration that reacts
+  within about a step and an RPC. Late binding also wins, where waits are short, by starting a
+  request at whichever replica's step boundary comes first, which no real move is quick enough
+  for; `moves` leaves that out.
+
+Left out: KV limits and preemption, merging, migration's own cost (which only makes the bound
+looser), and admission orders other than first-arrival (a different order is scheduling, not
+placement). Queueing delay is admission minus arrival, the engines' own measure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dlora.cluster.cost_model import CostParams
+from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
+from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+from dlora.cluster.output_lengths import OutputLengthEstimator
+from dlora.sim.step_costs import StepCosts, preset
+
+DISCIPLINES = ("at_arrival", "late_binding", "moves")
+MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of the trace: arrival second, adapter, prompt tokens, the tokens it will generate."""
+
+    arrival: float
+    adapter: str
+    prompt_len: int
+    output_len: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    max_running: int = 16  # vLLM max_num_seqs
+    max_loras: int = 8  # distinct adapters in one step
+    adapter_slots: int = 8  # adapters resident at once (max_cpu_loras)
+    load_s: float = 0.02  # loading an absent adapter, paid by the step that admits it
+    costs: StepCosts = field(default_factory=lambda: preset("cpu-einsum"))
+
+    def cost_params(self) -> CostParams:
+        """The dispatch cost model's view of these costs (what fitting measured steps converges to)."""
+        c = self.costs
+        return CostParams(per_iteration_s=c.fixed_s + c.lora_fixed_s, per_decode_token_s=c.per_seq_s + c.lora_per_seq_s,
+                          per_prefill_token_s=c.per_prefill_token_s + c.lora_per_prefill_token_s,
+                          adapter_load_s=self.load_s, max_batch=self.max_running)
+
+
+@dataclass
+class _Running:
+    index: int
+    generated: int = 0
+
+
+@dataclass
+class _Replica:
+    rid: int
+    queue: list[int] = field(default_factory=list)  # job indices, arrival order (at_arrival only)
+    running: list[_Running] = field(default_factory=list)
+    resident: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU)
+    busy: bool = False  # a step is running or about to start
+
+
+class _Model:
+    def __init__(self, jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
+                 oracle_lengths: bool, move_after_s: float) -> None:
+        if discipline not in DISCIPLINES:
+            raise ValueError(f"discipline {discipline!r}: choose from {', '.join(DISCIPLINES)}")
+        self.jobs, self.model, self.discipline, self.oracle = list(jobs), model, discipline, oracle_lengths
+        self.move_after_s = move_after_s
+        self.replicas = [_Replica(i) for i in range(replicas)]
+        self.central: list[int] = []  # late binding's one queue
+        self.held: list[int] = []  # at_arrival: no replica could take them yet (the router holds them)
+        self.admitted: dict[int, float] = {}
+        self.estimator = OutputLengthEstimator()
+        self.dispatch = ProactiveDispatch()
+        self.params = model.cost_params()
+        # (time, kind, seq, index): kind 0 a step ends, 1 a request arrives, 2 a step starts, 3 a
+        # queued request may move (`moves`); at one instant steps start after arrivals and ends,
+        # so requests arriving together are admitted together
+        self.events: list[tuple[float, int, int, int]] = []
+        self.seq = 0
+
+    def push(self, t: float, kind: int, index: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, self.seq, index))
+
+    def run(self) -> list[float]:
+        for i, job in enumerate(self.jobs):
+            self.push(job.arrival, 1, i)
+        while self.events:
+            t, kind, _, index = heapq.heappop(self.events)
+            if kind == 0:
+                self.end_step(t, self.replicas[index])
+            elif kind == 1:
+                self.arrive(t, index)
+            elif kind == 2:
+                self.start_step(t, self.replicas[index])
+            elif index not in self.admitted:  # kind 3: an idle replica may now take it
+                for r in self.replicas:
+                    self.wake(t, r)
+        if len(self.admitted) != len(self.jobs):
+            raise RuntimeError(f"{len(self.jobs) - len(self.admitted)} requests never started")
+        return [self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)]
+
+    # -- events
+
+    def arrive(self, t: float, i: int) -> None:
+        if self.discipline == "late_binding":
+            self.central.append(i)
+            for r in self.replicas:
+                self.wake(t, r)
+            return
+        try:
+            rid = self.choose(t, i)
+        except NoEligibleReplica:
+            self.held.append(i)
+            return
+        self.replicas[rid].queue.append(i)
+        self.wake(t, self.replicas[rid])
+        if self.discipline == "moves":
+            self.push(self.jobs[i].arrival + self.move_after_s, 3, i)
+
+    def end_step(self, t: float, r: _Replica) -> None:
+        still = []
+        for run in r.running:
+            run.generated += 1
+            job = self.jobs[run.index]
+            if run.generated >= job.output_len:
+                self.estimator.observe(job.adapter, run.generated)
+            else:
+                still.append(run)
+        r.running = still
+        r.busy = False
+        held, self.held = self.held, []
+        for i in held:  # the router retries held requests, in arrival order, as work finishes
+            self.arrive(t, i)
+        self.wake(t, r)
+
+    def wake(self, t: float, r: _Replica) -> None:
+        if not r.busy:
+            r.busy = True
+            self.push(t, 2, r.rid)
+
+    def start_step(self, t: float, r: _Replica) -> None:
+        if self.discipline == "late_binding":
+            new, loads = self.admit(t, r, [(i, self.central) for i in self.central])
+        else:
+            new, loads = self.admit(t, r, [(i, r.queue) for i in r.queue])
+        if self.discipline == "moves":  # then requests that have waited long enough elsewhere
+            movable = sorted(((self.jobs[i].arrival, i, o.queue) for o in self.replicas if o is not r
+                              for i in o.queue if t - self.jobs[i].arrival >= self.move_after_s - 1e-12),
+                             key=lambda x: x[:2])
+            more, more_loads = self.admit(t, r, [(i, q) for _, i, q in movable])
+            new, loads = new + more, loads + more_loads
+        if not r.running:
+            r.busy = False
+            return
+        c = self.model.costs
+        seqs = len(r.running)
+        prefill = sum(self.jobs[i].prompt_len for i in new)
+        adapters = len({self.jobs[x.index].adapter for x in r.running})
+        self.push(t + c.step(seqs, prefill, seqs, prefill, adapters) + loads * self.model.load_s, 0, r.rid)
+
+    # -- admission
+
+    def admit(self, t: float, r: _Replica, candidates: list[tuple[int, list[int]]]) -> tuple[list[int], int]:
+        """Start candidates (request, the queue holding it), in order, while slots allow; returns
+        those started and how many adapters were loaded for them."""
+        m = self.model
+        new: list[int] = []
+        loads = 0
+        running_adapters = {self.jobs[x.index].adapter for x in r.running}
+        for i, queue in candidates:
+            if len(r.running) >= m.max_running:
+                break
+            a = self.jobs[i].adapter
+            if a not in running_adapters and len(running_adapters) >= m.max_loras:
+                continue
+            if a not in r.resident:
+                if not self.make_room(r, running_adapters):
+                    continue
+                loads += 1
+            r.resident[a] = t
+            queue.remove(i)
+            running_adapters.add(a)
+            r.running.append(_Running(i))
+            self.admitted[i] = t
+            new.append(i)
+        return new, loads
+
+    def make_room(self, r: _Replica, running_adapters: set[str]) -> bool:
+        """Evict the least recently used adapter with no request here, if the replica is full."""
+        if len(r.resident) < self.model.adapter_slots:
+            return True
+        busy = running_adapters | {self.jobs[i].adapter for i in r.queue}
+        idle = [a for a in r.resident if a not in busy]
+        if not idle:
+            return False
+        del r.resident[min(idle, key=r.resident.__getitem__)]
+        return True
+
+    # -- dispatch at arrival
+
+    def choose(self, t: float, i: int) -> int:
+        views = [self.view(t, r) for r in self.replicas]
+        req = self.load(i, generated=0, running=False, t=t)
+        return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
+
+    def view(self, t: float, r: _Replica) -> ReplicaView:
+        requests = tuple(self.load(x.index, x.generated, True, t) for x in r.running) + tuple(
+            self.load(i, 0, False, t) for i in r.queue)
+        return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=0.0,
+                           adapter_slots=self.model.adapter_slots, batch_adapter_slots=self.model.max_loras,
+                           max_running=self.model.max_running)
+
+    def load(self, i: int, generated: int, running: bool, t: float) -> RequestLoad:
+        job = self.jobs[i]
+        expected = (float(job.output_len) if self.oracle
+                    else self.estimator.expected_total(job.adapter, generated, job.max_tokens))
+        return RequestLoad(f"r{i}", job.adapter, job.prompt_len, generated, expected, running,
+                           queued_since=job.arrival, arrival=job.arrival)
+
+
+def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
+                 oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S) -> list[float]:
+    """Each job's seconds from arrival to admission under `discipline` (see the module docstring)."""
+    return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s).run()
+
+
+def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel) -> dict:
+    """Mean queueing delay under each discipline on `jobs`, and the bound on migration's gain."""
+    means = {d: statistics.fmean(queue_delays(jobs, replicas, model, d)) for d in DISCIPLINES}
+    means["at_arrival_oracle"] = statistics.fmean(queue_delays(jobs, replicas, model, "at_arrival", True))
+
+    def gain(over: str) -> float | None:
+        return means["at_arrival"] / means[over] if means[over] > 0 else None
+
+    return {"mean_queue_s": means, "max_gain_vs_dispatch": gain("late_binding"), "gain_of_moves": gain("moves")}

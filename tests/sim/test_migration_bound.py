@@ -1,0 +1,78 @@
+"""The migration bound's replica model and both disciplines, on traces worked out by hand."""
+
+import pytest
+
+from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays
+from dlora.sim.step_costs import StepCosts
+
+ONE_SECOND_STEPS = StepCosts(fixed_s=1.0, per_seq_s=0.0, per_prefill_token_s=0.0, lora_fixed_s=0.0,
+                             lora_per_seq_s=0.0, lora_per_prefill_token_s=0.0)
+
+
+def model(**kw) -> ReplicaModel:
+    kw = {"max_running": 1, "max_loras": 8, "adapter_slots": 8, "load_s": 0.0, "costs": ONE_SECOND_STEPS, **kw}
+    return ReplicaModel(**kw)
+
+
+def job(at: float, length: int, adapter: str = "x", cap: int = 10) -> Job:
+    return Job(at, adapter, prompt_len=4, output_len=length, max_tokens=cap)
+
+
+@pytest.mark.parametrize("discipline", ["at_arrival", "late_binding"])
+def test_one_slot_serves_in_arrival_order(discipline):
+    # each request needs 2 one-second steps; the second starts when the first ends
+    assert queue_delays([job(0, 2), job(0, 2), job(0.5, 1)], 1, model(), discipline) == [0.0, 2.0, 3.5]
+
+
+def test_dispatch_at_arrival_commits_where_late_binding_waits_for_the_first_free_slot():
+    # A (10 tokens) and B (1 token) start on replicas 0 and 1 at t=0. When C arrives at t=0.5,
+    # nothing has finished, so both look the same to dispatch (each running request expected to
+    # run to its cap): the tie goes to replica 0, where C waits for A until t=10. Late binding
+    # starts C when B's replica frees at t=1; dispatch knowing the true lengths sends it there too.
+    jobs = [job(0, 10), job(0, 1), job(0.5, 1)]
+    assert queue_delays(jobs, 2, model(), "at_arrival") == [0.0, 0.0, 9.5]
+    assert queue_delays(jobs, 2, model(), "late_binding") == [0.0, 0.0, 0.5]
+    assert queue_delays(jobs, 2, model(), "at_arrival", oracle_lengths=True) == [0.0, 0.0, 0.5]
+    got = bound(jobs, 2, model())
+    assert got["mean_queue_s"]["at_arrival"] == pytest.approx(9.5 / 3)
+    assert got["max_gain_vs_dispatch"] == pytest.approx(19.0)
+
+
+def test_moves_take_a_request_queued_elsewhere_once_it_has_waited_long_enough():
+    # the trace above: C is dispatched behind A on replica 0. Movable from t=0.6, it starts when
+    # B's replica frees at t=1; movable only from t=2.5, it starts then on that idle replica.
+    jobs = [job(0, 10), job(0, 1), job(0.5, 1)]
+    assert queue_delays(jobs, 2, model(), "moves", move_after_s=0.1) == [0.0, 0.0, 0.5]
+    assert queue_delays(jobs, 2, model(), "moves", move_after_s=2.0) == [0.0, 0.0, 2.0]
+    assert bound(jobs, 2, model())["gain_of_moves"] == pytest.approx(19.0)
+
+
+@pytest.mark.parametrize("discipline", ["at_arrival", "late_binding"])
+def test_a_step_runs_at_most_max_loras_adapters_and_skips_the_rest(discipline):
+    jobs = [job(0, 1, "x"), job(0, 1, "y"), job(0, 1, "x")]
+    assert queue_delays(jobs, 1, model(max_running=2, max_loras=1), discipline) == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("discipline", ["at_arrival", "late_binding"])
+def test_an_adapter_in_use_is_not_evicted_for_another(discipline):
+    # one adapter slot: y can load only once x's request has finished (at_arrival: the router holds it)
+    jobs = [job(0, 1, "x"), job(0, 1, "y")]
+    assert queue_delays(jobs, 1, model(max_running=2, adapter_slots=1), discipline) == [0.0, 1.0]
+
+
+def test_a_step_that_loads_an_adapter_lasts_longer():
+    # x loads in the first step (1 s + 0.25 s), so the second request starts at 1.25 s
+    assert queue_delays([job(0, 1), job(0, 1)], 1, model(load_s=0.25), "late_binding") == [0.0, 1.25]
+
+
+def test_prefill_and_batch_size_set_the_step_time():
+    costs = StepCosts(fixed_s=0.5, per_seq_s=0.25, per_prefill_token_s=0.125, lora_fixed_s=0.0,
+                      lora_per_seq_s=0.0, lora_per_prefill_token_s=0.0)
+    # step 1: both admitted, 2 seqs, 8 prompt tokens: 0.5 + 0.5 + 1.0 = 2.0 s; the third (slot-bound) starts then
+    jobs = [job(0, 1), job(0, 1), job(0, 1)]
+    assert queue_delays(jobs, 1, model(max_running=2, costs=costs), "late_binding") == [0.0, 0.0, 2.0]
+
+
+def test_unknown_discipline_is_refused():
+    with pytest.raises(ValueError, match="discipline 'fifo'"):
+        queue_delays([job(0, 1)], 1, model(), "fifo")

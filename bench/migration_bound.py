@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import cluster_balancing as cb  # noqa: E402
 from servers import write_result  # noqa: E402
 
+from dlora.cluster.router import static_home  # noqa: E402
 from dlora.sim.migration_bound import Job, ReplicaModel, bound  # noqa: E402
 
 CHAT_TEMPLATE = 30  # tokens SmolLM2's chat template adds to a ShareGPT prompt (system turn + markers)
@@ -80,6 +81,13 @@ def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[Job]:
             for r, n in zip(work, lengths)]
 
 
+def homes(regime: Regime, replicas: int) -> dict[str, int]:
+    """Static placement's home of each adapter: the cluster benchmark registers a0, a1, ... with
+    ids 1, 2, ..."""
+    n = cb.parse_args(list(regime.bench_args)).adapters
+    return {f"a{i}": static_home(i + 1, replicas) for i in range(n)}
+
+
 def capacity_rps(regime: Regime, replicas: int, jobs: list[Job]) -> float:
     """Requests per second the modelled cluster completes with every running slot busy: a full
     batch's steps for the mean output, plus each request's prefill."""
@@ -99,7 +107,8 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
     for load in args.loads:
         runs = []
         for seed in range(args.seeds):
-            got = bound(trace(regime, load * cap, seed, args, tokenizer), args.replicas, regime.model)
+            got = bound(trace(regime, load * cap, seed, args, tokenizer), args.replicas, regime.model,
+                        homes(regime, args.replicas))
             runs.append({"seed": seed, **got})
         ratios = [r["max_gain_vs_dispatch"] for r in runs if r["max_gain_vs_dispatch"] is not None]
         moves = [r["gain_of_moves"] for r in runs if r["gain_of_moves"] is not None]
@@ -109,14 +118,16 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
                  "max_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
                  "max_gain_max": max(ratios),
                  "seeds_at_or_above_goal": sum(r >= GOAL for r in ratios),
-                 "moves_gain_median": statistics.median(moves), "runs": runs}
+                 "moves_gain_median": statistics.median(moves),
+                 "dispatch_vs_static_median": statistics.median(r["dispatch_vs_static"] for r in runs), "runs": runs}
         points.append(point)
         print(f"[{time.monotonic() - t0:4.0f}s] {regime.name:16s} load {load:.2f} ({load * cap:.2f} req/s): "
               f"mean queueing at arrival {q['at_arrival']:6.0f} ms, late-bound {q['late_binding']:6.0f} ms, "
               f"moves {q['moves']:6.0f} ms, oracle lengths {q['at_arrival_oracle']:6.0f} ms -> "
               f"max gain median {point['max_gain_median']:.2f}x, moves {point['moves_gain_median']:.2f}x "
               f"(IQR {point['max_gain_quartiles'][0]:.2f}-{point['max_gain_quartiles'][1]:.2f}, "
-              f">= {GOAL}x on {point['seeds_at_or_above_goal']}/{len(ratios)} seeds)", flush=True)
+              f">= {GOAL}x on {point['seeds_at_or_above_goal']}/{len(ratios)} seeds); static {q['static']:6.0f} ms, "
+              f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x", flush=True)
     return {"regime": regime.name, "bench_args": list(regime.bench_args), "model": asdict(regime.model),
             "capacity_rps": cap, "measured_on_engines": regime.measured, "points": points}
 
@@ -127,13 +138,14 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels, data, moves = [], [], []
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    labels, data, moves, static = [], [], [], []
     for reg in result["regimes"]:
         for p in reg["points"]:
             labels.append(f"{reg['regime'].replace('sharegpt-', '')}\n{p['load']:.2f}")
             data.append([r["max_gain_vs_dispatch"] for r in p["runs"] if r["max_gain_vs_dispatch"] is not None])
             moves.append(p["moves_gain_median"])
+            static.append([r["dispatch_vs_static"] for r in p["runs"]])
     ax.boxplot(data, tick_labels=labels)
     ax.plot(range(1, len(moves) + 1), moves, "x", color="tab:blue", markersize=8,
             label="moves after 0.1 s queued (median)")
@@ -143,8 +155,14 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title(f"most queued-request migration could gain, {result['seeds']} workload seeds x "
                  f"{result['num_prompts']} requests, {result['replicas']} modelled replicas", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
+    ax2.boxplot(static, tick_labels=labels)
+    ax2.axhline(3.6, color="tab:red", linestyle="--", label="issue goal vs round-robin/static (3.6x)")
+    ax2.axhline(1.0, color="grey", linewidth=0.8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("mean queueing: static / dispatch at arrival")
+    ax2.tick_params(axis="x", labelsize=7)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -189,7 +207,9 @@ def main() -> int:
               "lengths": {"max_tokens": args.max_tokens, "p_cap": args.p_cap, "short_max": args.short_max},
               "regimes": regimes,
               "summary": {r["regime"]: {str(p["load"]): {"late_binding": p["max_gain_median"],
-                                                          "moves": p["moves_gain_median"]} for p in r["points"]}
+                                                          "moves": p["moves_gain_median"],
+                                                          "dispatch_vs_static": p["dispatch_vs_static_median"]}
+                                         for p in r["points"]}
                           for r in regimes},
               "wall_s": time.monotonic() - t0}
     write_result(result, args.out, plot)

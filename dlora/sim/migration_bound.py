@@ -22,6 +22,8 @@ of the replicas, cheaply and without the machine's noise:
   of the modelled replicas with expected lengths from the real `OutputLengthEstimator` fed with
   finished requests (`oracle_lengths` gives dispatch the true lengths instead);
 - `late_binding`: the cluster-wide queue above;
+- `static` (with `homes`): each request to its adapter's one home replica, dLoRA's round-robin
+  baseline over a static placement;
 - `moves`: dispatch at arrival, and any replica starting a step also takes requests queued
   elsewhere that have waited `move_after_s` (oldest first): queued-request migration that reacts
   within about a step and an RPC. Late binding also wins, where waits are short, by starting a
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.cost_model import CostParams
@@ -47,6 +49,7 @@ from dlora.cluster.output_lengths import OutputLengthEstimator
 from dlora.sim.step_costs import StepCosts, preset
 
 DISCIPLINES = ("at_arrival", "late_binding", "moves")
+STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
 
 
@@ -94,9 +97,12 @@ class _Replica:
 
 class _Model:
     def __init__(self, jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
-                 oracle_lengths: bool, move_after_s: float) -> None:
-        if discipline not in DISCIPLINES:
-            raise ValueError(f"discipline {discipline!r}: choose from {', '.join(DISCIPLINES)}")
+                 oracle_lengths: bool, move_after_s: float, homes: Mapping[str, int] | None) -> None:
+        if discipline not in (*DISCIPLINES, STATIC):
+            raise ValueError(f"discipline {discipline!r}: choose from {', '.join((*DISCIPLINES, STATIC))}")
+        if discipline == STATIC and homes is None:
+            raise ValueError("discipline 'static' needs each adapter's home replica (homes)")
+        self.homes = homes or {}
         self.jobs, self.model, self.discipline, self.oracle = list(jobs), model, discipline, oracle_lengths
         self.move_after_s = move_after_s
         self.replicas = [_Replica(i) for i in range(replicas)]
@@ -143,7 +149,7 @@ class _Model:
                 self.wake(t, r)
             return
         try:
-            rid = self.choose(t, i)
+            rid = self.homes[self.jobs[i].adapter] if self.discipline == STATIC else self.choose(t, i)
         except NoEligibleReplica:
             self.held.append(i)
             return
@@ -254,17 +260,24 @@ class _Model:
 
 
 def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
-                 oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S) -> list[float]:
+                 oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S,
+                 homes: Mapping[str, int] | None = None) -> list[float]:
     """Each job's seconds from arrival to admission under `discipline` (see the module docstring)."""
-    return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s).run()
+    return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes).run()
 
 
-def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel) -> dict:
-    """Mean queueing delay under each discipline on `jobs`, and the bound on migration's gain."""
+def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mapping[str, int] | None = None) -> dict:
+    """Mean queueing delay under each discipline on `jobs` (and the static baseline, given
+    `homes`), and the bound on migration's gain."""
     means = {d: statistics.fmean(queue_delays(jobs, replicas, model, d)) for d in DISCIPLINES}
     means["at_arrival_oracle"] = statistics.fmean(queue_delays(jobs, replicas, model, "at_arrival", True))
+    if homes is not None:
+        means[STATIC] = statistics.fmean(queue_delays(jobs, replicas, model, STATIC, homes=homes))
 
     def gain(over: str) -> float | None:
         return means["at_arrival"] / means[over] if means[over] > 0 else None
 
-    return {"mean_queue_s": means, "max_gain_vs_dispatch": gain("late_binding"), "gain_of_moves": gain("moves")}
+    out = {"mean_queue_s": means, "max_gain_vs_dispatch": gain("late_binding"), "gain_of_moves": gain("moves")}
+    if homes is not None:  # dispatch at arrival against the static baseline
+        out["dispatch_vs_static"] = means[STATIC] / means["at_arrival"] if means["at_arrival"] > 0 else None
+    return out

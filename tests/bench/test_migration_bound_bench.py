@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench import cluster_balancing as cb
-from bench.migration_bound import REGIMES, Regime, capacity_rps, draw_lengths, parse_args, trace
+from bench.migration_bound import REGIMES, Regime, capacity_rps, draw_lengths, homes, parse_args, trace
 from dlora.sim.migration_bound import Job, ReplicaModel
 from dlora.sim.step_costs import StepCosts
 
@@ -45,3 +45,9 @@ def test_bad_flags_are_refused_by_name(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert needle in capsys.readouterr().err
+
+
+def test_static_homes_follow_the_benchmarks_registration_order():
+    regime = next(r for r in REGIMES if r.name == "sharegpt-eos-32")
+    got = homes(regime, 2)
+    assert len(got) == 32 and got["a0"] == 1 and got["a1"] == 0 and got["a31"] == 0

@@ -76,3 +76,15 @@ def test_prefill_and_batch_size_set_the_step_time():
 def test_unknown_discipline_is_refused():
     with pytest.raises(ValueError, match="discipline 'fifo'"):
         queue_delays([job(0, 1)], 1, model(), "fifo")
+
+
+def test_static_placement_sends_every_request_to_its_adapters_home():
+    # x lives on replica 0 only: its requests queue there although replica 1 is idle; dispatch
+    # at arrival sends the second to replica 1 (loading x) and the third behind one of them
+    jobs = [job(0, 2, "x"), job(0, 2, "x"), job(0, 2, "x")]
+    homes = {"x": 0}
+    assert queue_delays(jobs, 2, model(), "static", homes=homes) == [0.0, 2.0, 4.0]
+    assert queue_delays(jobs, 2, model(), "at_arrival") == [0.0, 0.0, 2.0]
+    assert bound(jobs, 2, model(), homes=homes)["dispatch_vs_static"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="needs each adapter's home"):
+        queue_delays(jobs, 2, model(), "static")

@@ -246,7 +246,7 @@ class DloraLinearMixin:
     def _with_gemm(self, lora: PackedLoRA) -> PackedLoRA:
         """`lora` with oneDNN GEMMs over prepacked copies of its weights, for the einsum kernels on
         CPU (vLLM's own CPU linears run this way; about 2x torch.matmul at decode sizes); as is
-        elsewhere, or when oneDNN has no kernel for the dtype (fp16)."""
+        elsewhere, or when oneDNN has no kernel for the dtype (fp16 without AVX512-FP16 or AMX-FP16)."""
         if self.kernel_backend != "einsum" or lora.a.device.type != "cpu" or not _onednn_available():
             return lora
         try:

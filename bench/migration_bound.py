@@ -11,8 +11,9 @@ queue; what free, instant migration of every queued request would reach), and wi
 requests that have queued 0.1 s elsewhere. The ratio of mean queueing delays, dispatch at arrival
 over late binding, bounds dLoRA's "vs proactive-only" gain from queued-request migration on that
 trace. `sharegpt-eos` output lengths are drawn to match what the real benchmark measured (greedy
-SmolLM2 answers, 68% at the 256 cap, mean ~207: `--p-cap`, `--short-max`). Pure computation, no
-engines: ~1 minute. Writes bench/results/migration_bound.json (+ .png).
+SmolLM2 answers, 68% at the 256 cap, mean ~207: `--p-cap`, `--short-max`). The static-placement
+baseline runs too, and a memory-bound regime (20 KV blocks per replica, vLLM-style preemption).
+Pure computation, no engines: ~1.5 minutes. Writes bench/results/migration_bound.json (+ .png).
 
     .venv/bin/python bench/migration_bound.py
 """
@@ -60,6 +61,9 @@ REGIMES = (
     Regime("sharegpt-eos-32", ("--workload", "sharegpt-eos", "--adapters", "32", "--max-cpu-loras", "8",
                                "--max-loras", "8"), ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
            "sessions 13-14 at 0.7 load: 0.84-1.17x per rep (cluster_balancing.sharegpt_eos.adapters32*.json)"),
+    Regime("sharegpt-eos-8-kv20", ("--workload", "sharegpt-eos", "--max-loras", "8", "--kv-blocks", "20"),
+           ReplicaModel(max_running=16, max_loras=8, adapter_slots=8, kv_blocks=20),
+           "sessions 11-13 at 0.7 load: 0.88x, 1.06x, 1.08-1.23x (cluster_balancing.sharegpt_eos.kv20*.json)"),
 )
 
 
@@ -95,6 +99,8 @@ def capacity_rps(regime: Regime, replicas: int, jobs: list[Job]) -> float:
     mean_out = statistics.fmean(j.output_len for j in jobs)
     mean_prompt = statistics.fmean(j.prompt_len for j in jobs)
     b = m.max_running
+    if m.kv_blocks is not None:  # as many as fit in KV at their mean context (prompt + half the output)
+        b = max(1, min(b, int(m.kv_blocks * m.block_tokens // (mean_prompt + mean_out / 2))))
     step = c.step(b, 0, b, 0, m.max_loras)
     per_batch = mean_out * step + b * mean_prompt * (c.per_prefill_token_s + c.lora_per_prefill_token_s)
     return replicas * b / per_batch
@@ -113,7 +119,12 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
         ratios = [r["max_gain_vs_dispatch"] for r in runs if r["max_gain_vs_dispatch"] is not None]
         moves = [r["gain_of_moves"] for r in runs if r["gain_of_moves"] is not None]
         q = {d: statistics.median(1000 * r["mean_queue_s"][d] for r in runs) for d in runs[0]["mean_queue_s"]}
-        point = {"load": load, "rate": load * cap, "median_mean_queue_ms": q,
+        lat = {d: statistics.median(1000 * r["mean_latency_s"][d] for r in runs) for d in runs[0]["mean_latency_s"]}
+        pre = {d: statistics.median(r["preemptions"][d] for r in runs) for d in runs[0]["preemptions"]}
+        point = {"load": load, "rate": load * cap, "median_mean_queue_ms": q, "median_mean_latency_ms": lat,
+                 "median_preemptions": pre,
+                 "latency_gain_late_binding_median": statistics.median(
+                     r["mean_latency_s"]["at_arrival"] / r["mean_latency_s"]["late_binding"] for r in runs),
                  "max_gain_median": statistics.median(ratios),
                  "max_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
                  "max_gain_max": max(ratios),
@@ -127,7 +138,10 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
               f"max gain median {point['max_gain_median']:.2f}x, moves {point['moves_gain_median']:.2f}x "
               f"(IQR {point['max_gain_quartiles'][0]:.2f}-{point['max_gain_quartiles'][1]:.2f}, "
               f">= {GOAL}x on {point['seeds_at_or_above_goal']}/{len(ratios)} seeds); static {q['static']:6.0f} ms, "
-              f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x", flush=True)
+              f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x; latency at arrival "
+              f"{lat['at_arrival']:.0f} ms vs late-bound {lat['late_binding']:.0f} ms "
+              f"({point['latency_gain_late_binding_median']:.2f}x), preemptions {pre['at_arrival']:.0f} vs "
+              f"{pre['late_binding']:.0f}", flush=True)
     return {"regime": regime.name, "bench_args": list(regime.bench_args), "model": asdict(regime.model),
             "capacity_rps": cap, "measured_on_engines": regime.measured, "points": points}
 

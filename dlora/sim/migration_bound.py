@@ -30,13 +30,18 @@ of the replicas, cheaply and without the machine's noise:
   request at whichever replica's step boundary comes first, which no real move is quick enough
   for; `moves` leaves that out.
 
-Left out: KV limits and preemption, merging, migration's own cost (which only makes the bound
-looser), and admission orders other than first-arrival (a different order is scheduling, not
-placement). Queueing delay is admission minus arrival, the engines' own measure.
+With `kv_blocks`, a replica admits a request only while its KV blocks fit, and before a step
+whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
+(they recompute prompt and output when they start again); under late binding and moves a
+preempted request may restart on another replica, the ideal of moving running requests out of a
+full replica. Left out: merging, migration's own cost beyond that recompute (which only makes
+the bound looser), and admission orders other than first-arrival (a different order is
+scheduling, not placement). Queueing delay is admission minus arrival, the engines' own measure.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import statistics
 from collections.abc import Mapping, Sequence
@@ -70,6 +75,8 @@ class ReplicaModel:
     max_loras: int = 8  # distinct adapters in one step
     adapter_slots: int = 8  # adapters resident at once (max_cpu_loras)
     load_s: float = 0.02  # loading an absent adapter, paid by the step that admits it
+    kv_blocks: int | None = None  # KV blocks per replica (None: KV never binds)
+    block_tokens: int = 128  # tokens per KV block (vLLM's CPU block size)
     costs: StepCosts = field(default_factory=lambda: preset("cpu-einsum"))
 
     def cost_params(self) -> CostParams:
@@ -81,16 +88,17 @@ class ReplicaModel:
 
 
 @dataclass
-class _Running:
-    index: int
-    generated: int = 0
+class Outcome:
+    queue_s: list[float]  # per job: arrival to first admission
+    latency_s: list[float]  # per job: arrival to its last token
+    preemptions: int
 
 
 @dataclass
 class _Replica:
     rid: int
-    queue: list[int] = field(default_factory=list)  # job indices, arrival order (at_arrival only)
-    running: list[_Running] = field(default_factory=list)
+    queue: list[int] = field(default_factory=list)  # job indices in arrival order (not late binding)
+    running: list[int] = field(default_factory=list)
     resident: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU)
     busy: bool = False  # a step is running or about to start
 
@@ -108,7 +116,10 @@ class _Model:
         self.replicas = [_Replica(i) for i in range(replicas)]
         self.central: list[int] = []  # late binding's one queue
         self.held: list[int] = []  # at_arrival: no replica could take them yet (the router holds them)
-        self.admitted: dict[int, float] = {}
+        self.generated = [0] * len(self.jobs)
+        self.admitted: dict[int, float] = {}  # first admission
+        self.finished: dict[int, float] = {}
+        self.preemptions = 0
         self.estimator = OutputLengthEstimator()
         self.dispatch = ProactiveDispatch()
         self.params = model.cost_params()
@@ -122,7 +133,7 @@ class _Model:
         self.seq += 1
         heapq.heappush(self.events, (t, kind, self.seq, index))
 
-    def run(self) -> list[float]:
+    def run(self) -> Outcome:
         for i, job in enumerate(self.jobs):
             self.push(job.arrival, 1, i)
         while self.events:
@@ -136,15 +147,16 @@ class _Model:
             elif index not in self.admitted:  # kind 3: an idle replica may now take it
                 for r in self.replicas:
                     self.wake(t, r)
-        if len(self.admitted) != len(self.jobs):
-            raise RuntimeError(f"{len(self.jobs) - len(self.admitted)} requests never started")
-        return [self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)]
+        if len(self.finished) != len(self.jobs):
+            raise RuntimeError(f"{len(self.jobs) - len(self.finished)} requests never finished")
+        return Outcome([self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
+                       [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)], self.preemptions)
 
     # -- events
 
     def arrive(self, t: float, i: int) -> None:
         if self.discipline == "late_binding":
-            self.central.append(i)
+            self.enqueue(self.central, i)
             for r in self.replicas:
                 self.wake(t, r)
             return
@@ -153,20 +165,21 @@ class _Model:
         except NoEligibleReplica:
             self.held.append(i)
             return
-        self.replicas[rid].queue.append(i)
+        self.enqueue(self.replicas[rid].queue, i)
         self.wake(t, self.replicas[rid])
         if self.discipline == "moves":
             self.push(self.jobs[i].arrival + self.move_after_s, 3, i)
 
     def end_step(self, t: float, r: _Replica) -> None:
         still = []
-        for run in r.running:
-            run.generated += 1
-            job = self.jobs[run.index]
-            if run.generated >= job.output_len:
-                self.estimator.observe(job.adapter, run.generated)
+        for i in r.running:
+            self.generated[i] += 1
+            job = self.jobs[i]
+            if self.generated[i] >= job.output_len:
+                self.estimator.observe(job.adapter, self.generated[i])
+                self.finished[i] = t
             else:
-                still.append(run)
+                still.append(i)
         r.running = still
         r.busy = False
         held, self.held = self.held, []
@@ -180,6 +193,7 @@ class _Model:
             self.push(t, 2, r.rid)
 
     def start_step(self, t: float, r: _Replica) -> None:
+        self.preempt(t, r)
         if self.discipline == "late_binding":
             new, loads = self.admit(t, r, [(i, self.central) for i in self.central])
         else:
@@ -195,22 +209,52 @@ class _Model:
             return
         c = self.model.costs
         seqs = len(r.running)
-        prefill = sum(self.jobs[i].prompt_len for i in new)
-        adapters = len({self.jobs[x.index].adapter for x in r.running})
+        prefill = sum(self.jobs[i].prompt_len + self.generated[i] for i in new)  # a preempted one recomputes
+        adapters = len({self.jobs[i].adapter for i in r.running})
         self.push(t + c.step(seqs, prefill, seqs, prefill, adapters) + loads * self.model.load_s, 0, r.rid)
+
+    # -- KV
+
+    def blocks(self, i: int) -> int:
+        """KV blocks request i needs for its next step (its context and the token it generates)."""
+        return -(-(self.jobs[i].prompt_len + self.generated[i] + 1) // self.model.block_tokens)
+
+    def kv_free(self, r: _Replica) -> float:
+        if self.model.kv_blocks is None:
+            return float("inf")
+        return self.model.kv_blocks - sum(self.blocks(i) for i in r.running)
+
+    def preempt(self, t: float, r: _Replica) -> None:
+        """As vLLM does when a step's KV does not fit: the latest-arriving running requests go back
+        to the queue (their KV freed, recomputed when they start again); with late binding, to
+        the cluster's queue, and with moves, another replica may take them at once."""
+        preempted = False
+        while len(r.running) > 1 and self.kv_free(r) < 0:
+            victim = max(r.running, key=lambda i: (self.jobs[i].arrival, i))
+            r.running.remove(victim)
+            self.enqueue(self.central if self.discipline == "late_binding" else r.queue, victim)
+            self.preemptions += 1
+            preempted = True
+        if preempted and self.discipline in ("late_binding", "moves"):
+            for other in self.replicas:
+                self.wake(t, other)
+
+    def enqueue(self, queue: list[int], i: int) -> None:
+        bisect.insort(queue, i, key=lambda j: (self.jobs[j].arrival, j))
 
     # -- admission
 
     def admit(self, t: float, r: _Replica, candidates: list[tuple[int, list[int]]]) -> tuple[list[int], int]:
-        """Start candidates (request, the queue holding it), in order, while slots allow; returns
-        those started and how many adapters were loaded for them."""
+        """Start candidates (request, the queue holding it), in order, while slots and KV allow;
+        returns those started and how many adapters were loaded for them."""
         m = self.model
         new: list[int] = []
         loads = 0
-        running_adapters = {self.jobs[x.index].adapter for x in r.running}
+        free = self.kv_free(r)
+        running_adapters = {self.jobs[i].adapter for i in r.running}
         for i, queue in candidates:
-            if len(r.running) >= m.max_running:
-                break
+            if len(r.running) >= m.max_running or self.blocks(i) > free:
+                break  # vLLM stops admitting at the first request whose KV does not fit
             a = self.jobs[i].adapter
             if a not in running_adapters and len(running_adapters) >= m.max_loras:
                 continue
@@ -221,8 +265,9 @@ class _Model:
             r.resident[a] = t
             queue.remove(i)
             running_adapters.add(a)
-            r.running.append(_Running(i))
-            self.admitted[i] = t
+            r.running.append(i)
+            free -= self.blocks(i)
+            self.admitted.setdefault(i, t)
             new.append(i)
         return new, loads
 
@@ -240,44 +285,52 @@ class _Model:
     # -- dispatch at arrival
 
     def choose(self, t: float, i: int) -> int:
-        views = [self.view(t, r) for r in self.replicas]
-        req = self.load(i, generated=0, running=False, t=t)
+        views = [self.view(r) for r in self.replicas]
+        req = self.load(i, running=False)
         return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
 
-    def view(self, t: float, r: _Replica) -> ReplicaView:
-        requests = tuple(self.load(x.index, x.generated, True, t) for x in r.running) + tuple(
-            self.load(i, 0, False, t) for i in r.queue)
-        return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=0.0,
+    def view(self, r: _Replica) -> ReplicaView:
+        requests = tuple(self.load(i, True) for i in r.running) + tuple(self.load(i, False) for i in r.queue)
+        kv = 0.0 if self.model.kv_blocks is None else 1 - self.kv_free(r) / self.model.kv_blocks
+        return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=kv,
                            adapter_slots=self.model.adapter_slots, batch_adapter_slots=self.model.max_loras,
                            max_running=self.model.max_running)
 
-    def load(self, i: int, generated: int, running: bool, t: float) -> RequestLoad:
-        job = self.jobs[i]
+    def load(self, i: int, running: bool) -> RequestLoad:
+        job, generated = self.jobs[i], self.generated[i]
         expected = (float(job.output_len) if self.oracle
                     else self.estimator.expected_total(job.adapter, generated, job.max_tokens))
         return RequestLoad(f"r{i}", job.adapter, job.prompt_len, generated, expected, running,
                            queued_since=job.arrival, arrival=job.arrival)
 
 
-def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
-                 oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S,
-                 homes: Mapping[str, int] | None = None) -> list[float]:
-    """Each job's seconds from arrival to admission under `discipline` (see the module docstring)."""
+def simulate(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
+             oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S,
+             homes: Mapping[str, int] | None = None) -> Outcome:
+    """`jobs` under `discipline` (see the module docstring)."""
     return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes).run()
 
 
+def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str, **kw) -> list[float]:
+    """Each job's seconds from arrival to its first admission under `discipline`."""
+    return simulate(jobs, replicas, model, discipline, **kw).queue_s
+
+
 def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mapping[str, int] | None = None) -> dict:
-    """Mean queueing delay under each discipline on `jobs` (and the static baseline, given
-    `homes`), and the bound on migration's gain."""
-    means = {d: statistics.fmean(queue_delays(jobs, replicas, model, d)) for d in DISCIPLINES}
-    means["at_arrival_oracle"] = statistics.fmean(queue_delays(jobs, replicas, model, "at_arrival", True))
+    """Mean queueing delay and latency under each discipline on `jobs` (and the static baseline,
+    given `homes`), and the bound on migration's gain."""
+    runs = {d: simulate(jobs, replicas, model, d) for d in DISCIPLINES}
+    runs["at_arrival_oracle"] = simulate(jobs, replicas, model, "at_arrival", True)
     if homes is not None:
-        means[STATIC] = statistics.fmean(queue_delays(jobs, replicas, model, STATIC, homes=homes))
+        runs[STATIC] = simulate(jobs, replicas, model, STATIC, homes=homes)
+    means = {d: statistics.fmean(o.queue_s) for d, o in runs.items()}
 
-    def gain(over: str) -> float | None:
-        return means["at_arrival"] / means[over] if means[over] > 0 else None
+    def ratio(num: str, den: str) -> float | None:
+        return means[num] / means[den] if means[den] > 0 else None
 
-    out = {"mean_queue_s": means, "max_gain_vs_dispatch": gain("late_binding"), "gain_of_moves": gain("moves")}
+    out = {"mean_queue_s": means, "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
+           "preemptions": {d: o.preemptions for d, o in runs.items()},
+           "max_gain_vs_dispatch": ratio("at_arrival", "late_binding"), "gain_of_moves": ratio("at_arrival", "moves")}
     if homes is not None:  # dispatch at arrival against the static baseline
-        out["dispatch_vs_static"] = means[STATIC] / means["at_arrival"] if means["at_arrival"] > 0 else None
+        out["dispatch_vs_static"] = ratio(STATIC, "at_arrival")
     return out

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays
+from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays, simulate
 from dlora.sim.step_costs import StepCosts
 
 ONE_SECOND_STEPS = StepCosts(fixed_s=1.0, per_seq_s=0.0, per_prefill_token_s=0.0, lora_fixed_s=0.0,
@@ -88,3 +88,18 @@ def test_static_placement_sends_every_request_to_its_adapters_home():
     assert bound(jobs, 2, model(), homes=homes)["dispatch_vs_static"] == pytest.approx(3.0)
     with pytest.raises(ValueError, match="needs each adapter's home"):
         queue_delays(jobs, 2, model(), "static")
+
+
+def test_a_full_kv_preempts_the_latest_arrival_which_recomputes_later():
+    # blocks of 4 tokens, 2 per replica: A and B (3-token prompts) start with one block each; after
+    # one token each needs 2, so B is preempted at t=1; A finishes at t=3, then B restarts
+    # (re-prefilling its prompt and its token) and ends at t=5. Queueing counts its first start only.
+    jobs = [Job(0, "x", 3, 3, 8), Job(0, "x", 3, 3, 8)]
+    kv = model(max_running=2, kv_blocks=2, block_tokens=4)
+    got = simulate(jobs, 1, kv, "at_arrival")
+    assert (got.queue_s, got.latency_s, got.preemptions) == ([0.0, 0.0], [3.0, 5.0], 1)
+    # late binding: the preempted B restarts at once on the idle second replica
+    got = simulate(jobs, 2, kv, "late_binding")
+    assert (got.queue_s, got.latency_s, got.preemptions) == ([0.0, 0.0], [3.0, 3.0], 1)
+    # a request whose KV does not fit waits although a running slot is free
+    assert queue_delays([Job(0, "x", 7, 2, 8), Job(0, "x", 7, 1, 8)], 1, kv, "at_arrival") == [0.0, 2.0]

@@ -118,6 +118,7 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
             runs.append({"seed": seed, **got})
         ratios = [r["max_gain_vs_dispatch"] for r in runs if r["max_gain_vs_dispatch"] is not None]
         moves = [r["gain_of_moves"] for r in runs if r["gain_of_moves"] is not None]
+        balancer = [r["gain_of_balancer"] for r in runs if r["gain_of_balancer"] is not None]
         q = {d: statistics.median(1000 * r["mean_queue_s"][d] for r in runs) for d in runs[0]["mean_queue_s"]}
         lat = {d: statistics.median(1000 * r["mean_latency_s"][d] for r in runs) for d in runs[0]["mean_latency_s"]}
         pre = {d: statistics.median(r["preemptions"][d] for r in runs) for d in runs[0]["preemptions"]}
@@ -129,13 +130,14 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
                  "max_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
                  "max_gain_max": max(ratios),
                  "seeds_at_or_above_goal": sum(r >= GOAL for r in ratios),
-                 "moves_gain_median": statistics.median(moves),
+                 "moves_gain_median": statistics.median(moves), "balancer_gain_median": statistics.median(balancer),
                  "dispatch_vs_static_median": statistics.median(r["dispatch_vs_static"] for r in runs), "runs": runs}
         points.append(point)
         print(f"[{time.monotonic() - t0:4.0f}s] {regime.name:16s} load {load:.2f} ({load * cap:.2f} req/s): "
               f"mean queueing at arrival {q['at_arrival']:6.0f} ms, late-bound {q['late_binding']:6.0f} ms, "
               f"moves {q['moves']:6.0f} ms, oracle lengths {q['at_arrival_oracle']:6.0f} ms -> "
-              f"max gain median {point['max_gain_median']:.2f}x, moves {point['moves_gain_median']:.2f}x "
+              f"max gain median {point['max_gain_median']:.2f}x, moves {point['moves_gain_median']:.2f}x, "
+              f"balancer {q['balancer']:.0f} ms = {point['balancer_gain_median']:.2f}x "
               f"(IQR {point['max_gain_quartiles'][0]:.2f}-{point['max_gain_quartiles'][1]:.2f}, "
               f">= {GOAL}x on {point['seeds_at_or_above_goal']}/{len(ratios)} seeds); static {q['static']:6.0f} ms, "
               f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x; latency at arrival "
@@ -153,28 +155,31 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    labels, data, moves, static = [], [], [], []
+    labels, data, moves, balancer, static = [], [], [], [], []
     for reg in result["regimes"]:
         for p in reg["points"]:
             labels.append(f"{reg['regime'].replace('sharegpt-', '')}\n{p['load']:.2f}")
             data.append([r["max_gain_vs_dispatch"] for r in p["runs"] if r["max_gain_vs_dispatch"] is not None])
             moves.append(p["moves_gain_median"])
+            balancer.append(p["balancer_gain_median"])
             static.append([r["dispatch_vs_static"] for r in p["runs"]])
     ax.boxplot(data, tick_labels=labels)
     ax.plot(range(1, len(moves) + 1), moves, "x", color="tab:blue", markersize=8,
             label="moves after 0.1 s queued (median)")
+    ax.plot(range(1, len(balancer) + 1), balancer, "+", color="tab:green", markersize=10,
+            label="the balancer's queued-request planner, 0.5 s ticks (median)")
     ax.axhline(GOAL, color="tab:red", linestyle="--", label=f"issue goal vs proactive-only ({GOAL}x)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_ylabel("mean queueing: dispatch at arrival / late binding")
+    ax.set_ylabel("queueing: at arrival / late-bound")
     ax.set_yscale("log")
     ax.set_title(f"most queued-request migration could gain, {result['seeds']} workload seeds x "
                  f"{result['num_prompts']} requests, {result['replicas']} modelled replicas", fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper right", framealpha=0.9)
     ax2.boxplot(static, tick_labels=labels)
     ax2.axhline(3.6, color="tab:red", linestyle="--", label="issue goal vs round-robin/static (3.6x)")
     ax2.axhline(1.0, color="grey", linewidth=0.8)
     ax2.set_yscale("log")
-    ax2.set_ylabel("mean queueing: static / dispatch at arrival")
+    ax2.set_ylabel("queueing: static / at arrival")
     ax2.tick_params(axis="x", labelsize=7)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -222,6 +227,7 @@ def main() -> int:
               "regimes": regimes,
               "summary": {r["regime"]: {str(p["load"]): {"late_binding": p["max_gain_median"],
                                                           "moves": p["moves_gain_median"],
+                                                          "balancer": p["balancer_gain_median"],
                                                           "dispatch_vs_static": p["dispatch_vs_static_median"]}
                                          for p in r["points"]}
                           for r in regimes},

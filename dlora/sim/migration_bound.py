@@ -28,7 +28,11 @@ of the replicas, cheaply and without the machine's noise:
   elsewhere that have waited `move_after_s` (oldest first): queued-request migration that reacts
   within about a step and an RPC. Late binding also wins, where waits are short, by starting a
   request at whichever replica's step boundary comes first, which no real move is quick enough
-  for; `moves` leaves that out.
+  for; `moves` leaves that out;
+- `balancer`: dispatch at arrival, and every `TICK_S` the balancer's own queued-request planner
+  (`migration_queued.plan_queued`, requests queued a tick or more) moves requests to replicas
+  that can start them, as the shipped balancer does on each monitor tick (its co-migration
+  rounds of running requests are left out).
 
 With `kv_blocks`, a replica admits a request only while its KV blocks fit, and before a step
 whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
@@ -49,13 +53,15 @@ from dataclasses import dataclass, field
 
 from dlora.cluster.cost_model import CostParams
 from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
+from dlora.cluster.migration_queued import QueuedConfig, plan_queued
 from dlora.cluster.monitor_types import ReplicaView, RequestLoad
 from dlora.cluster.output_lengths import OutputLengthEstimator
 from dlora.sim.step_costs import StepCosts, preset
 
-DISCIPLINES = ("at_arrival", "late_binding", "moves")
+DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer")
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
+TICK_S = 0.5  # `balancer`: the monitor interval of bench/cluster_balancing.py's servers
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class _Model:
         self.central: list[int] = []  # late binding's one queue
         self.held: list[int] = []  # at_arrival: no replica could take them yet (the router holds them)
         self.generated = [0] * len(self.jobs)
+        self.sent_at = [job.arrival for job in self.jobs]  # when its current replica got it
         self.admitted: dict[int, float] = {}  # first admission
         self.finished: dict[int, float] = {}
         self.preemptions = 0
@@ -124,8 +131,8 @@ class _Model:
         self.dispatch = ProactiveDispatch()
         self.params = model.cost_params()
         # (time, kind, seq, index): kind 0 a step ends, 1 a request arrives, 2 a step starts, 3 a
-        # queued request may move (`moves`); at one instant steps start after arrivals and ends,
-        # so requests arriving together are admitted together
+        # queued request may move (`moves`), 4 a balancer tick; at one instant steps start after
+        # arrivals and ends, so requests arriving together are admitted together
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
 
@@ -136,6 +143,8 @@ class _Model:
     def run(self) -> Outcome:
         for i, job in enumerate(self.jobs):
             self.push(job.arrival, 1, i)
+        if self.discipline == "balancer" and self.jobs:
+            self.push(min(j.arrival for j in self.jobs) + TICK_S, 4, 0)
         while self.events:
             t, kind, _, index = heapq.heappop(self.events)
             if kind == 0:
@@ -144,6 +153,8 @@ class _Model:
                 self.arrive(t, index)
             elif kind == 2:
                 self.start_step(t, self.replicas[index])
+            elif kind == 4:
+                self.tick(t)
             elif index not in self.admitted:  # kind 3: an idle replica may now take it
                 for r in self.replicas:
                     self.wake(t, r)
@@ -186,6 +197,18 @@ class _Model:
         for i in held:  # the router retries held requests, in arrival order, as work finishes
             self.arrive(t, i)
         self.wake(t, r)
+
+    def tick(self, t: float) -> None:
+        """The balancer's queued-request moves, planned over the replicas' views at `t`."""
+        plan = plan_queued([self.view(r) for r in self.replicas], t, QueuedConfig(min_wait_s=TICK_S))
+        for request_id, src, dst in plan.moves:
+            i = int(request_id[1:])
+            self.replicas[src].queue.remove(i)
+            self.enqueue(self.replicas[dst].queue, i)
+            self.sent_at[i] = t
+            self.wake(t, self.replicas[dst])
+        if len(self.finished) < len(self.jobs):
+            self.push(t + TICK_S, 4, 0)
 
     def wake(self, t: float, r: _Replica) -> None:
         if not r.busy:
@@ -291,8 +314,11 @@ class _Model:
 
     def view(self, r: _Replica) -> ReplicaView:
         requests = tuple(self.load(i, True) for i in r.running) + tuple(self.load(i, False) for i in r.queue)
-        kv = 0.0 if self.model.kv_blocks is None else 1 - self.kv_free(r) / self.model.kv_blocks
+        m = self.model
+        kv = 0.0 if m.kv_blocks is None else 1 - self.kv_free(r) / m.kv_blocks
+        capacity = 1 << 20 if m.kv_blocks is None else m.kv_blocks * m.block_tokens
         return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=kv,
+                           kv_capacity_tokens=capacity,
                            adapter_slots=self.model.adapter_slots, batch_adapter_slots=self.model.max_loras,
                            max_running=self.model.max_running)
 
@@ -301,7 +327,7 @@ class _Model:
         expected = (float(job.output_len) if self.oracle
                     else self.estimator.expected_total(job.adapter, generated, job.max_tokens))
         return RequestLoad(f"r{i}", job.adapter, job.prompt_len, generated, expected, running,
-                           queued_since=job.arrival, arrival=job.arrival)
+                           queued_since=self.sent_at[i], arrival=job.arrival)
 
 
 def simulate(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
@@ -330,7 +356,8 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
 
     out = {"mean_queue_s": means, "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
            "preemptions": {d: o.preemptions for d, o in runs.items()},
-           "max_gain_vs_dispatch": ratio("at_arrival", "late_binding"), "gain_of_moves": ratio("at_arrival", "moves")}
+           "max_gain_vs_dispatch": ratio("at_arrival", "late_binding"), "gain_of_moves": ratio("at_arrival", "moves"),
+           "gain_of_balancer": ratio("at_arrival", "balancer")}
     if homes is not None:  # dispatch at arrival against the static baseline
         out["dispatch_vs_static"] = ratio(STATIC, "at_arrival")
     return out

@@ -103,3 +103,12 @@ def test_a_full_kv_preempts_the_latest_arrival_which_recomputes_later():
     assert (got.queue_s, got.latency_s, got.preemptions) == ([0.0, 0.0], [3.0, 3.0], 1)
     # a request whose KV does not fit waits although a running slot is free
     assert queue_delays([Job(0, "x", 7, 2, 8), Job(0, "x", 7, 1, 8)], 1, kv, "at_arrival") == [0.0, 2.0]
+
+
+def test_the_balancers_own_planner_moves_a_request_queued_a_tick_to_a_free_replica():
+    # the same trace: C queues behind A from t=0.5; at the t=1.0 tick it has waited one tick and
+    # B's replica is free, so plan_queued sends it there
+    jobs = [job(0, 10), job(0, 1), job(0.5, 1)]
+    assert queue_delays(jobs, 2, model(), "balancer") == [0.0, 0.0, 0.5]
+    # arriving at t=0.7, C has waited only 0.3 s at the t=1.0 tick: it moves at t=1.5
+    assert queue_delays([job(0, 10), job(0, 1), job(0.7, 1)], 2, model(), "balancer") == [0.0, 0.0, pytest.approx(0.8)]

@@ -15,12 +15,15 @@ from dlora.replica.ray_replica import RayReplica, create_replica
 log = logging.getLogger(__name__)
 
 
+class RayJoinError(RuntimeError):
+    """`cluster.ray_address` could not be joined; the message says why and what to do."""
+
+
 def init_ray(cfg: DloraConfig) -> None:
     if ray.is_initialized():
         return
     if cfg.cluster.ray_address:
-        log.info("joining Ray cluster at %s", cfg.cluster.ray_address)
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+        join_ray(cfg.cluster.ray_address)
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ray.init(
@@ -30,6 +33,31 @@ def init_ray(cfg: DloraConfig) -> None:
         _temp_dir=env.DLORA_RAY_TEMP_DIR.get(),
         log_to_driver=True,
     )
+
+
+def join_ray(address: str) -> None:
+    log.info("joining Ray cluster at %s", address)
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except ConnectionError as e:
+        log.debug("joining the Ray cluster at %s failed", address, exc_info=True)
+        raise RayJoinError(join_failure(address, e)) from None  # Ray's chain holds whole tracebacks as text
+
+
+def join_failure(address: str, e: BaseException) -> str:
+    """One line: which setting, and why joining failed. `ray start` clusters use token
+    authentication by default, and Ray reports a missing token deep inside a connection error."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 8:
+        chain.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    if any("InvalidAuthToken" in text or "AuthenticationError" in text for text in chain):
+        why = ("the cluster uses token authentication and this process has no matching token: run dlora with "
+               "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
+    else:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return f"cluster.ray_address={address!r}: could not join the Ray cluster: {why}"
 
 
 def cluster_has_gpus(n: int) -> bool:

@@ -123,8 +123,10 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
         q = {d: statistics.median(1000 * r["mean_queue_s"][d] for r in runs) for d in runs[0]["mean_queue_s"]}
         lat = {d: statistics.median(1000 * r["mean_latency_s"][d] for r in runs) for d in runs[0]["mean_latency_s"]}
         pre = {d: statistics.median(r["preemptions"][d] for r in runs) for d in runs[0]["preemptions"]}
+        moved = (statistics.median(r["balancer_moved"] for r in runs),
+                 statistics.median(r["balancer_moved_running"] for r in runs))
         point = {"load": load, "rate": load * cap, "median_mean_queue_ms": q, "median_mean_latency_ms": lat,
-                 "median_preemptions": pre,
+                 "median_preemptions": pre, "balancer_median_moved": moved[0], "balancer_median_moved_running": moved[1],
                  "latency_gain_late_binding_median": statistics.median(
                      r["mean_latency_s"]["at_arrival"] / r["mean_latency_s"]["late_binding"] for r in runs),
                  "late_binding_gain_median": statistics.median(ratios),
@@ -140,7 +142,8 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
               f"balancer {q['balancer']:.0f}, static {q['static']:.0f} ms\n"
               f"        gain over dispatch: late binding {point['late_binding_gain_median']:.2f}x (IQR "
               f"{point['late_binding_gain_quartiles'][0]:.2f}-{point['late_binding_gain_quartiles'][1]:.2f}), moves "
-              f"{point['moves_gain_median']:.2f}x, balancer {point['balancer_gain_median']:.2f}x, best per seed "
+              f"{point['moves_gain_median']:.2f}x, balancer {point['balancer_gain_median']:.2f}x ({moved[0]:.0f} moved, "
+              f"{moved[1]:.0f} running), best per seed "
               f"{point['best_gain_median']:.2f}x (>= {GOAL}x on {point['seeds_best_at_or_above_goal']}/{len(best)}); "
               f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x; preemptions at arrival "
               f"{pre['at_arrival']:.0f}, late-bound {pre['late_binding']:.0f}", flush=True)

@@ -31,10 +31,12 @@ replicas, cheaply and without the machine's noise:
   within about a step and an RPC. Late binding also wins, where waits are short, by starting a
   request at whichever replica's step boundary comes first, which no real move is quick enough
   for; `moves` leaves that out;
-- `balancer`: dispatch at arrival, and every `TICK_S` the balancer's own queued-request planner
-  (`migration_queued.plan_queued`, requests queued a tick or more, preempted ones included) moves
-  requests to replicas that can start them, as the shipped balancer does on each monitor tick
-  (its co-migration rounds of running requests are left out).
+- `balancer`: dispatch at arrival, then the shipped balancer's own planners on its own schedule:
+  every `TICK_S` the queued-request planner (`migration_queued.plan_queued`: requests queued a
+  tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
+  (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
+  the co-migration ILP (`plan_migration`), whose moved running requests recompute their context
+  on the receiver.
 
 With `kv_blocks`, a replica admits a request only while its KV blocks fit, and before a step
 whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
@@ -56,15 +58,20 @@ from dataclasses import dataclass, field
 
 from dlora.cluster.cost_model import CostParams
 from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
+from dlora.cluster.migration_ilp import plan_migration
 from dlora.cluster.migration_queued import QueuedConfig, plan_queued
-from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+from dlora.cluster.migration_trigger import TriggerConfig, check_trigger
+from dlora.cluster.monitor_types import ClusterView, ReplicaView, RequestLoad
 from dlora.cluster.output_lengths import OutputLengthEstimator
 from dlora.sim.step_costs import StepCosts, preset
 
 DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer")
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
-TICK_S = 0.5  # `balancer`: the monitor interval of bench/cluster_balancing.py's servers
+# `balancer`: as bench/cluster_balancing.py's servers run it (monitor interval, round interval,
+# count trigger; the queue-delay trigger's default)
+TICK_S = 0.5
+ROUND_TRIGGER = TriggerConfig(interval_s=2.0, count_imbalance=4, queue_delay_s=2.0)
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ class Outcome:
     queue_s: list[float]  # per job: arrival to first admission
     latency_s: list[float]  # per job: arrival to its last token
     preemptions: int
+    moved: int = 0  # `balancer`: requests its planners moved (queued ones, and running ones in rounds)
+    moved_running: int = 0  # of which running, by co-migration rounds
 
 
 @dataclass
@@ -127,6 +136,8 @@ class _Model:
         self.held: list[int] = []  # at_arrival: no replica could take them yet (the router holds them)
         self.generated = [0] * len(self.jobs)
         self.sent_at = [job.arrival for job in self.jobs]  # when its current replica got it
+        self.last_round: float | None = None  # `balancer`: the last co-migration round
+        self.moved = self.moved_running = 0
         self.admitted: dict[int, float] = {}  # first admission
         self.finished: dict[int, float] = {}
         self.preemptions = 0
@@ -164,7 +175,8 @@ class _Model:
         if len(self.finished) != len(self.jobs):
             raise RuntimeError(f"{len(self.jobs) - len(self.finished)} requests never finished")
         return Outcome([self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
-                       [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)], self.preemptions)
+                       [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)], self.preemptions,
+                       self.moved, self.moved_running)
 
     # -- events
 
@@ -202,16 +214,34 @@ class _Model:
         self.wake(t, r)
 
     def tick(self, t: float) -> None:
-        """The balancer's queued-request moves, planned over the replicas' views at `t`."""
+        """The balancer's monitor tick: queued-request moves, then a co-migration round if a
+        trigger fires, each planned over the replicas' views at `t`."""
         plan = plan_queued([self.view(r) for r in self.replicas], t, QueuedConfig(min_wait_s=TICK_S))
-        for request_id, src, dst in plan.moves:
-            i = int(request_id[1:])
-            self.replicas[src].queue.remove(i)
-            self.enqueue(self.replicas[dst].queue, i)
-            self.sent_at[i] = t
-            self.wake(t, self.replicas[dst])
+        self.apply(t, plan.moves)
+        views = [self.view(r) for r in self.replicas]
+        if check_trigger(views, t, self.last_round, ROUND_TRIGGER) is not None:
+            self.last_round = t
+            rounds = plan_migration(ClusterView(tuple(views)), {v.replica_id: self.params for v in views})
+            self.apply(t, rounds.moves)
         if len(self.finished) < len(self.jobs):
             self.push(t + TICK_S, 4, 0)
+
+    def apply(self, t: float, moves: Sequence[tuple[str, int, int]]) -> None:
+        """Abort + resubmit, as the router does: a moved request joins the receiver's queue (a
+        running one gives up its KV and recomputes prompt and output there)."""
+        for request_id, src, dst in moves:
+            i, source = int(request_id[1:]), self.replicas[src]
+            if i in source.running:
+                source.running.remove(i)
+                self.moved_running += 1
+            elif i in source.queue:
+                source.queue.remove(i)
+            else:
+                continue  # finished since the views were read
+            self.enqueue(self.replicas[dst].queue, i)
+            self.sent_at[i] = t
+            self.moved += 1
+            self.wake(t, self.replicas[dst])
 
     def wake(self, t: float, r: _Replica) -> None:
         if not r.busy:
@@ -359,6 +389,7 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
 
     out = {"mean_queue_s": means, "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
            "preemptions": {d: o.preemptions for d, o in runs.items()},
+           "balancer_moved": runs["balancer"].moved, "balancer_moved_running": runs["balancer"].moved_running,
            "gain_of_late_binding": ratio("at_arrival", "late_binding"), "gain_of_moves": ratio("at_arrival", "moves"),
            "gain_of_balancer": ratio("at_arrival", "balancer")}
     gains = [g for k in ("gain_of_late_binding", "gain_of_moves", "gain_of_balancer") if (g := out[k]) is not None]

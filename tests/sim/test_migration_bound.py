@@ -115,3 +115,23 @@ def test_the_balancers_own_planner_moves_a_request_queued_a_tick_to_a_free_repli
     assert queue_delays(jobs, 2, model(), "balancer") == [0.0, 0.0, 0.5]
     # arriving at t=0.7, C has waited only 0.3 s at the t=1.0 tick: it moves at t=1.5
     assert queue_delays([job(0, 10), job(0, 1), job(0.7, 1)], 2, model(), "balancer") == [0.0, 0.0, pytest.approx(0.8)]
+
+
+def test_a_balancer_round_moves_running_requests_off_an_overloaded_replica():
+    # six 10-token requests run on replica 0, none on replica 1: the count trigger fires (6 - 0 > 4)
+    # and the co-migration ILP moves some of them, which then queue on replica 1 to recompute
+    from dlora.sim.migration_bound import _Model
+
+    jobs = [job(0, 10) for _ in range(6)]
+    m = _Model(jobs, 2, model(max_running=8), "balancer", False, 0.1, None)
+    busy, idle = m.replicas
+    busy.running, busy.busy = list(range(6)), True
+    busy.resident["x"] = idle.resident["x"] = 0.0
+    m.admitted.update({i: 0.0 for i in range(6)})
+    m.tick(1.0)
+    moved = idle.queue
+    assert 2 <= len(moved) <= 3 and sorted(busy.running + moved) == list(range(6))
+    assert all(m.sent_at[i] == 1.0 for i in moved) and m.last_round == 1.0
+    assert m.moved == m.moved_running == len(moved)
+    m.tick(1.5)  # within the round interval (2 s): no second round
+    assert m.last_round == 1.0

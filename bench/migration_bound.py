@@ -170,7 +170,7 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(range(1, len(moves) + 1), moves, "x", color="tab:blue", markersize=8,
             label="moves after 0.1 s queued (median)")
     ax.plot(range(1, len(balancer) + 1), balancer, "+", color="tab:green", markersize=10,
-            label="the balancer's queued-request planner, 0.5 s ticks (median)")
+            label="the shipped balancer: queued moves each 0.5 s + ILP rounds (median)")
     ax.axhline(GOAL, color="tab:red", linestyle="--", label=f"issue goal vs proactive-only ({GOAL}x)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylabel("queueing: at arrival / late-bound")

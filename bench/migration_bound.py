@@ -109,12 +109,12 @@ def capacity_rps(regime: Regime, replicas: int, jobs: list[Job]) -> float:
 def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
     # the capacity from one trace's lengths and prompts (arrival times do not enter it)
     cap = capacity_rps(regime, args.replicas, trace(regime, 1.0, 0, args, tokenizer))
+    home = homes(regime, args.replicas)
     points = []
     for load in args.loads:
         runs = []
         for seed in range(args.seeds):
-            got = bound(trace(regime, load * cap, seed, args, tokenizer), args.replicas, regime.model,
-                        homes(regime, args.replicas))
+            got = bound(trace(regime, load * cap, seed, args, tokenizer), args.replicas, regime.model, home)
             runs.append({"seed": seed, **got})
         ratios = [r["gain_of_late_binding"] for r in runs if r["gain_of_late_binding"] is not None]
         moves = [r["gain_of_moves"] for r in runs if r["gain_of_moves"] is not None]

@@ -55,7 +55,7 @@ def join_failure(address: str, e: BaseException) -> str:
         why = ("the cluster uses token authentication and this process has no matching token: run dlora with "
                "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
     else:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = next(iter(str(e).strip().splitlines()), "")
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__
     return f"cluster.ray_address={address!r}: could not join the Ray cluster: {why}"
 

@@ -170,8 +170,7 @@ class _Model:
             elif kind == 4:
                 self.tick(t)
             elif index not in self.admitted:  # kind 3: an idle replica may now take it
-                for r in self.replicas:
-                    self.wake(t, r)
+                self.wake_all(t)
         if len(self.finished) != len(self.jobs):
             raise RuntimeError(f"{len(self.jobs) - len(self.finished)} requests never finished")
         return Outcome([self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
@@ -183,11 +182,10 @@ class _Model:
     def arrive(self, t: float, i: int) -> None:
         if self.discipline == "late_binding":
             self.enqueue(self.central, i)
-            for r in self.replicas:
-                self.wake(t, r)
+            self.wake_all(t)
             return
         try:
-            rid = self.homes[self.jobs[i].adapter] if self.discipline == STATIC else self.choose(t, i)
+            rid = self.homes[self.jobs[i].adapter] if self.discipline == STATIC else self.choose(i)
         except NoEligibleReplica:
             self.held.append(i)
             return
@@ -248,6 +246,11 @@ class _Model:
             r.busy = True
             self.push(t, 2, r.rid)
 
+    def wake_all(self, t: float) -> None:
+        """Every idle replica looks at the queues (a request any of them may take appeared)."""
+        for r in self.replicas:
+            self.wake(t, r)
+
     def start_step(self, t: float, r: _Replica) -> None:
         self.preempt(t, r)
         if self.discipline == "late_binding":
@@ -292,8 +295,7 @@ class _Model:
             self.preemptions += 1
             preempted = True
         if preempted and self.discipline in ("late_binding", "moves"):
-            for other in self.replicas:
-                self.wake(t, other)
+            self.wake_all(t)
 
     def enqueue(self, queue: list[int], i: int) -> None:
         bisect.insort(queue, i, key=lambda j: (self.jobs[j].arrival, j))
@@ -340,7 +342,7 @@ class _Model:
 
     # -- dispatch at arrival
 
-    def choose(self, t: float, i: int) -> int:
+    def choose(self, i: int) -> int:
         views = [self.view(r) for r in self.replicas]
         req = self.load(i, running=False)
         return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
@@ -351,9 +353,8 @@ class _Model:
         kv = 0.0 if m.kv_blocks is None else 1 - self.kv_free(r) / m.kv_blocks
         capacity = 1 << 20 if m.kv_blocks is None else m.kv_blocks * m.block_tokens
         return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=kv,
-                           kv_capacity_tokens=capacity,
-                           adapter_slots=self.model.adapter_slots, batch_adapter_slots=self.model.max_loras,
-                           max_running=self.model.max_running)
+                           kv_capacity_tokens=capacity, adapter_slots=m.adapter_slots,
+                           batch_adapter_slots=m.max_loras, max_running=m.max_running)
 
     def load(self, i: int, running: bool) -> RequestLoad:
         job, generated = self.jobs[i], self.generated[i]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def ray_head(tmp_path_factory):
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
         log.close()
-        subprocess.run(["rm", "-rf", str(temp)], check=False)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def cpus(address: str, env: dict[str, str]) -> tuple[float, float] | None:

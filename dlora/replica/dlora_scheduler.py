@@ -29,7 +29,10 @@ Each `schedule()`:
 
 `update_from_output()` reads the worker's `SwitchReport`s (merge failed -> the replica is unmerged,
 that adapter is not merged again for `MERGE_RETRY_S`) and feeds `policy.observe()` the measured
-iteration time and switch time.
+iteration time and switch time. A report missing, late, or unsure of the weights makes them
+UNKNOWN (`weight_state.py`): the blocks that step completed are recorded as never reusable, and
+from the next step on nothing runs until an UNMERGE has put the base weights back and its report
+confirmed it (or the engine stops, `WeightsUnknown`), never assuming the base is back.
 
 The policy's name and parameters arrive through vLLM's `additional_config`
 (`engine.BATCHING_CONFIG_KEY`); mixing is turned off when the replica's LoRA backend
@@ -66,9 +69,10 @@ from dlora.replica import prefix_states
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.replica.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
-from dlora.replica.prefix_states import UNMERGED, PrefixStates, State
+from dlora.replica.prefix_states import MIXED, UNMERGED, PrefixStates, State
 from dlora.replica.queue_waits import QueueWaits
 from dlora.replica.step_trace import adapter_counts, open_trace
+from dlora.replica.weight_state import UNKNOWN, Restore, Weights, split_reports, weights_after
 from dlora.scheduling import (
     BatchingConfig, Decision, IterationStats, Mode, RequestView, check_decision, make_policy,
 )
@@ -147,7 +151,7 @@ class _Plan:
     """What this step runs: the visible requests (priority order) and the weights they need."""
 
     visible: list[str]
-    target: str | None  # adapter merged for this step (None = base weights)
+    target: Weights  # adapter merged for this step (None = base weights; UNKNOWN: restoring)
     cmds: list[SwitchCommand] = field(default_factory=list)
 
 
@@ -156,9 +160,23 @@ class _Step:
     started: float
     cmds: list[SwitchCommand]
     restricted: bool  # some unfinished requests were hidden
-    weights: str | None = None  # adapter merged for this step, as planned
-    before: str | None = None  # adapter merged before it
+    weights: Weights = None  # adapter merged for this step, as planned
+    before: Weights = None  # adapter merged before it
     trace: dict | None = None  # what the step trace records at schedule time (step_trace.py)
+
+    @property
+    def restoring(self) -> bool:
+        """A step of `Restore` (nothing scheduled, the weights unknown)."""
+        return self.weights is UNKNOWN
+
+
+def _known(weights: Weights) -> str | None:
+    """The adapter merged, for what only knows adapters and the base (the policy, traces)."""
+    return None if weights is UNKNOWN else weights
+
+
+def _prefix_state(weights: Weights) -> State:
+    return MIXED if weights is UNKNOWN else (weights or UNMERGED)
 
 
 class DloraScheduler(Scheduler):
@@ -174,7 +192,10 @@ class DloraScheduler(Scheduler):
         self._dlora_slot_aging = (LoraSlotAging(self._dlora_max_loras, config.lora_slot_starve_s)
                                   if self._dlora_max_loras and config.lora_slot_starve_s is not None else None)
         self._dlora_switching = False  # the worker hooks are installed (dlora_setup)
-        self._dlora_weights: str | None = None  # adapter merged on the worker
+        self._dlora_weights: Weights = None  # adapter merged on the worker (weight_state.py)
+        self._dlora_restore: Restore | None = None  # set while the weights are UNKNOWN
+        self._dlora_seq = 0  # of the last switch command sent
+        self._dlora_restores = 0  # times the weights were unknown and restored
         self._dlora_blocked: dict[str, float] = {}  # adapter -> monotonic time it may merge again
         self._dlora_step: _Step | None = None
         self._dlora_stalled = False
@@ -211,7 +232,7 @@ class DloraScheduler(Scheduler):
 
     def dlora_state(self) -> dict:
         snap = self.batching_policy.snapshot()
-        merged = self._dlora_weights
+        merged = _known(self._dlora_weights)
         return {
             "policy": snap.policy,
             "mode": (Mode.MERGED if merged else Mode.UNMERGED).value,
@@ -219,6 +240,8 @@ class DloraScheduler(Scheduler):
             "mixed_merged": self._dlora_mixing,
             "num_switches": self._dlora_switches,
             "merge_failures": self._dlora_failures,
+            "weights_unknown": self._dlora_weights is UNKNOWN,  # restoring: nothing runs
+            "weight_restores": self._dlora_restores,
             "lora_slot_drains": self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
             "preemptions": self._dlora_preemptions,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
@@ -256,8 +279,8 @@ class DloraScheduler(Scheduler):
         requests = [*self.running, *self.waiting, *self.kv_holding_waiting]
         if not requests:
             return super().schedule(throttle_prefills)
-        plan = self._dlora_plan(requests)
-        self._dlora_lookup_state = plan.target or UNMERGED
+        plan = self._dlora_restore_plan() if self._dlora_weights is UNKNOWN else self._dlora_plan(requests)
+        self._dlora_lookup_state = _prefix_state(plan.target)
         out, restricted = self._dlora_schedule_visible(plan.visible, throttle_prefills)
         if plan.cmds:
             setattr(out, CMDS_ATTR, plan.cmds)
@@ -265,7 +288,7 @@ class DloraScheduler(Scheduler):
         if self._dlora_trace is not None:
             step.trace = {"unfinished": adapter_counts(_adapter(r) for r in requests),
                           "allowed": len(plan.visible)}
-        self._dlora_weights = plan.target  # corrected by the worker's reports if a merge fails
+        self._dlora_weights = plan.target  # corrected by the worker's reports (_dlora_observe)
         self._dlora_step = step
         self._dlora_queue_waits.end((r.req_id for r in out.scheduled_new_reqs), started)
         return out
@@ -320,10 +343,20 @@ class DloraScheduler(Scheduler):
         plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id, lr.lora_int_id if lr else None), target)
         if target != self._dlora_weights:
             if self._dlora_weights is not None:
-                plan.cmds.append(SwitchCommand(UNMERGE, self._dlora_weights))
+                plan.cmds.append(SwitchCommand(UNMERGE, self._dlora_weights, seq=self._dlora_next_seq()))
             if lr is not None:
-                plan.cmds.append(SwitchCommand(MERGE, target, lr.lora_path, lr.lora_int_id))
+                plan.cmds.append(SwitchCommand(MERGE, target, lr.lora_path, lr.lora_int_id, self._dlora_next_seq()))
         return plan
+
+    def _dlora_restore_plan(self) -> _Plan:
+        """While the weights are unknown: nothing runs (any request could compute on the wrong
+        weights and cache its KV), only the restore's UNMERGE is sent (weight_state.py)."""
+        cmd = self._dlora_restore.command(self._dlora_next_seq)  # raises WeightsUnknown at the end
+        return _Plan([], UNKNOWN, [cmd] if cmd is not None else [])
+
+    def _dlora_next_seq(self) -> int:
+        self._dlora_seq += 1
+        return self._dlora_seq
 
     def _dlora_may_merge(self, adapter: str) -> bool:
         if not self._dlora_switching:
@@ -441,16 +474,12 @@ class DloraScheduler(Scheduler):
         return kvm.create_kv_cache_blocks(([pool[i] for i in keep],)), len(keep) * per_block, 0
 
     @staticmethod
-    def _dlora_ran(step: _Step, model_runner_output) -> str | None:
-        """The adapter merged while the step actually ran (see `_dlora_observe`)."""
-        reports = getattr(model_runner_output, REPORTS_ATTR, None) or []
-        if step.cmds and len(reports) != len(step.cmds):
-            return step.before  # the commands were not applied
-        if any(not r.ok for r in reports):
-            return None  # a failed merge leaves the worker unmerged
-        return step.weights
+    def _dlora_ran(step: _Step, model_runner_output) -> Weights:
+        """The weights the step actually ran on, as far as its reports tell (weight_state.py)."""
+        mine, _ = split_reports(step.cmds, getattr(model_runner_output, REPORTS_ATTR, None) or ())
+        return weights_after(step.cmds, mine, step.weights)
 
-    def _dlora_record_blocks(self, scheduler_output, step: _Step, ran: str | None) -> None:
+    def _dlora_record_blocks(self, scheduler_output, step: _Step, ran: Weights) -> None:
         """Record the state of the blocks each scheduled request completed in this step.
 
         vLLM caches (hashes) a request's full blocks up to its computed tokens, so the blocks newly
@@ -461,7 +490,7 @@ class DloraScheduler(Scheduler):
         ledger, lineage = self._dlora_prefix, self._dlora_lineage
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
                     if m.kv_cache_spec.prefix_cacheable]
-        state_ran = ran or UNMERGED
+        state_ran = _prefix_state(ran)  # unknown weights: MIXED, never reused
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
             if r is None or n <= 0:
@@ -470,7 +499,7 @@ class DloraScheduler(Scheduler):
             start = end - n
             prev = lineage.get(rid)
             if prev is None or prev[0] != r.num_preemptions:  # first step since admission
-                prev_state = (step.weights or UNMERGED) if start > 0 else None
+                prev_state = _prefix_state(step.weights) if start > 0 else None
             else:
                 prev_state = prev[1]
             state = prefix_states.combine(prev_state, state_ran)
@@ -489,22 +518,27 @@ class DloraScheduler(Scheduler):
     # ---- after the step ----------------------------------------------------------------------
 
     def _dlora_observe(self, step: _Step, scheduler_output, model_runner_output, ended: float) -> None:
-        reports: list[SwitchReport] = list(getattr(model_runner_output, REPORTS_ATTR, None) or [])
-        if step.cmds and len(reports) != len(step.cmds):
-            # Without reports the commands were not applied (the hooks apply and report together).
-            log.error("worker did not report %d dlora switch command(s); switching disabled", len(step.cmds))
-            self._dlora_switching = False
-            self._dlora_weights = None
+        received: list[SwitchReport] = list(getattr(model_runner_output, REPORTS_ATTR, None) or [])
+        reports, late = split_reports(step.cmds, received)
+        if step.restoring:
+            self._dlora_settle_restore(received)
+        else:
+            self._dlora_weights = weights_after(step.cmds, reports, step.weights)
+            if self._dlora_weights is UNKNOWN:
+                log.error("the worker did not confirm dlora switch command(s) %s (reports: %s); its weights are "
+                          "unknown: nothing runs until the base weights are restored", step.cmds, reports)
+                self._dlora_restore = Restore()
+        if late and not step.restoring:  # while restoring, the restore's own late report settles it
+            log.warning("ignoring %d dlora switch report(s) of earlier steps: %s", len(late), late)
         for report in reports:
             if report.ok:
                 self._dlora_switches += 1
                 self._dlora_times[report.op].observe(report.seconds)
             else:
                 self._dlora_failures += 1
-                self._dlora_weights = None
-                if report.adapter is not None:
+                if report.op == MERGE and report.adapter is not None:
                     self._dlora_blocked[report.adapter] = time.monotonic() + MERGE_RETRY_S
-        merged = self._dlora_weights
+        merged = _known(self._dlora_weights)
         self._dlora_record_iteration(scheduler_output, ended - step.started - sum(r.seconds for r in reports), merged)
         self.batching_policy.observe(IterationStats(
             mode=Mode.MERGED if merged else Mode.UNMERGED,
@@ -514,7 +548,8 @@ class DloraScheduler(Scheduler):
             switch_time=sum(r.seconds for r in reports),
             num_tokens=scheduler_output.total_num_scheduled_tokens,
         ))
-        self._dlora_stalled = step.restricted and scheduler_output.total_num_scheduled_tokens == 0
+        self._dlora_stalled = (step.restricted and not step.restoring
+                               and scheduler_output.total_num_scheduled_tokens == 0)
         if step.trace is not None:
             self._dlora_write_trace(step, scheduler_output, ended, reports, merged)
         if not (self.running or self.waiting or self.kv_holding_waiting):
@@ -526,11 +561,17 @@ class DloraScheduler(Scheduler):
         snap = self.batching_policy.snapshot()
         self._dlora_trace.write(
             t=time.time(), step_s=round(ended - step.started, 6),
-            switch_s=round(sum(r.seconds for r in reports), 6), before=step.before, weights=merged,
+            switch_s=round(sum(r.seconds for r in reports), 6), before=_known(step.before), weights=merged,
             unfinished=step.trace["unfinished"], allowed=step.trace["allowed"], scheduled=step.trace["scheduled"],
             tokens=scheduler_output.total_num_scheduled_tokens,
             alpha=snap.alpha, beta=snap.beta, starving=sorted("" if a is None else a for a in snap.starving),
         )
+
+    def _dlora_settle_restore(self, received: list[SwitchReport]) -> None:
+        if self._dlora_restore.settle(received):
+            log.warning("dlora: the base weights are restored and confirmed; serving resumes")
+            self._dlora_weights, self._dlora_restore = None, None
+            self._dlora_restores += 1
 
     def _dlora_record_iteration(self, scheduler_output, seconds: float, merged: str | None) -> None:
         """One step for the cluster cost model: a request scheduled for one token is decoding."""

@@ -250,7 +250,12 @@ class EngineHost:
             await engine.collective_rpc("dlora_prepare_merge", args=(ref.path,))
 
     async def remove_adapter(self, int_id: int) -> bool:
-        return await self._started().remove_lora(int_id)
+        """Unload an adapter and zero the LoRA slot it held: vLLM's unload keeps the slot's weights,
+        which dlora's einsum kernels still read (see lora_slot_clear.py)."""
+        engine = self._started()
+        removed = await engine.remove_lora(int_id)
+        await engine.collective_rpc("dlora_clear_free_lora_slots")
+        return removed
 
     async def resident_adapter_ids(self) -> list[int]:
         return sorted(await self._started().list_loras())

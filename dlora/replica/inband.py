@@ -5,6 +5,12 @@ step whose batch needs new weights; the worker (`vllm_ext.py`) applies the comma
 step's forward pass and sets `model_runner_output.dlora_reports`. Both objects are plain dataclasses
 without slots, so the attributes also survive vLLM's multiprocess executor (pickled `__dict__`).
 Commands of one step run in order (an UNMERGE always precedes a MERGE).
+
+Every command carries a sequence number that its report echoes: a report that arrives on a later
+step's output than its command's is recognised as stale instead of being taken for that step's.
+A report with `weights_known=False` says the worker cannot vouch for its weights (an unexpected
+exception while switching); the scheduler then treats them as unknown, exactly as for a command
+whose report never came (`weight_state.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class SwitchCommand:
     adapter: str | None = None  # LoRA name (MERGE only)
     path: str | None = None  # adapter directory (MERGE only)
     lora_int_id: int = 0  # vLLM's id of the adapter, remapped to "no LoRA" while merged
+    seq: int = 0  # unique per scheduler (0: out of band)
 
 
 @dataclass(frozen=True)
@@ -33,3 +40,5 @@ class SwitchReport:
     ok: bool
     seconds: float  # wall time the worker spent on it
     error: str | None = None
+    seq: int = 0  # the command's
+    weights_known: bool = True  # False: the worker cannot tell which weights it holds

@@ -121,11 +121,16 @@ class DloraLinearMixin:
     # cost dominates at decode sizes; on GPU the block-diagonal B would waste the expand's FLOPs.
     fuse_slices: bool = False
     _dlora_merged_slot: int | None = None
+    # Which slots an adapter occupies (None: all, until the first update_metadata). A free slot
+    # keeps its last adapter's weights (vLLM's unload and LRU deactivation do not clear them) and
+    # the einsum form multiplies every token by every packed row, so a free slot is never packed.
+    _dlora_live_slots: tuple[bool, ...] | None = None
 
     # ---- per-step metadata ----------------------------------------------------------------------
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        self._dlora_live_slots = tuple(lora_id is not None for lora_id in lora_index_to_id)
         self._dlora_build_meta()
 
     def dlora_set_merged_slot(self, slot: int | None) -> None:
@@ -162,11 +167,12 @@ class DloraLinearMixin:
         see `_pack`); with `merged_slot`, the compensated stacks for that merged slot (module NOTE;
         also cached until the stacks change)."""
         cache: dict = self.__dict__.setdefault("_dlora_pack_cache", {})
-        key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape))
+        live = self._dlora_live_slots
+        key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape), live)
         version = _version(a_stacked, b_stacked)
         hit = cache.get(key)
         if hit is None or version is None or hit[0] != version:
-            hit = (version, _pack(a_stacked, b_stacked), {})
+            hit = (version, _pack(a_stacked, b_stacked, live), {})
             if version is not None:
                 cache[key] = hit
             elif not getattr(self, "_dlora_warned_uncached", False):
@@ -223,7 +229,8 @@ class DloraLinearMixin:
         on CPU (`_with_gemm`). Cached per layer and weight state until the stacks change; only the
         current merged slot's compensated calls are kept."""
         cache: dict = self.__dict__.setdefault("_dlora_calls_cache", {})
-        key = (tuple(a.data_ptr() for a in a_stacked), tuple(b.data_ptr() for b in b_stacked), compensate)
+        key = (tuple(a.data_ptr() for a in a_stacked), tuple(b.data_ptr() for b in b_stacked), compensate,
+               self._dlora_live_slots)
         versions = tuple(_version(a, b) for a, b in zip(a_stacked, b_stacked))
         hit = cache.get(key)
         if hit is not None and hit[0] == versions and None not in versions:
@@ -282,16 +289,18 @@ def _onednn_available() -> bool:
     return bool(getattr(ops, "_supports_onednn", False))
 
 
-def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor) -> PackedLoRA:
+def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor, live: tuple[bool, ...] | None = None) -> PackedLoRA:
     """Each slot's live rank rows, packed (B transposed): slot n's rank is 1 + its last row k with
     A[n, k] and B[n, :, k] both nonzero. vLLM zero-pads every adapter to max_lora_rank and gives
     slots without the module (empty, or an adapter that does not target it) all-zero stacks, and a
     zero row costs the kernels as much as a live one; so a rank-8 adapter under max_lora_rank 16
-    costs 8 rows, not 16, and a layer no resident adapter targets costs nothing (`ranks_total` 0)."""
+    costs 8 rows, not 16, and a layer no resident adapter targets costs nothing (`ranks_total` 0).
+    Slots `live` marks False (no adapter) get rank 0: they are never read."""
     a3, b3 = a_stacked[:, 0], b_stacked[:, 0]                           # [N, R, H_in], [N, H_out, R]
-    live = (a3 != 0).any(dim=2) & (b3 != 0).any(dim=1)                  # [N, R]
-    k = torch.arange(1, live.shape[1] + 1, device=live.device)
-    ranks = tuple(int(r) for r in (live * k).max(dim=1).values.tolist())
+    nonzero = (a3 != 0).any(dim=2) & (b3 != 0).any(dim=1)               # [N, R]
+    k = torch.arange(1, nonzero.shape[1] + 1, device=nonzero.device)
+    ranks = tuple(int(r) if live is None or (n < len(live) and live[n]) else 0
+                  for n, r in enumerate((nonzero * k).max(dim=1).values.tolist()))
     a = torch.cat([a3[n, :r] for n, r in enumerate(ranks)])
     b = torch.cat([b3[n, :, :r].t() for n, r in enumerate(ranks)]).contiguous()
     offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=a.device)

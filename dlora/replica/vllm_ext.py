@@ -9,7 +9,10 @@ prefix, and the hooks on the model runner are instance-attribute wrappers instal
 - `execute_model`: applies the step's in-band merge/unmerge commands (`inband.py`) before the
   forward pass, so the weights change together with the batch the scheduler chose for them, and
   hands the worker's reports (ok/failed, seconds) back on that step's ModelRunnerOutput;
-- `sample_tokens`: the same hand-back when vLLM splits a step into execute + sample;
+- `sample_tokens`: the same hand-back when vLLM splits a step into execute + sample. When the
+  model runner returns an `AsyncModelRunnerOutput` (vLLM's V2 runner always does, the V1 runner
+  with async scheduling), the reports ride on its `get_output()`: the executor resolves the
+  wrapper into the inner ModelRunnerOutput and would otherwise drop them;
 - `_set_active_loras`: while adapter X is merged its delta is in the weights already, so X's
   tokens must get no LoRA term (applying both would count it twice). With dlora's LoRA backends
   (einsum, triton) X stays active, holding a slot even in a step without X's tokens, and the
@@ -18,6 +21,11 @@ prefix, and the hooks on the model runner are instance-attribute wrappers instal
   "mixed merged steps"). With vLLM's own ops (`vllm` backend), which cannot compensate, X's lora
   id is mapped to 0 (no LoRA) and X leaves the active set; the scheduler then runs X alone.
   `dlora_can_mix` tells the engine core which of the two a worker does.
+
+A switch that raises an unexpected exception (anything but the merger's all-or-nothing
+MergeError) does not stop the engine: the LoRA bookkeeping is brought in line with the merger's
+own record (`_Switcher.reconcile`), and the report says the weights are unknown, so the scheduler
+restores and confirms the base weights before it runs anything else (`weight_state.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import contextlib
 import copy
 import logging
 import time
+
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from dlora import env
 from dlora.replica import cpu_lora_fix, lora_backend
@@ -126,12 +136,56 @@ def _mixing_wrapper(runner):
     return wrapper if isinstance(wrapper, DloraLinearMixin) else None
 
 
+def _with_reports(output, reports: list[SwitchReport]):
+    # Early-return outputs may be a shared module-level constant: never mutate that one.
+    output = copy.copy(output)
+    setattr(output, REPORTS_ATTR, reports)
+    return output
+
+
+def _reports_on_resolve(output: AsyncModelRunnerOutput, reports: list[SwitchReport]) -> AsyncModelRunnerOutput:
+    """Make `output.get_output()` return the resolved ModelRunnerOutput with `reports` on it.
+
+    Executors never pass the wrapper on: the uniproc and multiproc executors (and their futures)
+    call `get_output()` and hand the scheduler what it returns, so reports set on the wrapper
+    itself would be lost. Patched on this instance only; it is built anew every step.
+    """
+    resolve = output.get_output
+
+    def get_output():
+        return _with_reports(resolve(), reports)
+
+    output.get_output = get_output
+    return output
+
+
+class _Faults:
+    """Test seam: faults the engine tests inject with `dlora_inject_fault` (none in serving).
+
+    DROP loses the next step's reports, DELAY hands them over one step late, RAISE makes the next
+    successful merge raise before its bookkeeping (the weights merged, the worker unsure).
+    """
+
+    DROP, DELAY, RAISE = "drop_reports", "delay_reports", "raise_after_merge"
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+
+    def hit(self, kind: str) -> bool:
+        """True (and one fewer left) if a `kind` fault is armed."""
+        n = self.left.get(kind, 0)
+        if n > 0:
+            self.left[kind] = n - 1
+        return n > 0
+
+
 class _Switcher:
     """The worker-side state: the merger, how merged tokens skip their LoRA term (the mixing
     wrapper, or the lora-id remap), and the reports of the current step."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
+        self.faults = _Faults()
         self.runner = worker.model_runner
         self._merger: WeightMerger | None = None
         self.merged_adapter: str | None = None
@@ -139,6 +193,7 @@ class _Switcher:
         self.merged_lora = None  # the merged adapter's LoRARequest, kept active (mixing only)
         self.remap: frozenset[int] = frozenset()
         self.pending: list[SwitchReport] = []  # reports of the step in progress
+        self.late: list[SwitchReport] = []  # held back one step (a `_Faults` delay)
         self.applied = 0
 
     # ---- hooks ---------------------------------------------------------------------------------
@@ -151,7 +206,7 @@ class _Switcher:
         def execute_model(scheduler_output, *args, **kwargs):
             cmds = getattr(scheduler_output, CMDS_ATTR, None)
             if cmds:
-                self.pending = [self.apply(c) for c in cmds]
+                self.pending += [self.run(c) for c in cmds]
             return self.attach(orig_execute(scheduler_output, *args, **kwargs))
 
         def sample_tokens(*args, **kwargs):
@@ -181,14 +236,24 @@ class _Switcher:
         return self.runner.lora_manager._adapter_manager.lora_index_to_id.index(self.merged_lora.lora_int_id)
 
     def attach(self, output):
-        """Put the pending reports on the step's ModelRunnerOutput (None: sample_tokens will come)."""
-        if output is None or not self.pending:
+        """Put the pending reports on the step's output (None: sample_tokens will come)."""
+        if output is None:
             return output
-        # Early-return outputs may be a shared module-level constant: never mutate that one.
-        output = copy.copy(output)
-        setattr(output, REPORTS_ATTR, self.pending)
-        self.pending = []
-        return output
+        reports = self._take_reports()
+        if not reports:
+            return output
+        if isinstance(output, AsyncModelRunnerOutput):
+            return _reports_on_resolve(output, reports)
+        return _with_reports(output, reports)
+
+    def _take_reports(self) -> list[SwitchReport]:
+        reports, self.pending, self.late = self.late + self.pending, [], []
+        if reports and self.faults.hit(_Faults.DROP):
+            return []
+        if reports and self.faults.hit(_Faults.DELAY):
+            self.late = reports
+            return []
+        return reports
 
     # ---- switching -----------------------------------------------------------------------------
 
@@ -219,6 +284,30 @@ class _Switcher:
     def _tp_size(self) -> int:
         return self.worker.vllm_config.parallel_config.tensor_parallel_size
 
+    def run(self, cmd: SwitchCommand) -> SwitchReport:
+        """`apply`, reporting an unexpected exception instead of raising it (module docstring)."""
+        t0 = time.perf_counter()
+        try:
+            return self.apply(cmd)
+        except Exception as e:
+            log.exception("dlora %s of adapter %r raised; reporting the weights as unknown", cmd.op, cmd.adapter)
+            self.reconcile(cmd)
+            return SwitchReport(cmd.op, cmd.adapter, False, time.perf_counter() - t0, repr(e), cmd.seq,
+                                weights_known=False)
+
+    def reconcile(self, cmd: SwitchCommand) -> None:
+        """After `cmd` raised: trust only the merger's record, which is set once a merge is
+        complete (`WeightMerger`). `cmd`'s adapter recorded as merged: remap it as merged. Anything
+        else: put the base weights back, so this step's forward pass runs on weights that match
+        the bookkeeping; if even that raises, the engine stops rather than serve on unknown weights."""
+        merger = self._merger
+        if cmd.op == MERGE and merger is not None and merger.merged == cmd.path:
+            self._set_merged(cmd)
+            return
+        if merger is not None:
+            merger.unmerge()
+        self._set_merged(None)
+
     def apply(self, cmd: SwitchCommand) -> SwitchReport:
         t0 = time.perf_counter()
         if cmd.op == MERGE:
@@ -228,7 +317,9 @@ class _Switcher:
                 # The merger restored the base weights; the step runs the adapter unmerged.
                 self._set_merged(None)
                 log.warning("merge of adapter %r failed, staying unmerged: %s", cmd.adapter, e)
-                return SwitchReport(MERGE, cmd.adapter, False, time.perf_counter() - t0, str(e))
+                return SwitchReport(MERGE, cmd.adapter, False, time.perf_counter() - t0, str(e), cmd.seq)
+            if self.faults.hit(_Faults.RAISE):
+                raise RuntimeError("injected fault: raised after the merge, before its bookkeeping")
             self._set_merged(cmd)
         elif cmd.op == UNMERGE:
             if self._merger is not None:
@@ -237,7 +328,7 @@ class _Switcher:
         else:
             raise ValueError(f"unknown dlora switch command {cmd!r}")
         self.applied += 1
-        return SwitchReport(cmd.op, cmd.adapter, True, time.perf_counter() - t0)
+        return SwitchReport(cmd.op, cmd.adapter, True, time.perf_counter() - t0, seq=cmd.seq)
 
     def _set_merged(self, cmd: SwitchCommand | None) -> None:
         """The weights now hold `cmd`'s adapter (None: the base weights)."""
@@ -255,6 +346,27 @@ class DloraWorkerExtension:
     def dlora_ping(self) -> str:
         """Proves the extension is mixed into the worker (used by tests and health checks)."""
         return "dlora"
+
+    def dlora_clear_free_lora_slots(self) -> list[int]:
+        """Zero the LoRA slots no adapter occupies and drop packed copies (`lora_slot_clear.py`)."""
+        from dlora.replica import lora_slot_clear
+
+        return lora_slot_clear.clear_free_slots(self.model_runner)
+
+    def dlora_lora_slots(self) -> list[dict]:
+        """Each LoRA slot's adapter id and largest |weight| (`lora_slot_clear.slot_contents`)."""
+        from dlora.replica import lora_slot_clear
+
+        return lora_slot_clear.slot_contents(self.model_runner)
+
+    def dlora_inject_fault(self, kind: str, times: int = 1) -> dict:
+        """Test seam: arm `times` faults of `kind` (`_Faults`); returns those still armed."""
+        self.dlora_install()
+        faults = self._dlora_switcher.faults
+        if kind not in (_Faults.DROP, _Faults.DELAY, _Faults.RAISE):
+            raise ValueError(f"unknown fault {kind!r}")
+        faults.left[kind] = times
+        return {k: n for k, n in faults.left.items() if n > 0}
 
     def dlora_pin_lora(self, lora_id: int) -> bool:
         """Pin a loaded adapter in the host (CPU) LoRA cache only, never evicted from it.
@@ -311,4 +423,5 @@ class DloraWorkerExtension:
                 "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0,
                 "inplace_merges": s._merger.inplace_merges if s._merger else 0,
                 "merge_strategy": s._merger.strategy if s._merger else None,
-                "cached_merges": s._merger.cached_adapters if s._merger else []}
+                "cached_merges": s._merger.cached_adapters if s._merger else [],
+                "faults_armed": {k: n for k, n in s.faults.left.items() if n > 0}}

@@ -19,6 +19,7 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # as replicas run (ray_replica.replica_runtime_env)
     mp.setenv("DLORA_LORA_BACKEND", backend)  # read by the scheduler, and by vllm_ext on first import
     before = lora_backend.installed()
     lora_backend.install(backend)  # vllm_ext is imported once per process: an earlier engine's choice

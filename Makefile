@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make serve   install everything and start the server on configs/default.yaml
 #   make test    install everything and run the whole test suite
-.PHONY: install serve test bench-vs-vllm
+#   make gpu-check  on a GPU machine: the GPU-only checks -> bench/results/gpu_check.json (docs/gpu.md)
+.PHONY: install serve test bench-vs-vllm gpu-check
 
 install:
 	bash scripts/install.sh
@@ -14,3 +15,6 @@ test: install
 
 bench-vs-vllm: install
 	.venv/bin/python bench/vs_vllm_server.py
+
+gpu-check: install
+	.venv/bin/python -m dlora.gpucheck --out bench/results/gpu_check.json

@@ -51,6 +51,9 @@ DLORA_CACHE_DIR = EnvVar(
 DLORA_ADMIN_TOKEN: EnvVar[str | None] = EnvVar(
     "DLORA_ADMIN_TOKEN", None, _opt_str, "bearer token for the admin API (overrides server.admin_token)",
 )
+DLORA_API_KEY: EnvVar[str | None] = EnvVar(
+    "DLORA_API_KEY", None, _opt_str, "bearer token clients must send on the inference routes (overrides server.api_key)",
+)
 DLORA_RAY_TEMP_DIR: EnvVar[str | None] = EnvVar(
     "DLORA_RAY_TEMP_DIR", None, _opt_str, "Ray's session/log directory (default: Ray's own)",
 )
@@ -77,8 +80,22 @@ DLORA_STEP_TRACE: EnvVar[str | None] = EnvVar(
     "directory: each replica's scheduler appends one JSON line per engine step (mode, batch, times)",
 )
 
-ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND,
-       DLORA_STEP_TRACE]
+
+def _gib(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise ValueError("expected a number of GiB >= 0")
+    return value
+
+
+DLORA_PRISTINE_DEVICE_GIB = EnvVar(
+    "DLORA_PRISTINE_DEVICE_GIB", 1.0, _gib,
+    "GPU memory (GiB) per replica for the copies of base weight rows an in-place merge overwrites; "
+    "rows beyond it are kept in pinned host memory (dlora/replica/pristine_rows.py)",
+)
+
+ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_API_KEY, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND,
+       DLORA_STEP_TRACE, DLORA_PRISTINE_DEVICE_GIB]
 
 
 def cache_dir() -> Path:

@@ -4,7 +4,9 @@ Backends, by name:
     "triton"    - kernels in triton_lora.py / triton_merge.py (CUDA, or CPU under TRITON_INTERPRET=1)
     "einsum"    - the one-hot einsum form in einsum.py (the CPU path; merge uses row-tiled addmm_)
     "reference" - the per-segment / per-adapter torch loops in reference.py
-`backend=None` picks "triton" when `triton_usable(device)` and "einsum" otherwise.
+`backend=None` picks "triton" when `triton_usable(device)` and "einsum" otherwise. Where no Triton
+tile fits a CUDA device's shared memory at the batch's rank (blocks.py), "triton" runs as
+"reference" instead, with one log line.
 
 Weights are `PackedLoRA` (mixed ranks packed rank-major, no padding) and the token -> adapter
 mapping is a `LoRABatchMeta` built once per step: `LoRABatchMeta.prefill(...)` gives segmented
@@ -13,6 +15,7 @@ mapping is a `LoRABatchMeta` built once per step: `LoRABatchMeta.prefill(...)` g
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import lru_cache
 from types import ModuleType
@@ -20,11 +23,12 @@ from typing import Literal
 
 import torch
 
-from . import einsum, reference
+from . import blocks, einsum, reference
 from .meta import LoRABatchMeta, PackedLoRA
 
 Backend = Literal["triton", "einsum", "reference"]
 BACKENDS: tuple[str, ...] = ("triton", "einsum", "reference")
+log = logging.getLogger(__name__)
 
 
 def lora_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
@@ -46,7 +50,7 @@ def lora_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABa
         meta: token -> adapter mapping, T = meta.num_tokens.
     """
     _check(meta, lora.a.dtype, x=(x, lora.in_features, False), v=(v, lora.max_rank, True))
-    name = select_backend(x.device, backend)
+    name = _fitting(select_backend(x.device, backend), x.device, lora.max_rank, x.dtype)
     if name == "triton":
         _triton_lora().lora_shrink_triton(v, x, lora, meta, scale)
     elif name == "einsum":
@@ -74,7 +78,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABa
         meta: token -> adapter mapping.
     """
     _check(meta, lora.b.dtype, v=(v, lora.max_rank, True), y=(y, lora.out_features, False))
-    name = select_backend(y.device, backend)
+    name = _fitting(select_backend(y.device, backend), y.device, lora.max_rank, lora.b.dtype)
     if name == "triton":
         _triton_lora().lora_expand_triton(y, v, lora, meta, scale)
     elif name == "einsum":
@@ -99,7 +103,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatch
         x: [T, H_in], same dtype as lora.a / lora.b.
     """
     _check(meta, lora.a.dtype, x=(x, lora.in_features, False), y=(y, lora.out_features, False))
-    name = select_backend(x.device, backend)
+    name = _fitting(select_backend(x.device, backend), x.device, lora.max_rank, x.dtype)
     if name == "triton":
         _triton_lora().add_lora_triton(y, x, lora, meta, scale)
     elif name == "einsum":
@@ -127,7 +131,7 @@ def merge_lora_inplace(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
     if a.dim() != 2 or b.dim() != 2 or w.shape != (b.shape[0], a.shape[1]) or a.shape[0] != b.shape[1]:
         raise ValueError(f"shapes W {tuple(w.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)} do not "
                          "satisfy W: [H_out, H_in], A: [r, H_in], B: [H_out, r]")
-    if select_backend(w.device, backend) == "triton":
+    if _fitting(select_backend(w.device, backend), w.device, a.shape[0], a.dtype) == "triton":
         if a.dtype != b.dtype:
             raise ValueError("the Triton merge needs A and B of one dtype")
         _triton_merge().merge_lora_inplace_triton(w, a, b, scale, sign)
@@ -144,6 +148,22 @@ def select_backend(device: torch.device, backend: Backend | None = None) -> str:
         raise RuntimeError(f"the triton backend cannot run on {device}: needs CUDA, or "
                            "TRITON_INTERPRET=1 set before triton kernels are imported")
     return backend
+
+
+def _fitting(name: str, device: torch.device, rank: int, dtype: torch.dtype) -> str:
+    """`name`, unless it is triton and no tile fits the device's shared memory: then the torch
+    reference (slow but correct), said once per device, rank tile and dtype."""
+    if name != "triton" or blocks.fits(device, rank, dtype):
+        return name
+    key = (str(device), blocks.block_r_for(rank), dtype)
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
+        log.warning("no Triton LoRA tile of rank %d in %s fits the shared memory of %s: using the torch "
+                    "reference kernels", rank, dtype, device)
+    return "reference"
+
+
+_fallbacks_logged: set[tuple] = set()
 
 
 def triton_usable(device: torch.device) -> bool:

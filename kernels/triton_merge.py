@@ -2,7 +2,8 @@
 
 Each program computes its tile of B @ A in registers (looping over the rank in BLOCK_R chunks) and
 adds it to W in fp32 before rounding once to W's dtype, so the d x d update is never materialised
-and W is read and written exactly once: the op is bound by W's memory traffic.
+and W is read and written exactly once: the op is bound by W's memory traffic. On CUDA the tiles
+and pipeline depth are what fits the device's shared memory (blocks.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .blocks import cuda_blocks
 from .triton_lora import _dot_f32
 
 
@@ -53,13 +55,19 @@ def merge_lora_inplace_triton(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     rank = a.shape[0]
     if h_out == 0 or h_in == 0 or rank == 0:
         return
-    cap = 64 if w.device.type == "cuda" else 256
-    block_m = block_m or min(cap, max(16, triton.next_power_of_2(h_out)))
-    block_n = block_n or min(cap * 2, max(16, triton.next_power_of_2(h_in)))
-    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    cfg = cuda_blocks(w.device, rank, a.dtype)
+    if cfg is not None:
+        block_m = block_m or cfg.merge.block_m
+        block_n = block_n or cfg.merge.block_n
+        block_r, launch = cfg.merge.block_r, {"num_warps": cfg.merge.num_warps,
+                                              "num_stages": cfg.merge.num_stages}
+    else:  # the interpreter: few, large blocks
+        block_m = block_m or min(256, max(16, triton.next_power_of_2(h_out)))
+        block_n = block_n or min(512, max(16, triton.next_power_of_2(h_in)))
+        block_r, launch = min(64, max(16, triton.next_power_of_2(rank))), {}
     grid = (triton.cdiv(h_out, block_m), triton.cdiv(h_in, block_n))
     _merge_kernel[grid](
         w, a, b, h_out, h_in, rank, float(sign) * float(scale),
         w.stride(0), w.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_F32=_dot_f32(a))
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_F32=_dot_f32(a), **launch)

@@ -11,11 +11,20 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
+MIN_NVIDIA_DRIVER=580  # what the CUDA 13.0 wheels need
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     flavour=gpu
 else
     flavour=cpu
+fi
+if [ "$flavour" = gpu ]; then
+    # vLLM 0.32.0 / torch 2.13.0 from PyPI are CUDA 13.0 builds: older drivers leave torch without CUDA.
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ' || true)
+    if [ "${driver%%.*}" -lt "$MIN_NVIDIA_DRIVER" ] 2>/dev/null; then
+        echo "[install] NVIDIA driver $driver is too old for the CUDA 13.0 builds of torch/vLLM: upgrade the host driver to >= $MIN_NVIDIA_DRIVER (docs/gpu.md)" >&2
+        exit 1
+    fi
 fi
 stamp=.venv/.dlora-install
 want="$flavour $(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)"

@@ -28,8 +28,9 @@ Two strategies, chosen per merge by what the engine exposes:
 - *in place* (`LiveWeights`): where every touched weight is a plain parameter the forward pass
   reads (CUDA, or any device where vLLM does not prepack), each touched weight, or its rows of a
   fused parameter, gets `dlora_kernels.merge_lora_inplace` (W += s·B@A tile by tile, fp32
-  accumulation, one rounding, no d x d temporary). The rows are copied aside (host memory) the
-  first time a merge touches them, and unmerge copies them back: bit-identical by construction
+  accumulation, one rounding, no d x d temporary). The rows are copied aside the first time a
+  merge touches them (`PristineRows`: device memory within a budget, pinned host memory
+  beyond), and unmerge copies them back: bit-identical by construction
   (see `_restore_inplace` for why not a reload, and never a subtraction). A merge that fails
   midway copies back every row it may have touched before the error propagates.
   `ParameterViews` finds those rows in a vLLM-shaped module tree; if any touched weight is not
@@ -57,6 +58,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
+from dlora.replica.pristine_rows import PristineRows
 from dlora_kernels import merge_lora_inplace
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -278,7 +280,7 @@ class WeightMerger:
     def __init__(self, checkpoint: CheckpointTensors, reload: Reload,
                  packed_modules: Mapping[str, Iterable[str]], dtype: torch.dtype | None = None,
                  kernels: KernelStates | None = None, cache_bytes: int = 0,
-                 live: LiveWeights | None = None):
+                 live: LiveWeights | None = None, pristine: PristineRows | None = None):
         self.checkpoint = checkpoint
         self.dtype = dtype  # the model's: merged weights are rounded to it once, here
         self._reload = reload
@@ -295,7 +297,7 @@ class WeightMerger:
         self._cached: OrderedDict[tuple, tuple[list[str], dict[str, Any], int]] = OrderedDict()
         self.reloads = 0  # merges and unmerges that went through the engine's reload
         self._live = live
-        self._saved: dict[str, torch.Tensor] = {}  # checkpoint name -> its pristine live rows (host)
+        self._saved = pristine if pristine is not None else PristineRows()  # name -> its pristine live rows
         self._inplace: dict[str, torch.Tensor] = {}  # name -> live rows the current in-place merge may change
         self.inplace_merges = 0  # merges done in place
 
@@ -387,9 +389,7 @@ class WeightMerger:
 
     def _merge_inplace(self, lora: LoraFactors, views: dict[str, torch.Tensor]) -> None:
         try:
-            for n, v in views.items():
-                if n not in self._saved:  # everything is unmerged here, so v holds pristine bits
-                    self._saved[n] = v.to("cpu", copy=True)
+            self._saved.save(views)  # everything is unmerged here, so the views hold pristine bits
         except Exception as e:  # e.g. out of host memory: nothing written yet
             raise MergeError(f"cannot save the pristine weights: {e}") from e
         self._inplace = views  # from here on, unmerge/repair copies back all of them
@@ -412,13 +412,11 @@ class WeightMerger:
         # Cheaper than vLLM's reload, which rebuilds every shard of each touched fused layer through
         # the weight loaders and re-runs their post-processing: this is one copy per touched shard.
         # Subtracting s·B@A would be cheaper still but is not exact (rounding drifts, ~2e-8 per
-        # 100 cycles in fp32, far more in bf16). The copies live in host memory, not beside the
-        # weights on the device, whose memory goes to the KV cache.
+        # 100 cycles in fp32, far more in bf16). Where the copies live: pristine_rows.py.
         if not self._inplace:
             return
         with torch.no_grad():
-            for n, v in self._inplace.items():
-                v.copy_(self._saved[n])
+            self._saved.restore(self._inplace)
         self._inplace = {}
 
     # ---- reload --------------------------------------------------------------------------------

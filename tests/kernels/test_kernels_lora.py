@@ -176,11 +176,13 @@ SMALL_BLOCK_CASES = [
 
 
 @pytest.mark.skipif(not TRITON_RUNNABLE, reason="no triton")
+@pytest.mark.parametrize("block_r", [None, 16])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SMALL_BLOCK_CASES])
-def test_triton_small_blocks(case: Case, split_k: int) -> None:
+def test_triton_small_blocks(case: Case, split_k: int, block_r: int | None) -> None:
     """Small blocks: several K steps with a ragged tail, several token and output tiles per
-    segment, and split-K shrink with atomic adds (fp32 intermediate)."""
+    segment, split-K shrink with atomic adds (fp32 intermediate), and with block_r=16 the rank
+    axis in tiles (up to 4 at rank 64; what CUDA devices get at ranks above 64)."""
     from dlora_kernels.triton_lora import lora_expand_triton, lora_shrink_triton
 
     lora, meta, gen = build(case)
@@ -190,14 +192,14 @@ def test_triton_small_blocks(case: Case, split_k: int) -> None:
     v_before = v.clone()
     v_expected = oracle_shrink(v, x, lora, meta, SCALE_SHRINK)
     v = _run(lora_shrink_triton, v, x, lora, meta, SCALE_SHRINK, block_m=16, block_k=32,
-             split_k=split_k)
+             split_k=split_k, block_r=block_r)
     assert_update_close(v, v_expected, v_before, written_v, case.dtype)
 
     written_y = active_rows_mask(meta, case.h_out)
     y = poisoned((meta.num_tokens, case.h_out), case.dtype, written_y, gen)
     y_before = y.clone()
     y_expected = oracle_expand(y, v, lora, meta, SCALE_EXPAND)
-    y = _run(lora_expand_triton, y, v, lora, meta, SCALE_EXPAND, block_m=16, block_n=32)
+    y = _run(lora_expand_triton, y, v, lora, meta, SCALE_EXPAND, block_m=16, block_n=32, block_r=block_r)
     assert_update_close(y, y_expected, y_before, written_y, case.dtype)
 
 

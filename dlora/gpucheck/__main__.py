@@ -1,0 +1,5 @@
+import sys
+
+from dlora.gpucheck.cli import main
+
+sys.exit(main())

@@ -126,7 +126,14 @@ def _progress(message: str) -> None:
     print(f"[dlora prepare-model] {message}", flush=True)
 
 
-KNOWN_MODELS: dict[str, Callable[[Path | None], Path]] = {SMOLLM2_NAME: prepare_smollm2}
+def prepare_tiny(cache_root: Path | None = None) -> Path:
+    """The tiny random test model (built in seconds): what configs/tiny.yaml serves."""
+    from dlora.models.tiny import ensure_test_model
+
+    return ensure_test_model(cache_root).base
+
+
+KNOWN_MODELS: dict[str, Callable[[Path | None], Path]] = {SMOLLM2_NAME: prepare_smollm2, "tiny": prepare_tiny}
 
 
 def prepare_model(name: str, cache_root: Path | None = None) -> Path:

@@ -94,6 +94,11 @@ class EngineConfig:
             self.lora_backend in ("vllm", "triton", "einsum"), "engine.lora_backend", self.lora_backend,
             "must be one of vllm, triton, einsum",
         )
+        # dlora's punica wrappers rebuild their batch metadata in Python every step (host syncs,
+        # per-call allocations); CUDA graphs would replay the first step's metadata for every batch.
+        _check(self.lora_backend == "vllm" or self.enforce_eager, "engine.lora_backend", self.lora_backend,
+               "needs engine.enforce_eager: true (its per-step batch metadata cannot be captured in "
+               "CUDA graphs or torch.compile); use lora_backend: vllm for CUDA graphs")
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,33 @@ class ServerConfig:
     # Where the adapter registry is persisted so registrations survive a restart.
     state_dir: str = "~/.cache/dlora/state"
     log_level: str = "info"
+    # Bearer token clients must send on the inference routes (vLLM's --api-key); None = open.
+    # DLORA_API_KEY overrides. Separate from admin_token.
+    api_key: str | None = None
+    # A request's own `chat_template` (in chat_template_kwargs or the body) is a Jinja program run by
+    # the server: refused unless the operator trusts every client (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
+    # Seconds one request's chat-template rendering + tokenisation may take (off the event loop).
+    template_timeout_s: float = 5.0
+    # Client `priority` is honoured only when this is on; else a non-zero priority is refused (400),
+    # as vLLM does when its scheduling policy is not `priority`.
+    allow_client_priority: bool = False
+    # Admission control (what a client sees when one is hit: docs/operating.md).
+    max_body_bytes: int = 8 * 1024 * 1024  # request body size; larger -> 413
+    max_choices_per_request: int = 256  # prompts x n of one request; more -> 400
+    max_pending_requests: int = 4096  # engine requests (choices) in flight in the cluster; more -> 429
+    request_timeout_s: float | None = 600.0  # a request's deadline from arrival; None = none
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight streams may still run
 
     def __post_init__(self) -> None:
         _check_kinds(self, "server")
         _check(0 <= self.port < 65536, "server.port", self.port, "must be a TCP port (0-65535)")
+        _check(self.template_timeout_s > 0, "server.template_timeout_s", self.template_timeout_s, "must be > 0")
+        for key in ("max_body_bytes", "max_choices_per_request", "max_pending_requests"):
+            _check(getattr(self, key) >= 1, f"server.{key}", getattr(self, key), "must be a whole number >= 1")
+        _check(self.request_timeout_s is None or self.request_timeout_s > 0, "server.request_timeout_s",
+               self.request_timeout_s, "must be a number of seconds > 0, or null (no deadline)")
+        _check(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
         _check(self.log_level in LOG_LEVELS, "server.log_level", self.log_level,
                f"must be one of {', '.join(LOG_LEVELS)}")
 
@@ -144,6 +172,16 @@ class ClusterConfig:
     # on the two-replica benchmark they did not lower queueing (bench/README.md).
     rebalance_min_gain_s: float | None = None
     monitor_interval_s: float = 1.0  # how often replica stats are read
+    # A request whose replica fails is resubmitted elsewhere at most this many times, then failed
+    # (so a request that kills replicas cannot cycle restarts through the cluster).
+    max_resubmissions: int = 2
+    # Deadline on every call to a replica actor other than a request's stream (stats, adapter
+    # loads, aborts); a replica that misses it is treated as failed.
+    actor_call_timeout_s: float = 30.0
+    # Deadline on building a replica's engine (start and rebuild after a failure).
+    replica_start_timeout_s: float = 600.0
+    # A replica that fails to rebuild this many times in a row is reported unhealthy and left alone.
+    max_restart_attempts: int = 5
     placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
     # Output lengths dispatch and migration expect (dlora/cluster/output_lengths.py): each adapter's
     # last `output_length_window` finished requests (0 = price every request at its max_tokens);
@@ -164,8 +202,12 @@ class ClusterConfig:
         _check(self.migration_solver in ("auto", "highs", "cbc", "greedy"), "cluster.migration_solver",
                self.migration_solver, "must be one of auto, highs, cbc, greedy")
         for key in ("migration_interval_s", "migration_time_limit_s", "monitor_interval_s", "queue_delay_s",
-                    "placement_interval_s"):
+                    "placement_interval_s", "actor_call_timeout_s", "replica_start_timeout_s"):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
+        _check(self.max_resubmissions >= 0, "cluster.max_resubmissions", self.max_resubmissions,
+               "must be a whole number >= 0")
+        _check(self.max_restart_attempts >= 1, "cluster.max_restart_attempts", self.max_restart_attempts,
+               "must be a whole number >= 1")
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
         _check(self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
                "cluster.queued_min_wait_s", self.queued_min_wait_s,
@@ -260,6 +302,10 @@ class DloraConfig:
     @property
     def admin_token(self) -> str | None:
         return env.DLORA_ADMIN_TOKEN.get() or self.server.admin_token
+
+    @property
+    def api_key(self) -> str | None:
+        return env.DLORA_API_KEY.get() or self.server.api_key
 
 
 _SECTIONS = {

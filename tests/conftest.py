@@ -28,10 +28,12 @@ def oracle(tiny_model):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model, tmp_path_factory):
     """One real server shared by the API tests: 1 replica, adapters a0 (pinned), a1, a2; a3 left for
-    the admin API. The admin token is on, so the admin tests can check 401s."""
+    the admin API. The admin token is on, so the admin tests can check 401s; client priorities are
+    allowed, so the API tests can send them."""
     tmp = tmp_path_factory.mktemp("server")
     server = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
-                                                     **{"server.admin_token": ADMIN_TOKEN}))
+                                                     **{"server.admin_token": ADMIN_TOKEN,
+                                                        "server.allow_client_priority": True}))
     yield server
     server.stop()
 

@@ -210,3 +210,12 @@ def test_queued_migration_is_on_by_default_and_waits_one_monitor_interval_unless
     assert config.load(write(tmp_path, "cluster: {queued_min_wait_s: 0}")).cluster.queued_wait_s == 0.0
     assert cluster.rebalance_min_gain_s is None  # moves between busy replicas: opt-in
     assert config.load(write(tmp_path, "cluster: {rebalance_min_gain_s: 2.5}")).cluster.rebalance_min_gain_s == 2.5
+
+
+def test_dlora_lora_backends_refuse_cuda_graphs():
+    with pytest.raises(ConfigError, match="engine.lora_backend='triton'.*enforce_eager: true"):
+        config.from_dict({"engine": {"lora_backend": "triton", "enforce_eager": False}})
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        config.from_dict({"engine": {"lora_backend": "einsum", "enforce_eager": False}})
+    assert not config.from_dict({"engine": {"lora_backend": "vllm", "enforce_eager": False}}).engine.enforce_eager
+    assert config.from_dict({"engine": {"lora_backend": "triton"}}).engine.enforce_eager  # the default

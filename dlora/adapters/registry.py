@@ -6,13 +6,15 @@ directory so that adapters registered through the admin API survive a server res
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dlora.adapters import registry_store as store
+from dlora.adapters.registry_store import CorruptRegistryFile, RegistryPersistError
 from dlora.adapters.validate import AdapterInfo
+
+log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "adapters.json"
 
@@ -53,6 +55,8 @@ class AdapterRegistry:
         self._file = state_dir / REGISTRY_FILE if state_dir else None
         self._records: dict[str, AdapterRecord] = {}
         self._next_id = 1
+        # Why registrations stay in memory only although a state_dir was given (set at load time).
+        self.unpersisted_reason: str | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -70,41 +74,115 @@ class AdapterRegistry:
         return sorted(self._records.values(), key=lambda r: r.int_id)
 
     def add(self, name: str, info: AdapterInfo, pinned: bool = False, source: str = "api") -> AdapterRecord:
+        """Record and persist; a failed save undoes the record (RegistryPersistError), so memory and
+        disk always agree."""
         if name in self._records:
             raise AdapterExistsError(name)
         rec = AdapterRecord(
             name=name, int_id=self._next_id, path=info.path, rank=info.rank, alpha=info.alpha,
             target_modules=info.target_modules, size_bytes=info.size_bytes, pinned=pinned, source=source,
         )
-        self._next_id += 1
+        self._next_id += 1  # not undone on failure: ids are never reused, a gap is harmless
         self._records[name] = rec
-        self.save()
+        try:
+            self.save()
+        except RegistryPersistError:
+            del self._records[name]
+            raise
         return rec
 
     def remove(self, name: str) -> AdapterRecord:
+        """Forget and persist; a failed save puts the record back (RegistryPersistError)."""
         rec = self.get(name)
         del self._records[name]
-        self.save()
+        try:
+            self.save()
+        except RegistryPersistError:
+            self._records[name] = rec
+            raise
         return rec
 
     def load_persisted(self) -> list[AdapterRecord]:
-        """Records saved by an earlier run (not yet re-validated or added)."""
-        if not self._file or not self._file.is_file():
+        """Records saved by an earlier run (not yet re-validated or added). Never raises: a corrupt
+        file is moved aside and its valid entries kept; a state dir that cannot be written turns
+        persistence off with a warning (registrations then last until the server stops)."""
+        if not self._file:
             return []
-        data = json.loads(self._file.read_text())
-        self._next_id = max(self._next_id, int(data.get("next_id", 1)))
-        return [AdapterRecord.from_json(d) for d in data.get("adapters", [])]
+        records = self._read_records()
+        problem = store.writable_problem(self._file.parent)
+        if problem is not None:
+            self.unpersisted_reason = f"server.state_dir {self._file.parent} is not writable ({problem})"
+            log.warning("%s: adapters registered through the admin API will be served but not persisted",
+                        self.unpersisted_reason)
+        return records
+
+    def _read_records(self) -> list[AdapterRecord]:
+        try:
+            data = store.read(self._file)
+        except CorruptRegistryFile as e:
+            store.set_aside(self._file, str(e))
+            return []
+        if data is None:
+            return []
+        records, bad = parse_records(data.get("adapters", []))
+        next_id = data.get("next_id", 1)
+        if not isinstance(next_id, int) or isinstance(next_id, bool):
+            bad.append(f"next_id {next_id!r} is not an integer")
+            next_id = 1
+        if bad:
+            store.set_aside(self._file, "; ".join(bad))
+        self._next_id = max(self._next_id, next_id, *(r.int_id + 1 for r in records))
+        return records
 
     def save(self) -> None:
         if not self._file:
             return
-        self._file.parent.mkdir(parents=True, exist_ok=True)
+        if self.unpersisted_reason is not None:
+            log.warning("adapter registry changed in memory only: %s", self.unpersisted_reason)
+            return
         data = {
             "next_id": self._next_id,
             "adapters": [r.to_json() for r in self.all() if r.source == "api"],
         }
-        # Write-then-rename so a crash mid-write never leaves a truncated registry.
-        fd, tmp = tempfile.mkstemp(dir=self._file.parent, prefix=".adapters.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, self._file)
+        try:
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RegistryPersistError(f"cannot save the adapter registry to {self._file}: {e}") from e
+        store.write(self._file, data)
+
+
+_FIELD_KINDS = {"name": str, "int_id": int, "path": str, "rank": int, "alpha": (int, float),
+                "size_bytes": int, "pinned": bool, "source": str}
+
+
+def parse_records(entries: list) -> tuple[list[AdapterRecord], list[str]]:
+    """The valid entries as records, and what was wrong with each bad one (skipped)."""
+    records: list[AdapterRecord] = []
+    bad: list[str] = []
+    names: set[str] = set()
+    ids: set[int] = set()
+    for i, d in enumerate(entries):
+        try:
+            if not isinstance(d, dict) or not isinstance(d.get("target_modules"), list):
+                raise ValueError("not an object with a target_modules list")
+            rec = AdapterRecord.from_json(d)
+            check_record(rec)
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            bad.append(f"adapters[{i}]: {e}")
+            continue
+        if rec.name in names or rec.int_id in ids:
+            bad.append(f"adapters[{i}]: duplicate name {rec.name!r} or id {rec.int_id}")
+            continue
+        names.add(rec.name)
+        ids.add(rec.int_id)
+        records.append(rec)
+    return records, bad
+
+
+def check_record(rec: AdapterRecord) -> None:
+    for key, kind in _FIELD_KINDS.items():
+        value = getattr(rec, key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{key}={value!r} has the wrong type")
+    if not rec.name or rec.int_id < 1 or not all(isinstance(m, str) for m in rec.target_modules):
+        raise ValueError(f"invalid entry {rec.name!r}")

@@ -8,6 +8,8 @@ tensor header and checked them against the base model's shapes.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,14 @@ from safetensors import safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+
+# vLLM scales the LoRA term by lora_alpha / r. PEFT adapters use alpha of about r to 2r, and dlora's
+# largest max_lora_rank is 512; 4096 (8x that) leaves room for any sane choice, while a larger
+# scale only amplifies the adapter's term past what fp16/bf16 activations hold (fp16 tops out at
+# 65504), i.e. a value that is a mistake or an attack, not a fine-tune.
+MAX_LORA_ALPHA = 4096.0
+# Pickled weights (torch.load) can run arbitrary code when vLLM loads them.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 # Projections of a Llama-style decoder layer that vLLM can wrap with LoRA.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,14 +95,22 @@ def _check_config(cfg: dict, max_rank: int) -> tuple[int, float]:
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterValidationError("per-module rank_pattern/alpha_pattern is not supported")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterValidationError(f"rank r={rank!r} must be a positive integer")
     if rank > max_rank:
         raise AdapterValidationError(f"rank {rank} exceeds the configured max_lora_rank {max_rank}")
-    alpha = cfg.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)):
+    return rank, _check_alpha(cfg.get("lora_alpha", rank))
+
+
+def _check_alpha(alpha) -> float:
+    # json.loads accepts NaN and Infinity, and 1e999 parses as inf: all reach here as floats.
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise AdapterValidationError(f"lora_alpha={alpha!r} must be a number")
-    return rank, float(alpha)
+    value = float(alpha)
+    if not math.isfinite(value) or not 0 < value <= MAX_LORA_ALPHA:
+        raise AdapterValidationError(
+            f"lora_alpha={alpha!r} must be finite, > 0 and <= {MAX_LORA_ALPHA:g}")
+    return value
 
 
 def _check_tensors(weights: Path, rank: int, base: BaseModelShapes) -> tuple[str, ...]:
@@ -104,7 +122,10 @@ def _check_tensors(weights: Path, rank: int, base: BaseModelShapes) -> tuple[str
                 shape = tuple(f.get_slice(key).get_shape())
                 _check_shape(key, shape, which, rank, base.shapes[module])
                 seen.setdefault((layer, module), set()).add(which)
-                f.get_tensor(key)  # reads the data: a truncated file fails here, not in the engine
+                # Reads the data (a truncated file fails here, not in the engine), one tensor at a
+                # time. A NaN/Inf weight would poison every token of a batch that packs it.
+                if not bool(f.get_tensor(key).isfinite().all()):
+                    raise AdapterValidationError(f"tensor {key!r} holds NaN or infinite values")
     except AdapterValidationError:
         raise
     except Exception as e:  # safetensors raises several unrelated types for a corrupt file
@@ -138,11 +159,33 @@ def _check_shape(key: str, shape: tuple, which: str, rank: int, in_out: tuple[in
         )
 
 
-def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int) -> AdapterInfo:
-    """Read and check an adapter directory; raise AdapterValidationError naming the first problem."""
+def check_files(path: str | Path, roots: tuple[str, ...] | None = None) -> None:
+    """Refuse pickled weights and, with `roots`, any entry whose real path (symlinks resolved)
+    leaves them: a directory under a root may hold symlinks to files anywhere."""
     d = Path(path)
     if not d.is_dir():
         raise AdapterValidationError(f"adapter path {str(d)!r} is not a directory")
+    if roots and not is_under_roots(d, roots):
+        raise AdapterValidationError(f"adapter path {str(d)!r} resolves outside the adapter roots {list(roots)}")
+    for top, dirs, files in os.walk(d):  # symlinked directories are listed, not followed
+        for entry in (*dirs, *files):
+            p = Path(top) / entry
+            if roots and not is_under_roots(p, roots):
+                raise AdapterValidationError(
+                    f"{p.relative_to(d)} resolves to {os.path.realpath(p)!r}, outside the adapter roots {list(roots)}")
+            if entry.lower().endswith(PICKLE_SUFFIXES):
+                raise AdapterValidationError(
+                    f"{p.relative_to(d)} is a pickle file, which can run code when loaded; convert the adapter "
+                    f"to safetensors ({WEIGHTS_FILE}, e.g. save_pretrained(..., safe_serialization=True)) "
+                    "and remove the pickle file")
+
+
+def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int,
+                    roots: tuple[str, ...] | None = None) -> AdapterInfo:
+    """Read and check an adapter directory; raise AdapterValidationError naming the first problem.
+    With `roots`, every file must also resolve under one of them (`check_files`)."""
+    d = Path(path)
+    check_files(d, roots)
     rank, alpha = _check_config(_read_config(d), max_rank)
     weights = d / WEIGHTS_FILE
     if not weights.is_file():
@@ -156,5 +199,5 @@ def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int) -> A
 
 def is_under_roots(path: str | Path, roots: tuple[str, ...]) -> bool:
     """True when `path` resolves (symlinks followed) inside one of `roots`."""
-    real = Path(path).resolve()
-    return any(real.is_relative_to(Path(r).resolve()) for r in roots)
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(Path(os.path.realpath(r))) for r in roots)

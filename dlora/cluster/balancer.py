@@ -64,10 +64,14 @@ class Balancer:
             min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
 
     async def run(self) -> None:
+        """The only reader of the replicas' stats (/metrics renders what it stored), so the first
+        read comes at once instead of one interval after start."""
+        await self._read()
         while True:
             await asyncio.sleep(self.cfg.monitor_interval_s)
+            if not await self._read():
+                continue
             try:
-                await self.router.refresh_stats()
                 if self.cfg.migration:
                     if self.cfg.migrate_queued:
                         await self.move_queued()
@@ -78,6 +82,16 @@ class Balancer:
                 raise
             except Exception:  # the loop must outlive any one bad round
                 log.exception("balancer round failed")
+
+    async def _read(self) -> bool:
+        try:
+            await self.router.refresh_stats()
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("reading the replicas' stats failed")
+            return False
 
     async def maybe_migrate(self) -> MigrationRound | None:
         now = self.router.clock()

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dlora.cluster.cost_model import (
-    CostParams, batch_slot_wait, load_time, merge_disruption, pending_time, request_work,
+    CostParams, batch_slot_wait, load_time, merge_disruption, pending_time, request_work, step_seconds,
 )
-from dlora.cluster.monitor_types import ReplicaView, RequestLoad
+from dlora.cluster.monitor_types import AdapterTotals, LoadTotals, ReplicaView, RequestLoad
 
 KV_HIGH = 0.90
 
@@ -48,8 +48,36 @@ def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
     the slowdown it causes a replica that has another adapter merged, plus its wait for a batch
     slot where max_loras other adapters hold them all."""
     merged = req.adapter is not None and req.adapter == view.merged_adapter
-    return (pending_time(params, view) + load_time(params, view, req.adapter) + request_work(params, req, merged)
-            + merge_disruption(params, view, req.adapter) + batch_slot_wait(params, view, req.adapter))
+    own = load_time(params, view, req.adapter) + request_work(params, req, merged)
+    if view.totals is not None:
+        return own + _from_totals(params, view, view.totals, req.adapter)
+    return (own + pending_time(params, view) + merge_disruption(params, view, req.adapter)
+            + batch_slot_wait(params, view, req.adapter))
+
+
+def _group_work(p: CostParams, g: AdapterTotals) -> float:
+    """`request_work` summed over a group (it is linear in prefill and remaining output tokens)."""
+    per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
+    return g.queued_context_tokens * p.per_prefill_token_s + g.remaining_output_tokens * per_token
+
+
+def _from_totals(p: CostParams, view: ReplicaView, totals: LoadTotals, adapter) -> float:
+    """pending_time + merge_disruption + batch_slot_wait of cost_model.py, from the replica's sums."""
+    merged = view.merged_adapter
+    pending = disruption = 0.0
+    for name, g in totals.by_adapter.items():
+        work = _group_work(p, g)
+        if merged is not None and name == merged:
+            pending += work * p.merged_ratio
+            if adapter != merged:  # serving `adapter` unmerges the replica: its merged requests slow down
+                disruption += work - work * p.merged_ratio
+        else:
+            pending += work
+    wait = 0.0
+    if view.waits_for_batch_slot(adapter):
+        longest = min(g.longest_remaining for a, g in totals.by_adapter.items() if a is not None)
+        wait = longest * step_seconds(p, totals.requests)
+    return pending + disruption + wait
 
 
 class DispatchPolicy(ABC):

@@ -9,7 +9,7 @@ the simulator.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 AdapterName = str | None  # an adapter name, or None for the base model (resident everywhere)
@@ -47,6 +47,86 @@ class RequestLoad:
         return max(0.0, self.expected_output_tokens - self.output_tokens)
 
 
+@dataclass(slots=True)
+class AdapterTotals:
+    """Sums over one adapter's requests on one replica: what dispatch's cost model reads."""
+
+    requests: int = 0
+    queued: int = 0
+    queued_context_tokens: int = 0  # what the queued requests prefill before they run
+    running_context_tokens: int = 0  # KV the running requests hold
+    remaining_output_tokens: float = 0.0
+    # request id -> its expected remaining output (the longest one gates a batch slot)
+    remaining_by_request: dict[str, float] = field(default_factory=dict)
+
+    def add(self, r: RequestLoad, sign: int = 1) -> None:
+        self.requests += sign
+        self.remaining_output_tokens += sign * r.remaining_output_tokens
+        if r.running:
+            self.running_context_tokens += sign * r.context_tokens
+        else:
+            self.queued += sign
+            self.queued_context_tokens += sign * r.context_tokens
+        if sign > 0:
+            self.remaining_by_request[r.request_id] = r.remaining_output_tokens
+        else:
+            self.remaining_by_request.pop(r.request_id, None)
+
+    @property
+    def longest_remaining(self) -> float:
+        return max(self.remaining_by_request.values(), default=0.0)
+
+
+@dataclass(slots=True)
+class LoadTotals:
+    """One replica's requests summed per adapter, kept up to date request by request by the router.
+
+    Why: dispatch runs once per request, and rebuilding every in-flight request's `RequestLoad`
+    for it made each dispatch cost O(requests in flight), so a burst of N requests cost O(N²) on
+    the event loop. With these sums a dispatch costs O(replicas x adapters); the balancer's
+    periodic rounds still get the full per-request views.
+    """
+
+    by_adapter: dict[AdapterName, AdapterTotals] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, requests: Iterable[RequestLoad]) -> "LoadTotals":
+        totals = cls()
+        for r in requests:
+            totals.add(r)
+        return totals
+
+    def add(self, r: RequestLoad) -> None:
+        self.by_adapter.setdefault(r.adapter, AdapterTotals()).add(r)
+
+    def remove(self, r: RequestLoad) -> None:
+        group = self.by_adapter.get(r.adapter)
+        if group is None:
+            return
+        group.add(r, sign=-1)
+        if group.requests <= 0:
+            del self.by_adapter[r.adapter]
+
+    @property
+    def requests(self) -> int:
+        return sum(g.requests for g in self.by_adapter.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(g.queued for g in self.by_adapter.values())
+
+    @property
+    def running_context_tokens(self) -> int:
+        return sum(g.running_context_tokens for g in self.by_adapter.values())
+
+    @property
+    def queued_context_tokens(self) -> int:
+        return sum(g.queued_context_tokens for g in self.by_adapter.values())
+
+    def adapters_in_use(self) -> frozenset[str]:
+        return frozenset(a for a in self.by_adapter if a is not None)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
     """One replica at one instant.
@@ -69,13 +149,18 @@ class ReplicaView:
     max_running: int = 1 << 20
     kv_usage: float | None = None
     healthy: bool = True
+    # Set by the router for dispatch instead of `requests` (which is then empty): the same
+    # quantities, summed as requests come and go. Read at once, never kept (it is live).
+    totals: LoadTotals | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_requests(self) -> int:
-        return len(self.requests)
+        return self.totals.requests if self.totals is not None else len(self.requests)
 
     @property
     def num_queued(self) -> int:
+        if self.totals is not None:
+            return self.totals.queued
         return sum(1 for r in self.requests if not r.running)
 
     @property
@@ -84,6 +169,8 @@ class ReplicaView:
 
     @property
     def kv_used_tokens(self) -> int:
+        if self.totals is not None:
+            return self.totals.running_context_tokens
         return sum(r.context_tokens for r in self.requests if r.running)
 
     @property
@@ -95,7 +182,9 @@ class ReplicaView:
     @property
     def kv_demand_tokens(self) -> float:
         """KV tokens in use plus the contexts of the queued requests (each needs its KV to start)."""
-        return self.kv_fraction * self.kv_capacity_tokens + sum(r.context_tokens for r in self.requests if not r.running)
+        queued = (self.totals.queued_context_tokens if self.totals is not None
+                  else sum(r.context_tokens for r in self.requests if not r.running))
+        return self.kv_fraction * self.kv_capacity_tokens + queued
 
     def kv_room(self, kv_high: float) -> float:
         """KV tokens the replica can still take up to `kv_high`, after what it runs and queues
@@ -107,6 +196,8 @@ class ReplicaView:
 
     def adapters_in_use(self) -> frozenset[str]:
         """Adapters with requests here: the engine cannot evict these to make room."""
+        if self.totals is not None:
+            return self.totals.adapters_in_use()
         return frozenset(r.adapter for r in self.requests if r.adapter is not None)
 
     def waits_for_batch_slot(self, adapter: AdapterName) -> bool:

@@ -6,10 +6,17 @@ another replica as `prompt + generated` with `max_tokens` reduced by what was ge
 client's stream goes on with no duplicated or missing tokens:
   * migration: the balancer sets `migrate_to` and aborts the request on its replica; the engine
     ends the stream with finish_reason "abort", which the router swallows;
-  * failure: the replica's actor died or restarted, or its engine died (`ReplicaFailure`); the
-    replica is rebuilt in the background and its pinned adapters are loaded again.
+  * failure: the replica's actor died or restarted, or its engine died (`ReplicaFailure`), or it
+    missed a call's deadline (`actor_call_timeout_s`); the replica is rebuilt in the background
+    and its pinned adapters are loaded again. A request is resubmitted after at most
+    `max_resubmissions` failures, then fails (`ResubmissionLimit`): it may be what kills them.
+Bounds: a request that passes its deadline (`request_timeout_s`) is aborted and fails with
+`RequestTimeout`; with no replica up, a request waits `recovery_grace_s` at most, then fails with
+`NoReplicaError`; a replica that fails `max_restart_attempts` rebuilds in a row is reported as
+given up (`ReplicaSlot.gave_up`) and retried only every `GAVE_UP_RETRY_S`.
 Replicas are chosen by a dispatch policy (dlora/cluster/dispatch.py) over `ReplicaView`s that the
-router builds from its own request table and the replicas' last reported stats.
+router builds from per-replica sums it keeps request by request (`LoadTotals`), so a dispatch costs
+the same however many requests are in flight; the balancer gets full per-request views.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from typing import AsyncIterator, Callable, Protocol
 
 from dlora.cluster.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.dispatch import make_dispatch_policy
-from dlora.cluster.monitor_types import IterationSample, ReplicaView, RequestLoad
+from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
+from dlora.cluster.interruptible import InterruptibleStream
+from dlora.cluster.monitor_types import IterationSample, LoadTotals, ReplicaView, RequestLoad
 from dlora.cluster.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.queue_time import QueueTimes
 from dlora.replica.errors import ReplicaFailure
@@ -32,7 +41,11 @@ from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaSt
 
 log = logging.getLogger(__name__)
 
-RECOVERY_TIMEOUT_S = 300.0
+__all__ = ["NoReplicaError", "RequestTimeout", "ResubmissionLimit", "Router", "RouterConfig"]
+
+# A replica that gave up rebuilding is tried again this rarely: a lasting fault (a bad model
+# path, a node out of memory) must not spin, a passing one may still heal.
+GAVE_UP_RETRY_S = 60.0
 
 
 class Replica(Protocol):
@@ -52,10 +65,6 @@ def static_home(adapter_id: int, num_replicas: int) -> int:
     return adapter_id % num_replicas
 
 
-class NoReplicaError(RuntimeError):
-    """No replica came back within the recovery timeout."""
-
-
 @dataclass
 class ReplicaSlot:
     replica: Replica
@@ -64,6 +73,8 @@ class ReplicaSlot:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     recovering: asyncio.Task | None = None
     restarts: int = 0
+    failed_restarts: int = 0  # rebuilds that failed in a row
+    gave_up: bool = False  # max_restart_attempts rebuilds failed in a row: reported, retried rarely
     last_stats: ReplicaStats | None = None
 
     @property
@@ -87,6 +98,11 @@ class RequestState:
     queued_since: float = 0.0  # when the current leg started (reset when it is sent)
     migrate_to: int | None = None
     migrated: bool = False  # the last stream ended because of a migration
+    failures: int = 0  # replicas that failed under it
+    deadline: float | None = None  # event-loop time it must end by
+    leg: InterruptibleStream | None = None  # the current replica stream, once open
+    counted: RequestLoad | None = None  # what it adds to `counted_on`'s LoadTotals now
+    counted_on: int | None = None
 
     @property
     def adapter(self) -> str | None:
@@ -128,6 +144,13 @@ class RouterConfig:
     max_batch: int = 64  # requests one engine step may run (vLLM max_num_seqs)
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
     output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
+    max_resubmissions: int = 2  # replica failures a request survives (migrations don't count)
+    actor_call_timeout_s: float = 30.0  # every replica call but a stream; missed: the replica failed
+    replica_start_timeout_s: float = 600.0  # building a replica's engine
+    max_restart_attempts: int = 5  # failed rebuilds in a row before a replica is given up
+    request_timeout_s: float | None = None  # a request's deadline from arrival (None: none)
+    # With no replica up, how long a request waits for one to come back before NoReplicaError.
+    recovery_grace_s: float = 3.0
 
 
 class Router:
@@ -150,6 +173,10 @@ class Router:
         self.output_lengths = OutputLengthEstimator(self.cfg.output_lengths)
         # Each request's queueing delay, from the replicas' measurements (set its observer for /metrics).
         self.queue_times = QueueTimes(clock)
+        # Per replica, its requests' sums for dispatch (kept by _recount, rebuilt exactly by views()).
+        self.totals: dict[int, LoadTotals] = {s.replica_id: LoadTotals() for s in self.slots}
+        # Each replica's last stats read by refresh_stats (the balancer's loop): what /metrics shows.
+        self.reported: dict[int, ReplicaStats] = {}
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,7 +184,7 @@ class Router:
 
     async def _start_slot(self, slot: ReplicaSlot) -> None:
         t0 = time.monotonic()
-        await slot.replica.start()
+        await self._call(slot, slot.replica.start(), self.cfg.replica_start_timeout_s)
         slot.loaded.clear()
         for ref in self._pinned_adapters():
             if not self.cfg.static_placement or self.home(ref) is slot:
@@ -175,12 +202,24 @@ class Router:
     def slot(self, replica_id: int) -> ReplicaSlot:
         return next(s for s in self.slots if s.replica_id == replica_id)
 
+    async def _call(self, slot: ReplicaSlot, call, timeout_s: float | None = None):
+        """A replica call with a deadline: a replica that misses it counts as failed."""
+        timeout_s = timeout_s or self.cfg.actor_call_timeout_s
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except TimeoutError:
+            raise ReplicaFailure(f"replica {slot.replica_id} did not answer within {timeout_s:g} s") from None
+
     def _mark_failed(self, slot: ReplicaSlot) -> None:
         if slot.recovering:
             return
         slot.healthy = False
         slot.ready.clear()
         slot.recovering = asyncio.create_task(self._recover(slot))
+        # Streams still open there may wait forever on a hung engine: move them now.
+        for st in list(self.requests.values()):
+            if st.slot is slot and st.leg is not None:
+                st.leg.interrupt(ReplicaFailure(f"replica {slot.replica_id} failed"))
 
     async def _recover(self, slot: ReplicaSlot) -> None:
         delay = 1.0
@@ -188,12 +227,19 @@ class Router:
             try:
                 await self._start_slot(slot)
                 slot.restarts += 1
-                slot.recovering = None
+                slot.failed_restarts, slot.gave_up, slot.recovering = 0, False, None
                 return
             except Exception as e:  # keep trying: Ray may still be restarting the actor process
-                log.warning("replica %d restart failed (%s); retrying in %.0f s", slot.replica_id, e, delay)
+                slot.failed_restarts += 1
+                if slot.failed_restarts >= self.cfg.max_restart_attempts:
+                    if not slot.gave_up:
+                        log.error("replica %d failed to rebuild %d times in a row (%s); giving up on it, "
+                                  "retrying every %.0f s", slot.replica_id, slot.failed_restarts, e, GAVE_UP_RETRY_S)
+                    slot.gave_up, delay = True, GAVE_UP_RETRY_S
+                else:
+                    log.warning("replica %d restart failed (%s); retrying in %.0f s", slot.replica_id, e, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 15.0)
+                delay = min(delay * 2, 15.0) if not slot.gave_up else GAVE_UP_RETRY_S
 
     # ---- adapters ---------------------------------------------------------------------------
     async def _load(self, slot: ReplicaSlot, ref: AdapterRef, pinned: bool = False) -> None:
@@ -201,7 +247,7 @@ class Router:
         key = (slot.replica_id, ref.int_id)
         fut = self._loading.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(slot.replica.add_adapter(ref, pinned))
+            fut = asyncio.ensure_future(self._call(slot, slot.replica.add_adapter(ref, pinned)))
             self._loading[key] = fut
             fut.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(fut)
@@ -223,21 +269,46 @@ class Router:
     async def unload_everywhere(self, int_id: int) -> None:
         for s in self.slots:
             if s.healthy and int_id in s.loaded:
-                await s.replica.remove_adapter(int_id)
+                try:
+                    await self._call(s, s.replica.remove_adapter(int_id))
+                except ReplicaFailure as e:  # its engine goes, and the adapter with it
+                    log.warning("replica %d failed while unloading adapter %d (%s); rebuilding it", s.replica_id,
+                                int_id, e)
+                    self._mark_failed(s)
             s.loaded.pop(int_id, None)
 
     # ---- views for the balancer -------------------------------------------------------------
     def views(self) -> list[ReplicaView]:
+        """Every replica with each of its requests (O(requests): the balancer's periodic rounds).
+        Also recounts the dispatch sums exactly: expected lengths move as requests finish."""
         by_slot: dict[int, list[RequestLoad]] = {s.replica_id: [] for s in self.slots}
         for st in self.requests.values():
+            st.counted = st.counted_on = None
             if st.slot is not None:
-                by_slot[st.slot.replica_id].append(st.load(self.output_lengths))
+                st.counted, st.counted_on = st.load(self.output_lengths), st.slot.replica_id
+                by_slot[st.slot.replica_id].append(st.counted)
+        self.totals = {rid: LoadTotals.of(loads) for rid, loads in by_slot.items()}
         return [self._view(s, tuple(by_slot[s.replica_id])) for s in self.slots]
 
-    def _view(self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...]) -> ReplicaView:
+    def dispatch_views(self) -> list[ReplicaView]:
+        """The healthy replicas as dispatch sees them: sums instead of requests (O(replicas))."""
+        return [self._view(s, (), self.totals[s.replica_id]) for s in self.slots if s.healthy]
+
+    def _recount(self, state: RequestState) -> None:
+        """The request changed (replica, tokens, admitted, preempted): update its replica's sums."""
+        if state.counted is not None and state.counted_on is not None:
+            self.totals[state.counted_on].remove(state.counted)
+        state.counted = state.counted_on = None
+        if state.slot is not None:
+            state.counted, state.counted_on = state.load(self.output_lengths), state.slot.replica_id
+            self.totals[state.counted_on].add(state.counted)
+
+    def _view(self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...], totals: LoadTotals | None = None
+              ) -> ReplicaView:
         batching = slot.last_stats.batching if slot.last_stats else None
         return ReplicaView(
-            replica_id=slot.replica_id, requests=requests, resident_adapters=frozenset(slot.loaded.values()),
+            replica_id=slot.replica_id, requests=requests, totals=totals,
+            resident_adapters=frozenset(slot.loaded.values()),
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
             kv_capacity_tokens=(batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens
@@ -246,6 +317,10 @@ class Router:
             batch_adapter_slots=self.cfg.batch_adapter_slots, max_running=self.cfg.max_batch,
             healthy=slot.healthy,
         )
+
+    def routed_counts(self) -> dict[int, int]:
+        """Requests the router has on each replica now."""
+        return {rid: totals.requests for rid, totals in self.totals.items()}
 
     def adapter_rates(self, window_s: float) -> dict[str, float]:
         """Requests per second per adapter over the last `window_s` seconds."""
@@ -257,19 +332,22 @@ class Router:
         return {rid: model.params for rid, model in self.cost_models.items()}
 
     # ---- requests ---------------------------------------------------------------------------
-    async def _wait_for_any_replica(self) -> None:
-        waiters = [asyncio.ensure_future(s.ready.wait()) for s in self.slots]
+    async def _wait_for(self, slots: list[ReplicaSlot]) -> None:
+        """Wait a short grace for one of `slots` to come back (a rebuild about to finish), else fail
+        at once: a rebuild takes tens of seconds, and a client is better told now (503) than held."""
+        waiters = [asyncio.ensure_future(s.ready.wait()) for s in slots]
         try:
-            await asyncio.wait(waiters, timeout=RECOVERY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, timeout=self.cfg.recovery_grace_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiters:
                 w.cancel()
-        if not any(s.healthy for s in self.slots):
-            raise NoReplicaError(f"no replica recovered within {RECOVERY_TIMEOUT_S:.0f} s")
+        if not any(s.healthy for s in slots):
+            which = "no replica is up" if len(slots) == len(self.slots) else "the adapter's replica is down"
+            raise NoReplicaError(f"{which} (failed or rebuilding); retry later")
 
     async def _choose(self, state: RequestState) -> ReplicaSlot:
         if not any(s.healthy for s in self.slots):
-            await self._wait_for_any_replica()
+            await self._wait_for(self.slots)
         if state.migrate_to is not None:
             target = self.slot(state.migrate_to)
             state.migrate_to = None
@@ -278,11 +356,29 @@ class Router:
         if self.cfg.static_placement and state.request.adapter is not None:
             home = self.home(state.request.adapter)
             if not home.healthy:
-                await home.ready.wait()
+                await self._wait_for([home])
             return home
-        healthy = [v for v in self.views() if v.healthy]
-        decision = self.dispatcher.choose(healthy, state.load(self.output_lengths), self.cost_params())
+        decision = self.dispatcher.choose(self.dispatch_views(), state.load(self.output_lengths), self.cost_params())
         return self.slot(decision.replica_id)
+
+    async def _in_time(self, state: RequestState, aw):
+        """Await `aw` within the request's deadline."""
+        if state.deadline is None:
+            return await aw
+        left = state.deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(aw, max(0.0, left))
+        except TimeoutError:
+            raise self._timeout(state) from None
+
+    def _timeout(self, state: RequestState) -> RequestTimeout:
+        return RequestTimeout(f"request did not finish within its {self.cfg.request_timeout_s:g} s deadline "
+                              "(server.request_timeout_s); its work was stopped")
+
+    def _expire(self, state: RequestState) -> None:
+        state.deadline = asyncio.get_running_loop().time()  # any later wait fails at once
+        if state.leg is not None:
+            state.leg.interrupt(self._timeout(state))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
         """Stream a request's deltas; migrations and replica failures are hidden by resubmission."""
@@ -294,11 +390,16 @@ class Router:
         self.requests[req.request_id] = state
         self.inflight_by_adapter[adapter] += 1
         self.queue_times.start(req.request_id, state.adapter)
+        timer = None
+        if self.cfg.request_timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            state.deadline = loop.time() + self.cfg.request_timeout_s
+            timer = loop.call_at(state.deadline, self._expire, state)
         try:
             current = req
             while True:
                 choosing = self.clock()
-                slot = await self._choose(state)
+                slot = await self._in_time(state, self._choose(state))
                 self.queue_times.router_wait(req.request_id, self.clock() - choosing)
                 try:
                     async for delta in self._run_on(slot, current, state):
@@ -313,8 +414,13 @@ class Router:
                     state.migrated = False
                     self.counters["migrations"] += 1
                 except ReplicaFailure as e:
-                    log.warning("request %s: %s; resubmitting after %d tokens", req.request_id, e, len(state.generated))
                     self._mark_failed(slot)
+                    state.failures += 1
+                    if state.failures > self.cfg.max_resubmissions:
+                        log.warning("request %s: %s; failed %d times, giving up", req.request_id, e, state.failures)
+                        self.counters["resubmission_limit"] += 1
+                        raise ResubmissionLimit(f"request failed on {state.failures} replicas; giving up") from e
+                    log.warning("request %s: %s; resubmitting after %d tokens", req.request_id, e, len(state.generated))
                     self.counters["resubmissions"] += 1
                 state.resubmissions += 1
                 current = state.continuation()
@@ -324,6 +430,8 @@ class Router:
                     yield done
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             del self.requests[req.request_id]
             self.queue_times.finish(req.request_id)
             self.inflight_by_adapter[adapter] -= 1
@@ -339,18 +447,23 @@ class Router:
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""
         state.slot, state.queued_since = slot, self.clock()  # its load counts on `slot` from now
+        self._recount(state)
         lost = False
         try:
             if req.adapter is not None and req.adapter.int_id not in slot.loaded:
-                await self._load(slot, req.adapter)
+                await self._in_time(state, self._load(slot, req.adapter))
+            if state.deadline is not None and asyncio.get_running_loop().time() >= state.deadline:
+                raise self._timeout(state)
             self._sent(state, req.request_id)
             first = True
-            async for delta in slot.replica.generate(req):
+            state.leg = InterruptibleStream(slot.replica.generate(req))
+            async for delta in state.leg:
                 if first and delta.token_ids:
                     first = False
                     state.admitted = True
                     self.queue_times.first_token(req.request_id)
                 state.generated.extend(delta.token_ids)
+                self._recount(state)
                 if delta.finished and delta.finish_reason == "abort" and state.migrate_to is not None:
                     state.migrated = True
                     if delta.token_ids:
@@ -361,8 +474,12 @@ class Router:
             lost = True  # the replica's measurement of this request will not come
             raise
         finally:
+            if state.leg is not None:
+                leg, state.leg = state.leg, None
+                await leg.close()  # the replica's stream is closed: the engine aborts the request
             # Between legs the request is on no replica: the next one is priced with its re-prefill.
             state.slot, state.engine_request_id, state.admitted, state.preempted = None, None, False, False
+            self._recount(state)
             self.queue_times.stream_ended(req.request_id, lost)
 
     def _sent(self, state: RequestState, engine_id: str) -> None:
@@ -370,6 +487,7 @@ class Router:
         admitted, and from now on it can be moved (`migrate` aborts it by this id)."""
         state.engine_request_id, state.admitted, state.queued_since = engine_id, False, self.clock()
         state.preempted = False
+        self._recount(state)
         self.queue_times.sent(state.request.request_id, engine_id)
 
     def _admit(self, waits: tuple[tuple[str, float], ...]) -> None:
@@ -379,15 +497,18 @@ class Router:
             return
         legs = {st.engine_request_id: st for st in self.requests.values() if st.engine_request_id is not None}
         for engine_id, _ in waits:
-            if engine_id in legs:
-                legs[engine_id].admitted = True
+            st = legs.get(engine_id)
+            if st is not None and not st.admitted:
+                st.admitted = True
+                self._recount(st)
 
     def _mark_preempted(self, slot: ReplicaSlot, engine_ids: tuple[str, ...]) -> None:
         """The replica's preempted-and-waiting requests as of this read; a resumed one is running again."""
         preempted = set(engine_ids)
         for st in self.requests.values():
-            if st.slot is slot and st.engine_request_id is not None:
-                st.preempted = st.engine_request_id in preempted
+            if st.slot is slot and st.engine_request_id is not None and st.preempted != (st.engine_request_id in preempted):
+                st.preempted = not st.preempted
+                self._recount(st)
 
     async def migrate(self, request_id: str, dst_replica_id: int) -> bool:
         """Move a request, queued or running, to another replica (abort here, continue there).
@@ -400,21 +521,32 @@ class Router:
                 or state.slot.replica_id == dst_replica_id or not self.slot(dst_replica_id).healthy):
             return False
         state.migrate_to = dst_replica_id
-        await state.slot.replica.abort(state.engine_request_id)
+        slot = state.slot
+        try:
+            await self._call(slot, slot.replica.abort(state.engine_request_id))
+        except ReplicaFailure as e:  # the request is resubmitted with the replica's others
+            log.warning("replica %d failed an abort (%s); rebuilding it", slot.replica_id, e)
+            self._mark_failed(slot)
         return True
 
+    async def _read_stats(self, s: ReplicaSlot) -> ReplicaStats | None:
+        if not s.healthy:
+            return None
+        try:
+            return await self._call(s, s.replica.stats())
+        except ReplicaFailure as e:  # e.g. Ray restarted the actor, or it hangs: rebuild it before a request finds out
+            log.warning("replica %d failed its stats read (%s); rebuilding it", s.replica_id, e)
+            self._mark_failed(s)
+        except Exception as e:
+            log.warning("replica %d: stats read failed: %s", s.replica_id, e)
+        return None
+
     async def refresh_stats(self) -> list[ReplicaStats]:
+        """Read every replica's stats (at once: a hung one costs one deadline, not one per replica)
+        and feed them to the scheduling state. The balancer's loop calls this; /metrics only reads
+        what it stored (`reported_stats`)."""
         out = []
-        for s in self.slots:
-            st = None
-            if s.healthy:
-                try:
-                    st = await s.replica.stats()
-                except ReplicaFailure as e:  # e.g. Ray restarted the actor: rebuild it before a request finds out
-                    log.warning("replica %d failed its stats read (%s); rebuilding it", s.replica_id, e)
-                    self._mark_failed(s)
-                except Exception:
-                    st = None
+        for s, st in zip(self.slots, await asyncio.gather(*(self._read_stats(s) for s in self.slots))):
             st = st or ReplicaStats(replica_id=s.replica_id, num_unfinished=0, healthy=False)
             s.last_stats = st if st.healthy else s.last_stats
             if st.batching is not None:
@@ -422,12 +554,24 @@ class Router:
                 self._admit(st.batching.queue_waits)
                 self._mark_preempted(s, st.batching.preempted)
                 self.queue_times.report(st.batching.queue_waits)
+            self.reported[s.replica_id] = st
             out.append(st)
         self.queue_times.expire()
+        return out
+
+    def reported_stats(self) -> list[ReplicaStats]:
+        """Each replica's stats as last read by `refresh_stats`, marked unhealthy where the replica
+        is down now. No replica call: a scrape must answer whatever the replicas do."""
+        out = []
+        for s in self.slots:
+            st = self.reported.get(s.replica_id) or ReplicaStats(replica_id=s.replica_id, num_unfinished=0,
+                                                                 healthy=False)
+            out.append(st if s.healthy else dataclasses.replace(st, healthy=False))
         return out
 
     def _observe_iterations(self, replica_id: int, iterations) -> None:
         self.cost_models[replica_id].observe(*(IterationSample(*step) for step in iterations))
 
     async def replica_stats(self) -> list[ReplicaStats]:
+        """A fresh read (admin listing); each replica call is bounded by actor_call_timeout_s."""
         return await self.refresh_stats()

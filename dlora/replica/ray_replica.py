@@ -18,7 +18,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from dlora import env as dlora_env
 from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
-from dlora.replica.errors import ReplicaFailure
+from dlora.replica.errors import ReplicaFailure, RequestRejected
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
 log = logging.getLogger(__name__)
@@ -80,15 +80,37 @@ class ReplicaActor:
         self.host.shutdown()
 
 
+def _engine_dead_error() -> type[BaseException]:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError
+
+
+def _client_error() -> type[BaseException]:
+    from vllm.exceptions import VLLMClientError
+
+    return VLLMClientError
+
+
 def _is_replica_failure(e: BaseException) -> bool:
+    """The actor died or is unreachable, or it raised a ReplicaFailure of its own (EngineNotStarted:
+    Ray restarted the process, which has no engine until start() runs again), or vLLM's engine died.
+    By type only: a request's own error text must never make a healthy replica look dead."""
     if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaFailure)):
         return True
-    if isinstance(e, RayTaskError):
-        # The actor raised: a ReplicaFailure of its own (EngineNotStarted: Ray restarted the
-        # process, which has no engine until start() runs again), or vLLM's engine died.
-        return (isinstance(e.cause, ReplicaFailure) or "EngineDeadError" in type(e.cause).__name__
-                or "EngineDead" in str(e))
-    return False
+    return isinstance(e, RayTaskError) and isinstance(e.cause, (ReplicaFailure, _engine_dead_error()))
+
+
+def rejection(e: BaseException) -> RequestRejected | None:
+    """vLLM refused the request's own values (it raises ValueError/TypeError or its client errors
+    while checking a request's inputs): the request fails alone with that message, the replica is fine."""
+    if not isinstance(e, RayTaskError) or _is_replica_failure(e):
+        return None
+    cause = e.cause
+    if isinstance(cause, (ValueError, TypeError, _client_error())):
+        param = getattr(cause, "parameter", None) or getattr(cause, "param", None)
+        return RequestRejected(str(cause), param if isinstance(param, str) else None)
+    return None
 
 
 class RayReplica:
@@ -112,6 +134,9 @@ class RayReplica:
         except Exception as e:
             if _is_replica_failure(e):
                 raise ReplicaFailure(f"replica {self.replica_id}: {e}") from e
+            rejected = rejection(e)
+            if rejected is not None:
+                raise rejected from None  # the message only: no remote traceback for the client
             raise
         finally:
             if not finished:
@@ -157,12 +182,18 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
         # We pin the core ourselves; vLLM's "auto" would put every replica on core 0.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_HOST_IP": "127.0.0.1",
+        # The V1 model runner, the one the tests exercise: on CUDA vLLM 0.32 would pick its V2
+        # runner, whose outputs arrive wrapped (AsyncModelRunnerOutput); dlora's switch reports
+        # survive that too (vllm_ext.py), but V2 has never run dlora's switching end to end.
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by vllm_ext via lora_backend.install
     }
     trace = dlora_env.DLORA_STEP_TRACE.get()
     if trace:
         env[dlora_env.DLORA_STEP_TRACE.name] = trace  # the engine's scheduler writes it (step_trace.py)
+    # read by the worker's in-place merger (pristine_rows.py); a Ray cluster's nodes may not have it
+    env[dlora_env.DLORA_PRISTINE_DEVICE_GIB.name] = str(dlora_env.DLORA_PRISTINE_DEVICE_GIB.get())
     return {"env_vars": env}
 
 

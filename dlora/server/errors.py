@@ -6,12 +6,18 @@ against vLLM see the same errors; `code` is the HTTP status.
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dlora.cluster.errors import ClusterError
+from dlora.replica.errors import ReplicaFailure, RequestRejected
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
@@ -38,8 +44,33 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def as_api_error(exc: BaseException, request_id: str) -> APIError:
+    """What a client may see of an error raised while its request was served.
+
+    Only errors made for clients keep their message. Anything else (an engine crash, a Ray error)
+    carries tracebacks, file paths and actor ids: it is logged here under the request id and the
+    client gets that id to quote, nothing more.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        return APIError(400, exc.message, exc.param)
+    if isinstance(exc, ClusterError):
+        # No replica up, a deadline, too many replica failures: the cluster's messages are written
+        # for clients (they name no process, actor or file).
+        log.warning("request %s: %s: %s", request_id, type(exc).__name__, exc)
+        return APIError(exc.http_status, f"{exc} (request id {request_id})")
+    if isinstance(exc, ReplicaFailure):
+        log.warning("request %s: its replica failed: %s", request_id, exc)
+        return APIError(503, f"no replica is available to serve the request (request id {request_id}); "
+                        "try again later")
+    log.error("request %s failed", request_id, exc_info=exc)
+    return APIError(500, f"internal error while generating (request id {request_id})")
 
 
 def _field_of(loc: tuple) -> str | None:
@@ -73,4 +104,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # Starlette's default answer is plain text; keep the OpenAI shape and never the exception's text.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error")

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 
 from dlora.replica.messages import TokenLogprob
 from dlora.server.generation import ChoiceResult
+
+# vLLM's OpenAI server floors logprobs at -9999.0: -inf (a token the sampler masked out) and NaN are
+# not JSON, and a strict encoder fails on them.
+LOGPROB_FLOOR = -9999.0
+
+
+def logprob(value: float) -> float:
+    if math.isnan(value):
+        return LOGPROB_FLOOR
+    if value == math.inf:  # no real logprob; keep the response valid JSON all the same
+        return 0.0
+    return max(value, LOGPROB_FLOOR)
 
 
 def sse(obj: dict | str) -> str:
@@ -29,8 +42,8 @@ def completion_logprobs(lps: list[TokenLogprob] | None, text_offset_start: int) 
         pos += len(lp.token)
     return {
         "tokens": [lp.token for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t: v for _, v, t in lp.top} | {lp.token: lp.logprob} for lp in lps],
+        "token_logprobs": [logprob(lp.logprob) for lp in lps],
+        "top_logprobs": [{t: logprob(v) for _, v, t in lp.top} | {lp.token: logprob(lp.logprob)} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -39,8 +52,8 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
     if lps is None:
         return None
 
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    def entry(token: str, value: float) -> dict:
+        return {"token": token, "logprob": logprob(value), "bytes": list(token.encode("utf-8"))}
 
     return {
         "content": [

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from dlora.adapters.registry import AdapterNotFoundError
-from dlora.cluster.adapters import ref_of
+from dlora.cluster.adapters import AdapterUnavailableError, ref_of
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError
 from dlora.server.protocol import SamplingFields
+from dlora.server.validation import check_sampling
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ def resolve_adapter(state, model: str) -> AdapterRef | None:
         return None
     try:
         return ref_of(state.adapters.lookup(model))
+    except AdapterUnavailableError:
+        # Registered, but its stored copy changed or vanished: the operator must register it again.
+        raise APIError(503, f"The adapter `{model}` is registered but its stored files are damaged or missing; "
+                       "it cannot be served until it is registered again.", "model") from None
     except AdapterNotFoundError:
         raise APIError(404, f"The model `{model}` does not exist.", "model") from None
 
@@ -101,9 +106,12 @@ def make_jobs(request_id: str, prompts: list[list[int]], body: SamplingFields, a
             # Distinct seeds per sample, or every sample of a seeded n>1 request would be the same.
             seed = None if spec.seed is None else spec.seed + s_idx
             index = p_idx * body.n + s_idx
+            sampling = dataclasses.replace(spec, seed=seed)
+            # Here, before any engine (or a stream's first byte), not inside a replica as a 500.
+            check_sampling(sampling, vocab_size)
             req = GenerateRequest(
                 request_id=f"{request_id}-{index}", prompt_token_ids=tuple(ids),
-                sampling=dataclasses.replace(spec, seed=seed), adapter=adapter, priority=body.priority,
+                sampling=sampling, adapter=adapter, priority=body.priority,
             )
             jobs.append(Job(index=index, prompt_index=p_idx, request=req))
     return jobs

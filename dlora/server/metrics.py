@@ -57,6 +57,13 @@ class Metrics:
         self.migration_rounds = Counter("dlora_migration_rounds", "Co-migration rounds run, by trigger",
                                         ["reason"], registry=r)
         self.preloads = Counter("dlora_adapter_preloads", "Adapters copied by the long-term preload", registry=r)
+        self.admission_refused = Counter("dlora_admission_refused", "Requests refused before any work started, by "
+                                         "reason: body_too_large (413), fanout (400), overloaded (429)", ["reason"],
+                                         registry=r)
+        self.admitted_choices = Gauge("dlora_admitted_completions", "Completions (engine requests) of admitted "
+                                      "requests not answered yet (server.max_pending_requests bounds it)", registry=r)
+        self.replica_gave_up = Gauge("dlora_replica_gave_up", "1 when the replica failed cluster.max_restart_attempts "
+                                     "rebuilds in a row (it is retried rarely)", ["replica"], registry=r)
         # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
         self.cluster = ClusterCollector()
         r.register(self.cluster)
@@ -74,6 +81,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def update_cluster(self, router, adapters_registered: int) -> None:
+        """The replica gauges from what the balancer's loop last read (`router.reported_stats()`):
+        no replica call, so a scrape answers at once whatever the replicas do."""
+        self.adapters_registered.set(adapters_registered)
+        for st in router.reported_stats():
+            rid = str(st.replica_id)
+            self.replica_healthy.labels(rid).set(1 if st.healthy else 0)
+            self.replica_unfinished.labels(rid).set(st.num_unfinished)
+            self.adapters_resident.labels(rid).set(len(st.resident_adapter_ids))
+            self.batching.update(rid, st.batching if st.healthy else None)
+            if st.healthy and st.batching is not None:
+                self.replica_kv_usage.labels(rid).set(st.batching.kv_usage or 0.0)
+                if st.batching.kv_capacity_tokens:
+                    self.replica_kv_capacity.labels(rid).set(st.batching.kv_capacity_tokens)
+                self.replica_running.labels(rid).set(st.batching.num_running)
+                self.replica_waiting.labels(rid).set(st.batching.num_waiting)
+        routed = router.routed_counts()
+        for slot in router.slots:
+            rid = str(slot.replica_id)
+            self.replica_routed.labels(rid).set(routed.get(slot.replica_id, 0))
+            self.replica_gave_up.labels(rid).set(1 if slot.gave_up else 0)
+            self.cluster.restarts[rid] = slot.restarts
+        self.cluster.counters = dict(router.counters)
 
 
 @dataclass
@@ -189,4 +220,8 @@ class ClusterCollector:
         restarts = CounterMetricFamily("dlora_replica_restarts", "Times a replica was rebuilt", labels=["replica"])
         for rid, n in sorted(self.restarts.items()):
             restarts.add_metric([rid], n)
-        yield from (resub, moved, restarts)
+        gave_up = CounterMetricFamily("dlora_request_resubmission_limit",
+                                      "Requests failed because their replicas failed more than "
+                                      "cluster.max_resubmissions times")
+        gave_up.add_metric([], self.counters.get("resubmission_limit", 0))
+        yield from (resub, moved, restarts, gave_up)

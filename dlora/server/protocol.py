@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# vLLM's bounds on `seed` and `priority`: the engine carries them as signed 64-bit integers.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class OpenAIModel(BaseModel):
@@ -31,7 +34,7 @@ class SamplingFields(OpenAIModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,8 +52,9 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     # Lower runs earlier, as in vLLM with `--scheduling-policy priority` (dlora's engines always run
-    # it): each engine's waiting queue is ordered by (priority, first arrival).
-    priority: int = 0
+    # it): each engine's waiting queue is ordered by (priority, first arrival). A non-zero value is
+    # refused unless server.allow_client_priority is on.
+    priority: Int64 = 0
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -85,7 +89,10 @@ class ChatMessage(OpenAIModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
-            parts.append(part.get("text", ""))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"a text content part's `text` must be a string, not {type(text).__name__}")
+            parts.append(text)
         return "".join(parts)
 
 
@@ -96,6 +103,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's request-supplied template (also accepted as chat_template_kwargs.chat_template); refused
+    # unless server.trust_request_chat_template is on.
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":

@@ -7,15 +7,19 @@ import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dlora.server import formatting as fmt
-from dlora.server.errors import APIError, error_body
+from dlora.server import templates
+from dlora.server.auth import require_api_key
+from dlora.server.errors import APIError, as_api_error, error_body, error_response
 from dlora.server.generation import Job, collect, make_jobs, resolve_adapter, run_jobs
-from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from dlora.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from dlora.server.validation import check_policy, check_values, request_template
 
-router = APIRouter()
+# Every route here is an inference route: the API key (when set) guards all of them.
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 async def until_disconnect(request: Request, work: Awaitable):
@@ -40,36 +44,45 @@ async def until_disconnect(request: Request, work: Awaitable):
         watcher.cancel()
 
 
-def _tokenize_prompts(state, prompt) -> tuple[list[list[int]], list[str | None]]:
+async def _tokenize_prompts(state, prompt) -> tuple[list[list[int]], list[str | None]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
-    ids, texts = [], []
-    for p in prompt:
-        if isinstance(p, str):
-            ids.append(state.tokenizer(p, add_special_tokens=True)["input_ids"])
-            texts.append(p)
-        else:
-            ids.append(list(p))
-            texts.append(None)
+    texts = [p if isinstance(p, str) else None for p in prompt]
+    encoded = iter(await templates.encode_prompts(state.tokenizer, [t for t in texts if t is not None]))
+    ids = [next(encoded) if t is not None else list(p) for p, t in zip(prompt, texts)]
     return ids, texts
 
 
-def _chat_prompt(state, body: ChatCompletionRequest) -> list[int]:
-    messages = []
+async def _chat_prompt(state, body: ChatCompletionRequest) -> list[int]:
     try:
-        for m in body.messages:
-            messages.append({"role": m.role, "content": m.text()})
-        text = state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}),
-        )
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
-    except Exception as e:  # jinja errors from a template that rejects the conversation
-        raise APIError(400, f"chat template failed: {e}", "messages") from None
-    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+    template, _ = request_template(body)
+    return await templates.chat_prompt(state.tokenizer, messages, body.add_generation_prompt,
+                                       body.chat_template_kwargs or {}, template,
+                                       state.cfg.server.template_timeout_s)
+
+
+def _admit(state, body: SamplingFields) -> None:
+    """The checks every request passes before its model is even looked up."""
+    check_values(body)
+    check_policy(body, state.cfg.server)
+
+
+async def _answer(request_id: str, work: Awaitable[Response]) -> Response:
+    """Run a route's work; any error becomes an OpenAI-shaped response. The request id the client
+    sees in the body's `id` is also in an X-Request-Id header, on errors too."""
+    headers = {"X-Request-Id": request_id}
+    try:
+        response = await work
+    except Exception as e:
+        err = as_api_error(e, request_id)
+        return error_response(err.status, err.message, err.param, headers=headers)
+    response.headers.update(headers)
+    return response
 
 
 def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
@@ -80,6 +93,7 @@ async def _stream(state, jobs: list[Job], label: str, chunk: Callable, usage_chu
                   first_chunks: list[dict] = ()) -> AsyncIterator[str]:
     prompt_tokens = sum(len(j.request.prompt_token_ids) for j in jobs)
     completion_tokens = 0
+    request_id = jobs[0].request.request_id.rsplit("-", 1)[0]
     try:
         for c in first_chunks:
             yield fmt.sse(c)
@@ -88,21 +102,25 @@ async def _stream(state, jobs: list[Job], label: str, chunk: Callable, usage_chu
             yield fmt.sse(chunk(job, delta))
         if usage_chunk is not None:
             yield fmt.sse(usage_chunk(fmt.usage(prompt_tokens, completion_tokens)))
-    except APIError as e:
-        yield fmt.sse(error_body(e.status, e.message, e.param))
     except Exception as e:
-        yield fmt.sse(error_body(500, f"generation failed: {e}"))
+        err = as_api_error(e, request_id)
+        yield fmt.sse(error_body(err.status, err.message, err.param))
     yield fmt.sse("[DONE]")
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return await _answer(rid, _completions(body, request, rid))
+
+
+async def _completions(body: CompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
+    _admit(state, body)
     adapter = resolve_adapter(state, body.model)
-    prompts, texts = _tokenize_prompts(state, body.prompt)
-    jobs = make_jobs(f"cmpl-{uuid.uuid4().hex}", prompts, body, adapter, body.logprobs,
-                     state.max_model_len, state.vocab_size)
-    rid, created, label = jobs[0].request.request_id.rsplit("-", 1)[0], int(time.time()), body.model
+    prompts, texts = await _tokenize_prompts(state, body.prompt)
+    jobs = make_jobs(rid, prompts, body, adapter, body.logprobs, state.max_model_len, state.vocab_size)
+    created, label = int(time.time()), body.model
     if adapter is None:
         label = ""
 
@@ -148,12 +166,17 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    return await _answer(rid, _chat_completions(body, request, rid))
+
+
+async def _chat_completions(body: ChatCompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
+    _admit(state, body)
     adapter = resolve_adapter(state, body.model)
-    prompt = _chat_prompt(state, body)
-    jobs = make_jobs(f"chatcmpl-{uuid.uuid4().hex}", [prompt], body, adapter, body.num_logprobs(),
-                     state.max_model_len, state.vocab_size)
-    rid, created = jobs[0].request.request_id.rsplit("-", 1)[0], int(time.time())
+    prompt = await _chat_prompt(state, body)
+    jobs = make_jobs(rid, [prompt], body, adapter, body.num_logprobs(), state.max_model_len, state.vocab_size)
+    created = int(time.time())
     label = "" if adapter is None else body.model
 
     def envelope(obj: str, choices: list[dict]) -> dict:

@@ -1,20 +1,29 @@
 """`dlora serve`: load the config, start Ray + replicas, serve HTTP with uvicorn.
 
-Start-up failures are one line on stderr (`dlora serve: error: ...`): bad values are refused by
-`check_before_start` (exit 2), and anything that fails while the replicas start is reported as a
+Start-up failures are one line on stderr (`dlora serve: error: ...`): bad values, and a
+server.host:server.port that cannot be bound (bound first, before anything slow), are refused by
+`load_config`, `bind_listener` and `check_before_start` (exit 2), and anything that fails while the replicas start is reported as a
 `dlora.cli.StartupError` (exit 1); the traceback is logged at debug level (`--log-level debug`).
+Once serving, SIGTERM/SIGINT drain (dlora.server.drain) and exit 0; a second signal exits 128+signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
+import socket
 
 from dlora import config as config_mod
 
 log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 2048  # uvicorn's default
+# After the drain, uvicorn still waits this long for connections to close (keep-alive ones are
+# closed at once; every request has ended by then).
+SHUTDOWN_GRACE_S = 5
 
 
 def add_parser(sub) -> None:
@@ -137,12 +146,46 @@ async def start_state(cfg: config_mod.DloraConfig):
         raise StartupError(f"start-up failed: {describe_failure(e)}{hint}") from e
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Take server.host:server.port now, before Ray and the replicas start (a minute), so a port in
+    use is one line at once rather than uvicorn's [Errno 98] after the replicas loaded, and nobody
+    can take the port meanwhile. Connections made while the replicas start wait in the backlog."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise config_mod.ConfigError(f"server.host={host!r}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    # As asyncio's create_server does: a restart must not wait for the last run's TIME_WAIT connections.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise config_mod.ConfigError(
+                f"server.port={port}: address already in use on {host} (another process listens there; "
+                "choose another with --port)") from None
+        raise config_mod.ConfigError(f"server.host={host!r}, server.port={port}: cannot listen there "
+                                     f"({e.strerror})") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dlora.server.app import create_app
+    from dlora.server.drain import Drain
+    from dlora.server.draining_server import DrainingServer
 
-    cfg = check_before_start(load_config(args))
+    cfg = load_config(args)
+    listener = bind_listener(cfg.server.host, cfg.server.port)
+    try:
+        cfg = check_before_start(cfg)
+    except BaseException:
+        listener.close()
+        raise
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The state is built before uvicorn starts rather than in the app's lifespan, where uvicorn would
     # log a failure's whole traceback; from here on the lifespan owns it (closes it at shutdown).
@@ -151,17 +194,18 @@ def run(args: argparse.Namespace) -> int:
     async def state():
         return built[0]
 
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.server.host, port=cfg.server.port,
-                                           log_level=cfg.server.log_level, timeout_graceful_shutdown=10))
+    drain = Drain(cfg.server.drain_timeout_s)
+    server = DrainingServer(uvicorn.Config(create_app(state, drain), host=cfg.server.host, port=cfg.server.port,
+                                           log_level=cfg.server.log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S), drain)
 
     async def main() -> None:
         built.append(await start_state(cfg))
-        await server.serve()
+        await server.serve(sockets=[listener])
 
-    try:
+    try:  # Ctrl-C while the replicas start is a KeyboardInterrupt (uvicorn's handlers come later)
         with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
             runner.run(main())
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on, as uvicorn.run expects
-        if not server.started:
-            raise
-    return 0 if server.started else 3  # uvicorn.run's exit code when the server did not start
+    finally:
+        listener.close()
+    return server.exit_code if server.started else 3  # uvicorn.run's exit code when the server did not start

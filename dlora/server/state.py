@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.validate import BaseModelShapes
-from dlora.cluster.adapters import AdapterManager, ref_of
+from dlora.cluster.adapters import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import DloraConfig
@@ -58,7 +58,12 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
     """What the router needs from the server's config: the engines' adapter and batch limits."""
     return RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
                         adapter_slots=cfg.engine.max_cpu_loras, batch_adapter_slots=cfg.engine.max_loras,
-                        max_batch=cfg.engine.max_num_seqs, output_lengths=cfg.cluster.output_lengths())
+                        max_batch=cfg.engine.max_num_seqs, output_lengths=cfg.cluster.output_lengths(),
+                        max_resubmissions=cfg.cluster.max_resubmissions,
+                        actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,
+                        replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
+                        max_restart_attempts=cfg.cluster.max_restart_attempts,
+                        request_timeout_s=cfg.server.request_timeout_s)
 
 
 async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
@@ -82,6 +87,7 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
         roots=cfg.server.adapter_roots,
         base_model_name=name,
         max_pinned=cfg.engine.max_cpu_loras - cfg.engine.max_loras,
+        snapshot_root=cfg.state_dir / SNAPSHOT_SUBDIR,
     )
     manager_box.append(adapters)
     await router.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import time
 
 import httpx
 import pytest
@@ -40,7 +41,14 @@ def server(request, tiny_model, tmp_path_factory):
         return
     tmp = tmp_path_factory.mktemp(f"batching-{request.param}")
     roots = [str(tiny_model.base.parent), str(tmp)]
-    srv = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
+    state = tmp / "state"
+    if request.param == "merged":
+        # A state dir that cannot be created (its parent is a file): the server then serves adapters
+        # from their own directories instead of snapshots, which lets the merge-failure test below
+        # pull an adapter's files from under a running engine.
+        (tmp / "not-a-dir").write_text("")
+        state = tmp / "not-a-dir" / "state"
+    srv = harness.launch(tmp, harness.tiny_config(tiny_model, state, harness.free_port(),
                                                   scheduling=FORCED[request.param],
                                                   **{"server.adapter_roots": roots, **ENGINE.get(request.param, {})}))
     srv.scratch = tmp
@@ -80,6 +88,9 @@ def base_alone(url):
 
 
 def metric(url, name, **labels):
+    # /metrics shows the replicas' stats as the monitor loop last read them (every
+    # cluster.monitor_interval_s, 1 s): wait for a read made after what the caller just did.
+    time.sleep(2.5)
     text = httpx.get(f"{url}/metrics", timeout=30).text
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
@@ -133,7 +144,7 @@ def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_mode
     r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)},
                    timeout=120)
     assert r.status_code == 200, r.text
-    shutil.rmtree(copy)  # registered and loaded by the engine; a merge must now fail
+    shutil.rmtree(copy)  # registered and loaded by the engine, served from here: a merge must now fail
     # Alone, a1copy is the only adapter `merged` can pick, so its merge is attempted (and fails) for
     # sure; in a mix, which adapter is merged first depends on timing.
     alone = [("a1copy", PROMPTS[0])]

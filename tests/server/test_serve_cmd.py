@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -81,3 +83,21 @@ def test_server_starts_and_stops_cleanly(tiny_model, tmp_path):
     assert server.proc.returncode == 0, server.tail()
     log = server.log_path.read_text(errors="replace")
     assert "Application shutdown complete" in log and "Traceback" not in log
+
+
+def test_port_in_use_is_one_line_exit_2_before_anything_starts(tiny_model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = serve("--model", str(tiny_model.base), "--state-dir", str(tmp_path / "state"), "--port", str(port))
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"dlora serve: error: server.port={port}: address already in use on 127.0.0.1 (another process listens "
+        "there; choose another with --port)"]
+    # No Ray, no replica (either would have logged on stderr): the time is the interpreter's start
+    # and the config's imports, far below a replica's start even on a busy machine.
+    assert elapsed < 30, elapsed
+    assert not (tmp_path / "state").exists()  # nothing was started, not even the registry

@@ -27,7 +27,8 @@ def two_replica_server(tiny_model, tmp_path_factory):
 
 def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     url = two_replica_server.url
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas_healthy": 2, "replicas": 2}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas_healthy": 2, "replicas": 2,
+                                                 "replicas_given_up": []}
     jobs = [(m, p) for m in ["tiny-base", "a0", "a1", "a2"] for p in PROMPTS]
 
     async def run():

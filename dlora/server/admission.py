@@ -1,0 +1,200 @@
+"""Admission control: what the server refuses before any work starts, and how.
+
+A pure ASGI middleware (Starlette's BaseHTTPMiddleware buffers and breaks streaming) in front of
+every route. In order:
+  * a body over `server.max_body_bytes` -> 413 (the declared Content-Length, else bytes counted as
+    they arrive, for chunked bodies; nothing more is read);
+  * an inference request asking for more than `server.max_choices_per_request` completions
+    (prompts x n: each is one engine request) -> 400 naming `n` (or `prompt` when n is 1);
+  * an inference request whose completions would push the cluster's in-flight completions past
+    `server.max_pending_requests` -> 429 with `Retry-After`: the whole request is refused up front,
+    so a request never runs half of its choices.
+The completions of an admitted request count as in flight until its response has been sent
+(a stream included). Why here and not in the routes: the fan-out is known from the raw JSON, so a
+request of 48,000 completions is refused before it is validated, tokenised or turned into jobs.
+Refusals are OpenAI-shaped JSON (dlora/server/errors.py) and counted in /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dlora.cluster.errors import ClusterError
+from dlora.server.errors import error_body, error_response
+
+INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None}
+RETRY_AFTER_S = 1  # in-flight completions end within seconds on a busy server: come back soon
+
+
+@dataclass
+class Fanout:
+    """How many completions (engine requests) one inference request asks for."""
+
+    prompts: int = 1
+    n: int = 1
+
+    @property
+    def choices(self) -> int:
+        return self.prompts * self.n
+
+
+def fanout_of(path: str, body: bytes) -> Fanout | None:
+    """The request's prompts x n from its raw JSON; None for other routes. A malformed body counts
+    as one completion: the route refuses it with the precise reason."""
+    if path not in INFERENCE_PATHS:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return Fanout()
+    if not isinstance(data, dict):
+        return Fanout()
+    n = data.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return Fanout(prompts=_prompts(data.get("prompt")) if INFERENCE_PATHS[path] else 1, n=n)
+
+
+def _prompts(prompt) -> int:
+    """A string or one list of token ids is one prompt; a list of strings or of id lists is many."""
+    if not isinstance(prompt, list) or not prompt or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
+@dataclass
+class InFlight:
+    """Completions admitted and not yet answered, across every request."""
+
+    count: int = 0
+
+    def take(self, n: int, limit: int) -> bool:
+        if self.count + n > limit:
+            return False
+        self.count += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.count -= n
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class AdmissionMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.in_flight = InFlight()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope.get("app").state, "dlora", None) if scope["type"] == "http" else None
+        if state is None:  # not HTTP, or the server is still starting
+            await self.app(scope, receive, send)
+            return
+        limits = state.cfg.server
+        try:
+            body, receive = await _read_body(scope, receive, limits.max_body_bytes)
+        except BodyTooLarge:
+            await self._refuse(state, scope, send, "body_too_large", 413,
+                               f"request body is larger than the server's limit of {limits.max_body_bytes} bytes "
+                               "(server.max_body_bytes)")
+            return
+        fanout = fanout_of(scope["path"], body) if body is not None else None
+        if fanout is None:
+            await self.app(scope, receive, send)
+            return
+        if fanout.choices > limits.max_choices_per_request:
+            await self._refuse(state, scope, send, "fanout", 400,
+                               f"this request asks for {fanout.choices} completions ({fanout.prompts} prompt(s) x "
+                               f"n={fanout.n}); the server allows at most {limits.max_choices_per_request} per request "
+                               "(server.max_choices_per_request)", "n" if fanout.n > 1 else "prompt")
+            return
+        if not self.in_flight.take(fanout.choices, limits.max_pending_requests):
+            await self._refuse(state, scope, send, "overloaded", 429,
+                               f"the server is at its limit of {limits.max_pending_requests} completions in flight "
+                               f"(server.max_pending_requests) and this request asks for {fanout.choices}; "
+                               "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return
+        _set_in_flight(state, self.in_flight.count)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.release(fanout.choices)
+            _set_in_flight(state, self.in_flight.count)
+
+    @staticmethod
+    async def _refuse(state, scope: Scope, send: Send, reason: str, status: int, message: str,
+                      param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        state.metrics.admission_refused.labels(reason).inc()
+        response = JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+        await response(scope, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _set_in_flight(state, count: int) -> None:
+    state.metrics.admitted_choices.set(count)
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[bytes | None, Receive]:
+    """The whole body (None for a request without one) and a `receive` that hands it to the app
+    again, then passes on what the client sends next (a disconnect). Raises BodyTooLarge as soon
+    as the declared or received size passes `limit`."""
+    declared = _content_length(scope)
+    if declared is not None and declared > limit:
+        raise BodyTooLarge
+    if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") and not declared:
+        return None, receive
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away mid-body
+            return None, _replay([message], receive)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    return body, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def install(app) -> None:
+    """Put admission control in front of every route (outside the routes' exception handlers), and
+    answer the cluster's typed failures (no replica, deadline passed, resubmission limit) with their
+    status when a route lets one through."""
+    app.add_middleware(AdmissionMiddleware)
+
+    async def cluster_error(_, exc: ClusterError):
+        return error_response(exc.http_status, str(exc))
+
+    app.add_exception_handler(ClusterError, cluster_error)

@@ -1,0 +1,244 @@
+"""Replica failures by type, bounded resubmissions, deadlines on hung replicas, all replicas down,
+replicas that cannot be rebuilt: in-process replicas, real Ray/vLLM exception objects."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
+from dlora.cluster.router import Router, RouterConfig
+from dlora.replica.errors import EngineNotStarted, ReplicaFailure, RequestRejected
+from dlora.replica.messages import GenerateRequest, SamplingSpec
+from dlora.replica.ray_replica import _is_replica_failure, rejection
+from dlora.replica.sim_replica import SimReplica, reference_tokens
+
+
+def request(rid: str, n: int = 20) -> GenerateRequest:
+    return GenerateRequest(rid, (1, 2, 3), SamplingSpec(max_tokens=n), None)
+
+
+async def collect(router: Router, req: GenerateRequest) -> list[int]:
+    return [t async for d in router.generate(req) for t in d.token_ids]
+
+
+def remote(cause: BaseException, fn: str = "ReplicaActor.generate") -> RayTaskError:
+    """What Ray raises in the caller when an actor method raised `cause` (unpickled on this side)."""
+    return RayTaskError(fn, "Traceback (most recent call last): ...", pickle.loads(pickle.dumps(cause)))
+
+
+# ---- typed failure mapping ------------------------------------------------------------------------
+
+def test_a_dead_engine_or_actor_is_a_replica_failure_by_type():
+    for e in (remote(EngineDeadError()), remote(EngineDeadError()).as_instanceof_cause(),
+              remote(EngineNotStarted("no engine")), ActorDiedError(), ReplicaFailure("x")):
+        assert _is_replica_failure(e), e
+        assert rejection(e) is None
+
+
+def test_error_text_never_makes_a_replica_look_dead():
+    """A request's own error mentioning the words must not restart a healthy replica."""
+    tricky = remote(RuntimeError("EngineDeadError: EngineDead in the prompt"))
+    assert not _is_replica_failure(tricky)
+    assert not _is_replica_failure(ValueError("EngineDead"))
+
+
+def test_vllm_input_errors_become_request_rejections():
+    bad = rejection(remote(ValueError("max_tokens must be at least 1, got 0.")))
+    assert isinstance(bad, RequestRejected) and bad.message == "max_tokens must be at least 1, got 0."
+    assert "Traceback" not in str(bad)
+    assert isinstance(rejection(remote(TypeError("bad type"))), RequestRejected)
+    typed = rejection(remote(VLLMValidationError("too long", parameter="max_tokens")))
+    assert isinstance(typed, RequestRejected) and typed.param == "max_tokens"
+    assert rejection(remote(RuntimeError("boom"))) is None  # not the request's fault: stays an error
+    assert rejection(ValueError("local")) is None  # only what the actor raised
+
+
+# ---- stand-in replicas -----------------------------------------------------------------------------
+
+class PoisonedReplica(SimReplica):
+    """Dies whenever it serves a request whose id starts with "poison", after its first token."""
+
+    def generate(self, req):
+        inner = super().generate(req)
+        if not req.request_id.startswith("poison"):
+            return inner
+
+        async def dying():
+            async for d in inner:
+                yield d
+                self.kill()
+        return dying()
+
+
+class RejectingReplica(SimReplica):
+    def generate(self, req):
+        async def refuse():
+            raise RequestRejected("stop strings must not be empty", "stop")
+            yield  # an async generator
+        return refuse()
+
+
+class HungReplica(SimReplica):
+    """Answers start; then its stats and streams never answer (a wedged engine)."""
+
+    hung: bool = False
+    closed: int = 0
+
+    async def start(self):
+        if self.hung:  # a rebuild hangs too
+            await asyncio.Event().wait()
+        await super().start()
+
+    async def stats(self):
+        if self.hung:
+            await asyncio.Event().wait()
+        return await super().stats()
+
+    def generate(self, req):
+        if not self.hung:
+            return super().generate(req)
+
+        async def stuck():
+            try:
+                await asyncio.Event().wait()
+                yield
+            finally:
+                self.closed += 1  # the stream was closed: the engine's request is aborted
+        return stuck()
+
+
+class UnbuildableReplica(SimReplica):
+    """Starts once; every rebuild fails (e.g. the model path vanished)."""
+
+    async def start(self):
+        if self.started:
+            self.started += 1
+            raise RuntimeError("cannot build the engine")
+        await super().start()
+
+
+def make(replicas, **cfg) -> Router:
+    return Router(replicas, cfg=RouterConfig(**({"dispatch": "least_loaded"} | cfg)))
+
+
+# ---- bounded resubmissions --------------------------------------------------------------------------
+
+def test_a_request_that_kills_replicas_is_given_up_after_max_resubmissions():
+    async def run():
+        replicas = [PoisonedReplica(i, step_s=0.002) for i in range(4)]
+        router = make(replicas, max_resubmissions=2)
+        await router.start()
+        with pytest.raises(ResubmissionLimit, match="request failed on 3 replicas; giving up"):
+            await collect(router, request("poison-1"))
+        assert router.counters["resubmissions"] == 2 and router.counters["resubmission_limit"] == 1
+        # an ordinary request still completes, on whatever is up or rebuilt
+        assert await collect(router, request("fine")) == reference_tokens(None, (1, 2, 3), 20)
+        await router.shutdown()
+    asyncio.run(run())
+
+
+def test_a_rejected_request_fails_alone_and_is_not_resubmitted():
+    async def run():
+        router = make([RejectingReplica(0), RejectingReplica(1)])
+        await router.start()
+        with pytest.raises(RequestRejected) as info:
+            await collect(router, request("r"))
+        assert info.value.param == "stop"
+        assert router.counters["resubmissions"] == 0 and all(s.healthy for s in router.slots)
+        await router.shutdown()
+    asyncio.run(run())
+
+
+# ---- deadlines ---------------------------------------------------------------------------------------
+
+def test_a_hung_replica_misses_its_stats_deadline_and_its_streams_move():
+    async def run():
+        hung, good = HungReplica(0, step_s=0.002), SimReplica(1, step_s=0.002)
+        router = make([hung, good], actor_call_timeout_s=0.2, dispatch="round_robin")
+        await router.start()
+        hung.hung = True
+        task = asyncio.create_task(collect(router, request("h", n=10)))
+        while "h" not in router.requests or router.requests["h"].engine_request_id is None:
+            await asyncio.sleep(0.005)
+        assert router.requests["h"].slot.replica_id == 0
+        t0 = time.monotonic()
+        stats = await router.refresh_stats()  # does not wait on the hung replica past its deadline
+        assert time.monotonic() - t0 < 1.0
+        assert not stats[0].healthy and stats[1].healthy and not router.slots[0].healthy
+        assert await asyncio.wait_for(task, 2) == reference_tokens(None, (1, 2, 3), 10)  # finished on replica 1
+        assert hung.closed == 1 and router.counters["resubmissions"] == 1
+        for t in [s.recovering for s in router.slots if s.recovering]:
+            t.cancel()
+    asyncio.run(run())
+
+
+def test_a_request_past_its_deadline_is_aborted_and_fails_with_request_timeout():
+    async def run():
+        hung = HungReplica(0)
+        router = make([hung], request_timeout_s=0.3)
+        await router.start()
+        hung.hung = True
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout, match="deadline"):
+            await collect(router, request("slow"))
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert hung.closed == 1 and router.requests == {}  # its stream was closed in the engine
+        assert router.slots[0].healthy  # a slow request is not a failed replica
+    asyncio.run(run())
+
+
+def test_a_deadline_also_bounds_the_wait_for_a_replica():
+    async def run():
+        router = make([SimReplica(0)], request_timeout_s=0.2, recovery_grace_s=5.0)
+        await router.start()
+        router.slots[0].healthy = False  # down, and nothing rebuilds it
+        router.slots[0].ready.clear()
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            await collect(router, request("w"))
+        assert time.monotonic() - t0 < 1.0
+    asyncio.run(run())
+
+
+# ---- all replicas down; replicas that cannot be rebuilt ----------------------------------------------
+
+def test_all_replicas_down_fails_at_once_with_no_replica_error():
+    async def run():
+        replicas = [UnbuildableReplica(i) for i in range(2)]
+        router = make(replicas, recovery_grace_s=0.2)
+        await router.start()
+        for r in replicas:
+            r.kill()
+        t0 = time.monotonic()
+        with pytest.raises(NoReplicaError, match="no replica is up"):
+            await collect(router, request("x"))
+        assert time.monotonic() - t0 < 1.5  # the grace, not the 300 s it used to wait
+        await router.shutdown()
+    asyncio.run(run())
+
+
+def test_a_replica_that_cannot_be_rebuilt_is_given_up_and_not_retried_in_a_loop():
+    async def run():
+        replica = UnbuildableReplica(0)
+        router = make([replica], max_restart_attempts=2)
+        await router.start()
+        replica.kill()
+        await router.refresh_stats()  # finds it dead: rebuilds start (1 s apart)
+        for _ in range(300):
+            if router.slots[0].gave_up:
+                break
+            await asyncio.sleep(0.01)
+        assert router.slots[0].gave_up and router.slots[0].failed_restarts == 2 and not router.slots[0].healthy
+        attempts = replica.started
+        await asyncio.sleep(1.5)  # a tight loop would have tried again by now
+        assert replica.started == attempts
+        assert [st.healthy for st in router.reported_stats()] == [False]
+        router.slots[0].recovering.cancel()
+    asyncio.run(run())

@@ -1,0 +1,147 @@
+"""Admission control on a real server (tiny model): body size (413), fan-out cap (400), completions
+in flight (429 + Retry-After), the request deadline (504 / SSE error then [DONE]), and /health and
+/metrics answering at once under load."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests import harness
+
+MAX_BODY = 64 * 1024
+MAX_CHOICES = 256
+MAX_PENDING = 260
+DEADLINE_S = 4.0
+# 16 prompts x n=16 = 256 completions of 480 tokens, 8 at a time: minutes of work, far past the deadline.
+BIG = {"model": "tiny-base", "prompt": [[i + 1, 2, 3] for i in range(16)], "n": 16, "max_tokens": 480,
+       "ignore_eos": True, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("admission")
+    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{
+        "server.max_body_bytes": MAX_BODY, "server.max_choices_per_request": MAX_CHOICES,
+        "server.max_pending_requests": MAX_PENDING, "server.request_timeout_s": DEADLINE_S,
+        "engine.max_num_seqs": 8})
+    srv = harness.launch(tmp, cfg)
+    yield srv
+    srv.stop()
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["param"] == param
+    return err
+
+
+def timed_get(url: str) -> float:
+    t0 = time.monotonic()
+    r = httpx.get(url, timeout=5)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_a_body_over_the_limit_is_refused_with_413(server):
+    url = f"{server.url}/v1/completions"
+    big = {"model": "tiny-base", "prompt": "x" * (MAX_BODY + 10), "max_tokens": 1}
+    err = assert_openai_error(httpx.post(url, json=big, timeout=30), 413)
+    assert "server.max_body_bytes" in err["message"]
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for _ in range(MAX_BODY // 1024 + 8):
+            yield b" " * 1024
+
+    assert_openai_error(httpx.post(url, content=chunked(), headers={"content-type": "application/json"},
+                                   timeout=30), 413)
+    ok = httpx.post(url, json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_fanout_over_the_cap_is_refused_at_once(server):
+    """The request that froze the server: 3,000 prompts x n=16 = 48,000 engine requests."""
+    body = {"model": "tiny-base", "prompt": [[i % 50 + 1, 7] for i in range(3000)], "n": 16, "max_tokens": 1}
+    t0 = time.monotonic()
+    err = assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 400, "n")
+    assert time.monotonic() - t0 < 2.0
+    assert "48000" in err["message"] and "server.max_choices_per_request" in err["message"]
+    many = {"model": "tiny-base", "prompt": [[5]] * (MAX_CHOICES + 1), "max_tokens": 1}
+    assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=many, timeout=30), 400, "prompt")
+    chat = {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES + 1}
+    assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30), 400, "n")
+    assert timed_get(f"{server.url}/health") < 1.0
+
+
+def stream_lines(url: str, body: dict, lines: list, started: threading.Event) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120) as r:
+        lines.append(r.status_code)
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+    started.set()
+
+
+def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(server):
+    url = server.url
+    warm = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2},
+                      timeout=60)  # the first request imports the request checks' modules
+    assert warm.status_code == 200, warm.text
+    lines: list = []
+    started = threading.Event()
+    t0 = time.monotonic()
+    reader = threading.Thread(target=stream_lines, args=(url, BIG, lines, started), daemon=True)
+    reader.start()
+    assert started.wait(60) and lines[0] == 200, lines[:3]
+
+    # 256 completions in flight: /health and /metrics still answer at once
+    for _ in range(5):
+        assert timed_get(f"{url}/health") < 1.0
+        assert timed_get(f"{url}/metrics") < 1.0
+    assert metric(url, "dlora_admitted_completions") == MAX_CHOICES
+
+    # 256 + 8 > 260: refused whole, up front, with a hint when to retry
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2},
+                   timeout=30)
+    err = assert_openai_error(r, 429)
+    assert r.headers["retry-after"] == "1" and "server.max_pending_requests" in err["message"]
+    assert metric(url, 'dlora_admission_refused_total{reason="overloaded"}') >= 1
+
+    # the stream passes its deadline: an OpenAI error chunk, then [DONE]
+    reader.join(DEADLINE_S + 30)
+    elapsed = time.monotonic() - t0
+    assert not reader.is_alive()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 504 and "deadline" in error["message"], error
+    assert DEADLINE_S <= elapsed < DEADLINE_S + 20, elapsed
+
+    # the same request without streaming: 504 JSON
+    t1 = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", json=BIG, timeout=60)
+    assert_openai_error(r, 504)
+    assert DEADLINE_S <= time.monotonic() - t1 < DEADLINE_S + 20
+
+    # the engine's work was stopped, not left to run for minutes
+    deadline = time.monotonic() + 15
+    while metric(url, "dlora_replica_unfinished_requests") > 0:
+        assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
+        time.sleep(0.25)
+    assert metric(url, "dlora_admitted_completions") == 0
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text

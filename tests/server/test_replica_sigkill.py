@@ -1,0 +1,114 @@
+"""A replica's process SIGKILLed in the middle of several streams on a two-replica server: every
+stream completes with exactly the tokens of an undisturbed run (the router resubmits the lost ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import harness
+
+MAX_TOKENS = 160
+JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
+
+
+@pytest.fixture
+def two_replica_server(tiny_model, tmp_path):
+    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port(),
+                              **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}})
+    server = harness.launch(tmp_path, cfg)
+    yield server
+    server.stop()
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def replica_pids(server_pid: int) -> list[int]:
+    """This server's ReplicaActor worker processes (Ray titles them `ray::ReplicaActor...`): found
+    below the server's own process, so other servers on the machine are never touched."""
+    tree, found, todo = _children(), [], [server_pid]
+    while todo:
+        pid = todo.pop()
+        todo.extend(tree.get(pid, []))
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith("ray::ReplicaActor"):
+            found.append(pid)
+    return sorted(found)
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, progress: dict) -> list[int]:
+    """The streamed token ids (return_token_ids), checked to end with one finish and [DONE]."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    ids: list[int] = []
+    events: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if events[-1] != "[DONE]":
+                chunk = json.loads(events[-1])
+                assert "error" not in chunk, chunk
+                ids.extend(chunk["choices"][0]["token_ids"])
+                progress[(model, prompt)] = len(ids)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    return ids
+
+
+def resubmissions(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("dlora_request_resubmissions_total "))
+
+
+def test_sigkilled_replica_process_loses_no_token(two_replica_server):
+    url = two_replica_server.url
+    pids = replica_pids(two_replica_server.proc.pid)
+    assert len(pids) == 2, pids
+
+    async def run(kill: bool) -> list[list[int]]:
+        progress: dict = {}
+        async with httpx.AsyncClient(timeout=300) as c:
+            tasks = [asyncio.create_task(stream(c, url, m, p, progress)) for m, p in JOBS]
+            if kill:
+                # every stream is under way, none is near its end
+                while len(progress) < len(JOBS) or min(progress.values()) < 8:
+                    assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
+                    await asyncio.sleep(0.01)
+                assert max(progress.values()) < MAX_TOKENS
+                os.kill(pids[0], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    reference = asyncio.run(run(kill=False))
+    before = resubmissions(url)
+    t0 = time.monotonic()
+    disturbed = asyncio.run(run(kill=True))
+    assert all(len(ids) == MAX_TOKENS for ids in disturbed)
+    for (model, prompt), got, want in zip(JOBS, disturbed, reference):
+        assert got == want, (model, prompt)  # no token lost, repeated or changed
+    assert resubmissions(url) > before  # the kill did hit streams, which moved to the other replica
+    assert time.monotonic() - t0 < 240

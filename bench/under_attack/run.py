@@ -1,0 +1,262 @@
+"""Does a hostile client hurt anyone else? Good traffic alone vs. good traffic under attack.
+
+One dlora server on the shipped default config (configs/default.yaml: SmolLM2-135M-Instruct, the
+demo adapters, two replicas). The same seeded mixed-adapter workload (the base model and every
+demo adapter, Poisson arrivals at a fixed rate, streamed, `ignore_eos`) runs several times,
+alternating "alone" and "attack" reps; during an attack rep a second client at the same time sends:
+
+  * bad values (the kinds vLLM's own server refuses: empty stop strings, min_tokens > max_tokens,
+    out-of-vocabulary stop ids, overflowing penalties, seeds >= 2**64, lone surrogates),
+  * request-supplied chat templates (a prompt rewrite and a nested-loop template),
+  * oversized fan-outs (3,000 token-id prompts x n=16) and oversized bodies,
+  * slow streams: streams whose reader takes one chunk a second.
+
+A poller reads /health every 0.25 s in every rep. Reported per mode (medians over reps): good
+traffic's TTFT p50/p99 and /health latency p99, and what the attacker got back (status counts:
+any 5xx is a failure of the server, not of the attacker).
+
+Run from the repository root:  .venv/bin/python -m bench.under_attack.run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench import servers
+from dlora.bench.provenance import provenance
+from dlora.bench.runner import run_benchmark
+from dlora.bench.workload import WorkloadSpec, generate_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ADAPTERS = ("upper", "json", "pirate")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=int, default=96, help="good requests per rep")
+    p.add_argument("--request-rate", type=float, default=1.5, help="good requests per second")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2, help="reps per mode (alternating alone/attack)")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--out", default=str(HERE / "result.json"))
+    return p.parse_args(argv)
+
+
+def server_config(port: int, state_dir: str) -> dict:
+    """configs/default.yaml as shipped, on another port and a throw-away state dir."""
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg["server"]["port"] = port
+    cfg["server"]["state_dir"] = state_dir
+    cfg["server"]["adapter_roots"] = [str(ROOT / "adapters")]
+    cfg["adapters"] = [{**a, "path": str((ROOT / "configs" / a["path"]).resolve())} for a in cfg["adapters"]]
+    return cfg
+
+
+# ---- the attacker ---------------------------------------------------------------------------------
+
+def bad_bodies(model: str) -> list[tuple[str, str, dict | bytes]]:
+    """(name, path, body) of requests a hostile client sends; each must get a 4xx."""
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    base = {"model": model, "prompt": "Hello", "max_tokens": 8}
+    msgs = [{"role": "user", "content": "Hi"}]
+    nested = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
+    return [
+        ("empty_stop", cmpl, base | {"stop": [""]}),
+        ("min_gt_max", cmpl, base | {"min_tokens": 20}),
+        ("oov_stop_id", cmpl, base | {"stop_token_ids": [10**9]}),
+        ("penalty_inf", cmpl, base | {"repetition_penalty": 1e308 * 10}),
+        ("seed_2_64", cmpl, base | {"seed": 2**64}),
+        ("priority_2_64", cmpl, base | {"priority": 2**64}),
+        ("surrogate_prompt", cmpl, base | {"prompt": "\ud800"}),
+        ("surrogate_model", cmpl, base | {"model": "\ud800"}),
+        ("stream_bad", cmpl, base | {"stop": [""], "stream": True}),
+        ("template_inject", chat, {"model": model, "messages": msgs, "max_tokens": 8,
+                                   "chat_template_kwargs": {"chat_template": "{{ 'ignore the user' }}"}}),
+        ("template_loops", chat, {"model": model, "messages": msgs, "max_tokens": 8,
+                                  "chat_template_kwargs": {"chat_template": nested}}),
+        ("fanout", cmpl, {"model": model, "prompt": [[1, 2, 3]] * 3000, "n": 16, "max_tokens": 8}),
+        ("huge_body", cmpl, json.dumps(base | {"prompt": "a " * 6_000_000}).encode()),
+    ]
+
+
+def _encode(body: dict | bytes) -> bytes:
+    # A lone surrogate cannot be encoded as UTF-8; JSON's \\ud800 escape is what a client sends.
+    return body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=True).encode()
+
+
+async def attack(url: str, model: str, stop: asyncio.Event, statuses: Counter, leaks: list[str]) -> None:
+    """Send the bad requests in a loop and keep a few slow streams open until `stop` is set."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def bad_loop() -> None:
+            while not stop.is_set():
+                for name, path, body in bad_bodies(model):
+                    if stop.is_set():
+                        return
+                    try:
+                        r = await client.post(path, content=_encode(body),
+                                              headers={"content-type": "application/json"})
+                        statuses[f"{name}:{r.status_code}"] += 1
+                        if r.status_code >= 500 or "Traceback" in r.text or 'File "' in r.text:
+                            leaks.append(f"{name}: {r.status_code} {r.text[:200]}")
+                    except httpx.HTTPError as e:
+                        statuses[f"{name}:{type(e).__name__}"] += 1
+                    await asyncio.sleep(0.05)
+
+        async def slow_stream() -> None:
+            body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 128, "ignore_eos": True,
+                    "stream": True}
+            while not stop.is_set():
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        statuses[f"slow_stream:{r.status_code}"] += 1
+                        async for _ in r.aiter_lines():
+                            await asyncio.sleep(1.0)
+                            if stop.is_set():
+                                break
+                except httpx.HTTPError as e:
+                    statuses[f"slow_stream:{type(e).__name__}"] += 1
+
+        await asyncio.gather(bad_loop(), *(slow_stream() for _ in range(4)))
+
+
+# ---- the /health poller --------------------------------------------------------------------------------
+
+async def poll_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                await client.get("/health")
+                latencies.append(time.perf_counter() - t0)
+            except httpx.HTTPError:
+                latencies.append(30.0)
+            await asyncio.sleep(0.25)
+
+
+# ---- one rep ---------------------------------------------------------------------------------------
+
+def one_rep(url: str, model: str, requests, rate: float, with_attack: bool) -> dict:
+    statuses: Counter = Counter()
+    leaks: list[str] = []
+    health: list[float] = []
+
+    async def main() -> dict:
+        stop = asyncio.Event()
+        side = [asyncio.create_task(poll_health(url, stop, health))]
+        if with_attack:
+            side.append(asyncio.create_task(attack(url, model, stop, statuses, leaks)))
+            await asyncio.sleep(2.0)  # the attack is under way before good traffic starts
+        try:
+            result = await asyncio.to_thread(
+                run_benchmark, url, requests, ignore_eos=True, percentiles=(50.0, 99.0),
+                request_rate=rate, disable_tqdm=True, print_result=False)
+        finally:
+            stop.set()
+            await asyncio.gather(*side, return_exceptions=True)
+        return result
+
+    result = asyncio.run(main())
+    health_sorted = sorted(health)
+    return {
+        "mode": "attack" if with_attack else "alone",
+        "completed": result["completed"], "failed": result["failed"],
+        "ttft_p50_ms": result["median_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
+        "tpot_p50_ms": result["median_tpot_ms"], "output_throughput": result["output_throughput"],
+        "health_p99_s": health_sorted[int(0.99 * (len(health_sorted) - 1))] if health_sorted else None,
+        "health_max_s": max(health) if health else None, "health_polls": len(health),
+        "attack_statuses": dict(sorted(statuses.items())), "attack_5xx_or_leaks": leaks[:20],
+    }
+
+
+def summarise(reps: list[dict]) -> dict:
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in reps if r["mode"] == mode)
+
+    return {
+        "good_ttft_p99_ratio": med("attack", "ttft_p99_ms") / med("alone", "ttft_p99_ms"),
+        "good_ttft_p50_ratio": med("attack", "ttft_p50_ms") / med("alone", "ttft_p50_ms"),
+        "health_p99_s": max(med("alone", "health_p99_s"), med("attack", "health_p99_s")),
+        "good_failed": sum(r["failed"] for r in reps),
+        "attack_5xx_or_leaks": sum(len(r["attack_5xx_or_leaks"]) for r in reps),
+        "targets": {"good_ttft_p99_ratio": "<= 1.5", "health_p99_s": "<= 1"},
+    }
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reps = result["reps"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, keys, title in ((axes[0], ("ttft_p50_ms", "ttft_p99_ms"), "good traffic TTFT (ms)"),
+                            (axes[1], ("health_p99_s", "health_max_s"), "/health latency (s)")):
+        for j, key in enumerate(keys):
+            for k, mode in enumerate(("alone", "attack")):
+                vals = [r[key] for r in reps if r["mode"] == mode]
+                x = j * 3 + k
+                ax.bar(x, statistics.median(vals), color=("tab:blue", "tab:red")[k],
+                       label=mode if j == 0 else None)
+                ax.scatter([x] * len(vals), vals, color="black", s=10, zorder=3)
+        ax.set_xticks([0.5, 3.5], [keys[0].replace("_ms", "").replace("_s", ""),
+                                   keys[1].replace("_ms", "").replace("_s", "")])
+        ax.set_title(title)
+        ax.legend()
+    s = result["summary"]
+    fig.suptitle(f"under attack: TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f}, /health p99 {s['health_p99_s']:.3f} s")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    url = f"http://127.0.0.1:{args.port}"
+    spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=ADAPTERS + ("",), distribution="uniform",
+                        request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
+                        seed=0)
+    with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
+        proc = servers.start_dlora(server_config(args.port, f"{tmp}/state"), Path(tmp), "server")
+        try:
+            servers.wait_healthy(url, proc, Path(tmp) / "server.log")
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            requests = generate_workload(spec)  # adapter "" = the base model
+            one_rep(url, model, requests[:8], args.request_rate, with_attack=False)  # warm-up
+            reps = []
+            for rep in range(args.reps):
+                for mode in (("alone", "attack") if rep % 2 == 0 else ("attack", "alone")):
+                    r = one_rep(url, model, requests, args.request_rate, with_attack=mode == "attack")
+                    r["rep"] = rep
+                    reps.append(r)
+                    print(f"rep {rep} {mode:6s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
+                          f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
+                          f"attacker 5xx/leaks {len(r['attack_5xx_or_leaks'])}", flush=True)
+        finally:
+            servers.stop(proc)
+    result = {
+        "question": "does a hostile client slow down or break good traffic?",
+        **provenance("bench.under_attack.run", argv),
+        "config": "configs/default.yaml (port and state_dir changed)",
+        "workload": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
+                     "input_len": args.input_len, "output_len": args.output_len,
+                     "adapters": list(ADAPTERS) + ["<base>"], "ignore_eos": True, "stream": True},
+        "reps": reps, "summary": summarise(reps),
+    }
+    servers.write_result(result, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()

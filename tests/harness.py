@@ -50,6 +50,11 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
                      {"name": "a1", "path": str(model.adapters["a1"])},
                      {"name": "a2", "path": str(model.adapters["a2"])}],
     }
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: dict, overrides: dict) -> dict:
+    """Set "section.key": value (or a whole "section": {...}) in a config dict; returns it."""
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if key:

@@ -61,13 +61,7 @@ def shipped_config(tmp: Path, **overrides) -> dict:
     cfg["cluster"]["num_replicas"] = 1  # one engine: the answers do not depend on the replica
     for spec in cfg["adapters"]:
         spec["path"] = str((here / spec["path"]).resolve())
-    for dotted, value in overrides.items():
-        section, _, key = dotted.partition(".")
-        if key:
-            cfg[section][key] = value
-        else:
-            cfg[section] = value
-    return cfg
+    return harness.apply_overrides(cfg, overrides)
 
 
 def shipped_adapters() -> dict[str, Path]:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests import harness
+from tests.oracle import shipped_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 PROMPTS = (
@@ -32,18 +33,6 @@ MAX_TOKENS = 24
 # steps there are 1/64. (In bf16 the France prompt's first token is such a tie: "The" leads "L" by
 # 0.098 in fp32, and kernels that round the other way answer "L'Etoile, la Marseillaise, ...".)
 NEAR_TIE = {"float32": 1e-2, "bfloat16": 0.3, "float16": 0.05}
-
-
-def shipped_config(tmp: Path) -> dict:
-    """The shipped config with its relative paths made absolute (it is rewritten into `tmp`)."""
-    cfg = yaml.safe_load(CONFIG.read_text())
-    here = CONFIG.parent
-    cfg["server"].update(port=harness.free_port(), state_dir=str(tmp / "state"),
-                         adapter_roots=[str((here / r).resolve()) for r in cfg["server"]["adapter_roots"]])
-    cfg["cluster"]["num_replicas"] = 1  # one engine: the answers do not depend on the replica
-    for spec in cfg["adapters"]:
-        spec["path"] = str((here / spec["path"]).resolve())
-    return cfg
 
 
 @dataclass

@@ -1,8 +1,12 @@
 # The two commands of the README:
 #   make serve   install everything and start the server on configs/default.yaml
 #   make test    install everything and run the whole test suite
-#   make gpu-check  on a GPU machine: the GPU-only checks -> bench/results/gpu_check.json (docs/gpu.md)
-.PHONY: install serve test bench-vs-vllm gpu-check
+# Development:
+#   make test-fast  the tests that start no vLLM engine, `dlora serve` process or Ray cluster
+#                   (`pytest --fast`: skips tests marked `engine`, fails an unmarked one that starts any)
+#   make lint       ruff (lint + format check) and mypy, configured in pyproject.toml
+#   make gpu-check  on a GPU machine: the GPU-only checks -> bench/gpu_check/result.json (docs/gpu.md)
+.PHONY: install serve test test-fast lint bench-vs-vllm gpu-check
 
 install:
 	bash scripts/install.sh
@@ -13,8 +17,16 @@ serve: install
 test: install
 	.venv/bin/python -m pytest
 
+test-fast: install
+	.venv/bin/python -m pytest --fast
+
+lint: install
+	.venv/bin/ruff check
+	.venv/bin/ruff format --check
+	.venv/bin/mypy
+
 bench-vs-vllm: install
-	.venv/bin/python bench/vs_vllm_server.py
+	.venv/bin/python -m bench.vs_vllm_server.run
 
 gpu-check: install
-	.venv/bin/python -m dlora.gpucheck --out bench/results/gpu_check.json
+	.venv/bin/python -m dlora.gpucheck --out bench/gpu_check/result.json

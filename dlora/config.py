@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from dlora import env
-from dlora.cluster.output_lengths import OutputLengthConfig
+from dlora.cluster.estimators.output_lengths import OutputLengthConfig
 from dlora.kinds import kind_error
 from dlora.scheduling import BatchingConfig, policy_names
 
@@ -168,7 +168,7 @@ class ClusterConfig:
     queued_min_wait_s: float | None = None
     # With `migrate_queued`: when no replica can start them, queued requests also move between busy
     # replicas where that lowers the replicas' summed estimated queue wait by at least this many
-    # seconds (dlora/cluster/migration_rebalance.py); null (the default) turns these moves off:
+    # seconds (dlora/cluster/migration/rebalance.py); null (the default) turns these moves off:
     # on the two-replica benchmark they did not lower queueing (bench/README.md).
     rebalance_min_gain_s: float | None = None
     monitor_interval_s: float = 1.0  # how often replica stats are read
@@ -183,7 +183,7 @@ class ClusterConfig:
     # A replica that fails to rebuild this many times in a row is reported unhealthy and left alone.
     max_restart_attempts: int = 5
     placement_interval_s: float = 30.0  # long-term preload period (dynamic placement), also its rate window
-    # Output lengths dispatch and migration expect (dlora/cluster/output_lengths.py): each adapter's
+    # Output lengths dispatch and migration expect (dlora/cluster/estimators/output_lengths.py): each adapter's
     # last `output_length_window` finished requests (0 = price every request at its max_tokens);
     # an adapter's own history counts from `output_length_min_samples` on, before that every
     # adapter's pooled history, and before any request finished `output_length_prior` tokens
@@ -381,10 +381,12 @@ def override(cfg: DloraConfig, dotted: dict[str, Any]) -> DloraConfig:
             continue
         section, _, name = key.partition(".")
         sub = getattr(cfg, section, None)
-        if sub is None or not dataclasses.is_dataclass(sub) or name not in {f.name for f in fields(sub)}:
+        # A section is a dataclass instance; `adapters` (a tuple) and unknown names are not.
+        if not dataclasses.is_dataclass(sub) or isinstance(sub, type) or name not in {f.name for f in fields(sub)}:
             raise ConfigError(f"unknown config key {key!r}")
         try:
-            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sub, **{name: value})})
+            changes: dict[str, Any] = {section: dataclasses.replace(sub, **{name: value})}
+            cfg = dataclasses.replace(cfg, **changes)
         except TypeError as e:
             raise ConfigError(f"{key}={value!r}: {e}") from None
     return cfg

@@ -7,9 +7,10 @@ settings. (vLLM's own variables are *set* for replica processes in dlora/replica
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -91,7 +92,7 @@ def _gib(raw: str) -> float:
 DLORA_PRISTINE_DEVICE_GIB = EnvVar(
     "DLORA_PRISTINE_DEVICE_GIB", 1.0, _gib,
     "GPU memory (GiB) per replica for the copies of base weight rows an in-place merge overwrites; "
-    "rows beyond it are kept in pinned host memory (dlora/replica/pristine_rows.py)",
+    "rows beyond it are kept in pinned host memory (dlora/engine_ext/pristine_rows.py)",
 )
 
 ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_API_KEY, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND,

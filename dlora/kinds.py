@@ -58,7 +58,9 @@ def _field_kinds(cls: type) -> dict[str, tuple[tuple[Any, ...], bool]]:
 def kind_error(obj: Any, section: str) -> str | None:
     """The message for the first field of dataclass `obj` whose value has the wrong kind, e.g.
     "scheduling.switch_cost_s='abc': must be a number", or None if every field fits."""
-    for name, (kinds, nullable) in _field_kinds(type(obj)).items():
+    # mypy checks a class against functools.cache's Hashable through the instance __hash__;
+    # classes are hashable.
+    for name, (kinds, nullable) in _field_kinds(type(obj)).items():  # type: ignore[arg-type]
         value = getattr(obj, name)
         if (value is None and nullable) or any(_fits(value, k) for k in kinds):
             continue

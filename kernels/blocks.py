@@ -20,7 +20,7 @@ their tiles are capped at BGMV_MAX_ELEMENTS (64 fp32 registers a thread at 4 war
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -123,13 +123,13 @@ def device_smem_bytes(index: int) -> int:
     return _smem(index)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cuda_blocks(index: int, block_r: int, dtype: torch.dtype) -> KernelBlocks | None:
     # Keyed by the rank tile, not the rank: all ranks with the same tile share one entry.
     return choose_blocks(block_r, dtype, _smem(index))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _smem(index: int) -> int:
     smem = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
     if not smem:

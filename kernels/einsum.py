@@ -9,8 +9,8 @@ the packed rank columns keeps only its own adapter's block:
 With equal ranks this is exactly the paper's `einsum("th,tn,nrh->tr")` / `einsum("tr,tn,nor->to")`
 (see `reference.lora_einsum_onehot`), reshaped so the adapter and rank axes are one packed axis and
 each adapter only costs its own rank. It trades N-fold FLOPs (T x R_total x H) for two large GEMMs
-instead of one small GEMM per adapter, which wins on CPU where per-op dispatch dominates
-(../shared/reference/kernels-ray-pulp-probe.md section 2.1).
+instead of one small GEMM per adapter, which wins on CPU where per-op dispatch dominates while a
+batch holds few adapters (bench/kernels/ times both forms).
 
 The two contractions are plain GEMMs once the axes are packed, so they are written as matmuls
 (torch.einsum adds ~10% dispatch overhead at these sizes), or go through the PackedLoRA's prebuilt

@@ -25,9 +25,10 @@ NOTE on the batch metadata (built once per step, outside the layers):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -105,7 +106,7 @@ class PackedLoRA:
         return a, b
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-           ) -> "PackedLoRA":
+           ) -> PackedLoRA:
         return PackedLoRA(self.a.to(device=device, dtype=dtype), self.b.to(device=device, dtype=dtype),
                           self.rank_offsets.to(device=device), self.ranks)
 
@@ -154,7 +155,7 @@ class LoRABatchMeta:
     def num_segments(self) -> int:
         return 0 if self.seg_adapters is None else self.seg_adapters.numel()
 
-    def to(self, device: torch.device | str) -> "LoRABatchMeta":
+    def to(self, device: torch.device | str) -> LoRABatchMeta:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
         return LoRABatchMeta(self.token_indices.to(device), move(self.seg_starts),
@@ -162,14 +163,14 @@ class LoRABatchMeta:
 
     @staticmethod
     def decode(token_indices: torch.Tensor | Sequence[int], device: torch.device | str | None = None
-               ) -> "LoRABatchMeta":
+               ) -> LoRABatchMeta:
         """Per-token (BGMV) batch: token t uses adapter token_indices[t] (-1 = none)."""
         idx = torch.as_tensor(token_indices, dtype=torch.int32, device=device).reshape(-1)
         return LoRABatchMeta(idx, None, None, 0, _active_rows(idx))
 
     @staticmethod
     def prefill(seg_lens: Sequence[int], seg_adapters: Sequence[int],
-                device: torch.device | str | None = None) -> "LoRABatchMeta":
+                device: torch.device | str | None = None) -> LoRABatchMeta:
         """Segmented (SGMV) batch: seg_lens[s] consecutive tokens use adapter seg_adapters[s]."""
         if len(seg_lens) != len(seg_adapters) or any(n < 0 for n in seg_lens):
             raise ValueError("seg_lens and seg_adapters must have equal length, lengths >= 0")
@@ -189,7 +190,7 @@ class LoRABatchMeta:
 
     @staticmethod
     def segments_of(token_indices: Sequence[int], device: torch.device | str | None = None
-                    ) -> "LoRABatchMeta":
+                    ) -> LoRABatchMeta:
         """Segmented batch from per-token indices, one segment per run of equal indices."""
         lens: list[int] = []
         adapters: list[int] = []

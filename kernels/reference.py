@@ -8,7 +8,7 @@ the public op of the same name without the `_ref` suffix; see `dlora_kernels.ops
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -16,7 +16,7 @@ Accumulation is fp32; fp32 inputs use `input_precision="ieee"` so GPU results ma
 interpreter (no TF32). Under the interpreter bf16 dot operands are upcast first (see `_dot_f32`).
 The kernels call only builtins (`tl.full`, `tl.reduce`), not triton.language's own jit'd helpers
 (`tl.zeros`, `tl.sum`): those are interpreted only if triton itself was imported with
-TRITON_INTERPRET=1, which a test session cannot guarantee (peft and vLLM import triton early).
+TRITON_INTERPRET=1, which a test run cannot guarantee (peft and vLLM import triton early).
 The launchers take CPU tensors when TRITON_INTERPRET=1 was set before this module was imported
 (see `ops.triton_usable`).
 """
@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .blocks import DotBlocks, cuda_blocks
 from .meta import LoRABatchMeta, PackedLoRA
-
 
 # tl.sum is `tl.reduce(x, axis, _sum_combine)`; calling reduce directly keeps the kernels free of
 # triton.language's jit'd helpers (see the module docstring), and the interpreter recognises this
@@ -221,7 +220,7 @@ def lora_shrink_triton(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta:
         _sgmv_shrink_kernel[grid](
             x, lora.a, v, lora.rank_offsets, meta.seg_starts, meta.seg_adapters, *common,
             BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-            PRECISION=_precision(x.dtype), DOT_F32=_dot_f32(x), **_launch(cfg and cfg.shrink))
+            PRECISION=_precision(x.dtype), DOT_F32=_dot_f32(x), **_launch(cfg.shrink if cfg else None))
     else:
         _bgmv_shrink_kernel[(meta.num_tokens, split_k * r_tiles)](
             x, lora.a, v, lora.rank_offsets, meta.token_indices, *common,
@@ -247,7 +246,7 @@ def lora_expand_triton(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta:
         _sgmv_expand_kernel[grid](
             v, lora.b, y, lora.rank_offsets, meta.seg_starts, meta.seg_adapters, *common,
             BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=_precision(lora.b.dtype),
-            DOT_F32=_dot_f32(lora.b), **_launch(cfg and cfg.expand))
+            DOT_F32=_dot_f32(lora.b), **_launch(cfg.expand if cfg else None))
     else:
         block_n = block_n or (cfg.bgmv_block_n if cfg else _interp_block(lora.out_features))
         _bgmv_expand_kernel[(meta.num_tokens, triton.cdiv(lora.out_features, block_n))](

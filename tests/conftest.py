@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny test model, a live tiny dlora server, and the HF + PEFT oracle."""
+"""Shared fixtures (the tiny test model, a live tiny dlora server, the HF + PEFT oracle) and the hooks of
+`pytest --fast` (tests/fast_lane.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,31 @@ import sys
 
 import pytest
 
-from tests import harness
+from tests import fast_lane, harness
 from tests.oracle import HFOracle
 
 ADMIN_TOKEN = "test-admin-token"
+# Fixtures that start a server: a test using one is marked `engine` (tests/fast_lane.py).
+ENGINE_FIXTURES = frozenset({"tiny_server"})
+_fast_lane_patches = pytest.MonkeyPatch()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="only the tests that start no vLLM engine, dlora server or Ray cluster (tests/fast_lane.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("fast"):
+        fast_lane.refuse_engine_starts(_fast_lane_patches)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(fast_lane.MARKER)
+    if config.getoption("fast"):
+        fast_lane.select(items, config)
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +72,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     """End the process with pytest's own status once its report is written. Why: the in-process vLLM
     engines (tests/replica) leave native OpenMP/oneDNN threads behind, and tearing the interpreter
-    down under them once segfaulted after all 1015 tests had passed, which turned a green run red.
+    down under them can segfault after every test has passed, which would turn a green run red.
     Ray and the test servers are stopped by their fixtures before this point."""
     if _exit_status is None:
         return

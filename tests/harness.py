@@ -75,7 +75,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlora.cli", "serve", "--config", str(self.config_path)],

@@ -34,7 +34,7 @@ def test_without_a_gpu_it_says_so_exits_0_and_writes_nothing(tmp_path):
 def test_arguments_default_to_every_backend_and_the_results_folder():
     args = cli.parse_args([])
     assert args.backends == ("vllm", "triton", "einsum")
-    assert args.out == REPO / "bench" / "results" / "gpu_check.json"
+    assert args.out == REPO / "bench" / "gpu_check" / "result.json"
     assert not args.no_engine and not args.no_kernels
     args = cli.parse_args(["--backends", "triton, vllm", "--no-kernels", "--out", "x.json"])
     assert args.backends == ("triton", "vllm") and args.no_kernels and args.out == Path("x.json")

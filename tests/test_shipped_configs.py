@@ -31,6 +31,7 @@ def test_auto_tiny_resolves_to_the_test_model(tiny_model):
     assert Path(resolve_model_path("auto:tiny")) == tiny_model.base
 
 
+@pytest.mark.engine
 def test_tiny_yaml_serves_a_completion(tiny_model, tmp_path):
     """configs/tiny.yaml as shipped (its `auto:tiny` model included), on a free port and a
     throw-away state dir."""

@@ -18,10 +18,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench import servers
-from bench.under_attack.run import server_config
+from dlora.bench import servers
 from dlora.bench.provenance import provenance
 from dlora.bench.runner import run_benchmark
+from dlora.bench.server_configs import shipped_server_config
 from dlora.bench.workload import WorkloadSpec, generate_workload
 
 HERE = Path(__file__).resolve().parent
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     for rnd in range(args.rounds):
         for dtype in (DTYPES if rnd % 2 == 0 else DTYPES[::-1]):
             with tempfile.TemporaryDirectory(prefix="dlora-dtype-") as tmp:
-                cfg = server_config(args.port, f"{tmp}/state")
+                cfg = shipped_server_config(args.port, f"{tmp}/state")
                 cfg["model"]["dtype"] = dtype
                 proc = servers.start_dlora(cfg, Path(tmp), "server")
                 try:

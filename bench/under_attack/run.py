@@ -11,9 +11,10 @@ alternating "alone" and "attack" reps; during an attack rep a second client at t
   * oversized fan-outs (3,000 token-id prompts x n=16) and oversized bodies,
   * slow streams: streams whose reader takes one chunk a second.
 
-A poller reads /health every 0.25 s in every rep. Reported per mode (medians over reps): good
-traffic's TTFT p50/p99 and /health latency p99, and what the attacker got back (status counts:
-any 5xx is a failure of the server, not of the attacker).
+A poller reads /health every 0.25 s in every rep. Reported per mode: good traffic's TTFT p50/p99
+pooled over the reps' requests (with a bootstrap interval of the p99 ratio), /health latency p99
+(median of reps), the API process's CPU and the machine's busy share (where the time went), and
+what the attacker got back (status counts: any 5xx is a failure of the server, not of the attacker).
 
 Run from the repository root:  .venv/bin/python -m bench.under_attack.run
 """
@@ -32,40 +33,29 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import yaml
 
-from bench import servers
+from dlora.bench import servers
 from dlora.bench.provenance import provenance
 from dlora.bench.runner import run_benchmark
+from dlora.bench.server_configs import shipped_server_config
 from dlora.bench.workload import WorkloadSpec, generate_workload
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ADAPTERS = ("upper", "json", "pirate")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-prompts", type=int, default=96, help="good requests per rep")
+    p.add_argument("--num-prompts", type=int, default=160, help="good requests per rep")
     p.add_argument("--request-rate", type=float, default=1.5, help="good requests per second")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--reps", type=int, default=2, help="reps per mode (alternating alone/attack)")
+    p.add_argument("--reps", type=int, default=3, help="reps per mode (alternating alone/attack)")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--attacker-nice", type=int, default=19,
                    help="nice value of the attacking client's process (it shares this machine's cores)")
     p.add_argument("--out", default=str(HERE / "result.json"))
     return p.parse_args(argv)
-
-
-def server_config(port: int, state_dir: str) -> dict:
-    """configs/default.yaml as shipped, on another port and a throw-away state dir."""
-    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
-    cfg["server"]["port"] = port
-    cfg["server"]["state_dir"] = state_dir
-    cfg["server"]["adapter_roots"] = [str(ROOT / "adapters")]
-    cfg["adapters"] = [{**a, "path": str((ROOT / "configs" / a["path"]).resolve())} for a in cfg["adapters"]]
-    return cfg
 
 
 # ---- the attacker ---------------------------------------------------------------------------------
@@ -161,9 +151,31 @@ async def poll_health(url: str, stop: asyncio.Event, latencies: list[float]) -> 
             await asyncio.sleep(0.25)
 
 
+# ---- CPU accounting -------------------------------------------------------------------------------
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, over all cores (Linux /proc/stat)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
 # ---- one rep ---------------------------------------------------------------------------------------
 
-def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice: int = 19) -> dict:
+def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice: int = 19,
+            server_pid: int | None = None) -> dict:
     statuses: Counter = Counter()
     leaks: list[str] = []
     health: list[float] = []
@@ -194,26 +206,62 @@ def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice
                 attacker.join(30)
         return result
 
+    api_cpu0, (busy0, total0), t0 = (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
     result = asyncio.run(main())
+    api_cpu1, (busy1, total1), t1 = (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
     health_sorted = sorted(health)
     return {
         "mode": "attack" if with_attack else "alone", "attacker_nice": nice if with_attack else None,
         "completed": result["completed"], "failed": result["failed"],
         "ttft_p50_ms": result["median_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
         "tpot_p50_ms": result["median_tpot_ms"], "output_throughput": result["output_throughput"],
+        "ttfts_ms": [round(t * 1000, 2) for t in result["ttfts"] if t is not None],
+        # Where the time went: the API process's CPU share of one core, and the machine's busy share.
+        "wall_s": t1 - t0, "api_process_cpu_s": api_cpu1 - api_cpu0,
+        "machine_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1e-9),
         "health_p99_s": health_sorted[int(0.99 * (len(health_sorted) - 1))] if health_sorted else None,
         "health_max_s": max(health) if health else None, "health_polls": len(health),
         "attack_statuses": dict(sorted(statuses.items())), "attack_5xx_or_leaks": leaks[:20],
     }
 
 
+def pooled(reps: list[dict], mode: str) -> list[float]:
+    return [t for r in reps if r["mode"] == mode for t in r["ttfts_ms"]]
+
+
+def bootstrap_ratio(reps: list[dict], q: float, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """90% interval of pooled p(q) attack / alone, resampling requests with replacement: how much of
+    the ratio is the sampling of a tail, not the attack."""
+    import random
+
+    rng = random.Random(seed)
+    alone, attack = pooled(reps, "alone"), pooled(reps, "attack")
+    ratios = sorted(percentile(rng.choices(attack, k=len(attack)), q) / percentile(rng.choices(alone, k=len(alone)), q)
+                    for _ in range(draws))
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
+
+
 def summarise(reps: list[dict]) -> dict:
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in reps if r["mode"] == mode)
 
+    def pooled_p(mode: str, q: float) -> float:
+        return percentile(pooled(reps, mode), q)
+
+    def cpu_share(mode: str) -> float:
+        return sum(r["api_process_cpu_s"] for r in reps if r["mode"] == mode) / sum(
+            r["wall_s"] for r in reps if r["mode"] == mode)
+
     return {
-        "good_ttft_p99_ratio": med("attack", "ttft_p99_ms") / med("alone", "ttft_p99_ms"),
-        "good_ttft_p50_ratio": med("attack", "ttft_p50_ms") / med("alone", "ttft_p50_ms"),
+        # Pooled over every rep's requests: a p99 of one rep's requests is close to its maximum.
+        "good_ttft_p99_ratio": pooled_p("attack", 99) / pooled_p("alone", 99),
+        "good_ttft_p99_ratio_90ci": bootstrap_ratio(reps, 99),
+        "good_ttft_p50_ratio": pooled_p("attack", 50) / pooled_p("alone", 50),
+        "good_ttft_p99_ms": {m: pooled_p(m, 99) for m in ("alone", "attack")},
+        "good_ttft_p50_ms": {m: pooled_p(m, 50) for m in ("alone", "attack")},
+        "good_ttft_p99_ratio_of_rep_medians": med("attack", "ttft_p99_ms") / med("alone", "ttft_p99_ms"),
+        "api_process_cpu_share": {m: cpu_share(m) for m in ("alone", "attack")},
+        "machine_busy_fraction": {m: med(m, "machine_busy_fraction") for m in ("alone", "attack")},
         "health_p99_s": max(med("alone", "health_p99_s"), med("attack", "health_p99_s")),
         "good_failed": sum(r["failed"] for r in reps),
         "attack_5xx_or_leaks": sum(len(r["attack_5xx_or_leaks"]) for r in reps),
@@ -227,23 +275,30 @@ def plot(result: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reps = result["reps"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, keys, title in ((axes[0], ("ttft_p50_ms", "ttft_p99_ms"), "good traffic TTFT (ms)"),
-                            (axes[1], ("health_p99_s", "health_max_s"), "/health latency (s)")):
-        for j, key in enumerate(keys):
-            for k, mode in enumerate(("alone", "attack")):
-                vals = [r[key] for r in reps if r["mode"] == mode]
-                x = j * 3 + k
-                ax.bar(x, statistics.median(vals), color=("tab:blue", "tab:red")[k],
-                       label=mode if j == 0 else None)
-                ax.scatter([x] * len(vals), vals, color="black", s=10, zorder=3)
-        ax.set_xticks([0.5, 3.5], [keys[0].replace("_ms", "").replace("_s", ""),
-                                   keys[1].replace("_ms", "").replace("_s", "")])
-        ax.set_title(title)
-        ax.legend()
+    reps, colours = result["reps"], {"alone": "tab:blue", "attack": "tab:red"}
+    fig, (cdf, health) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, colour in colours.items():
+        ttfts = sorted(pooled(reps, mode))
+        cdf.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], color=colour, label=f"{mode} (n={len(ttfts)})")
+        cdf.axvline(percentile(ttfts, 99), color=colour, linestyle=":", linewidth=1)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("good request TTFT (ms), dotted: p99")
+    cdf.set_ylabel("fraction of requests")
+    cdf.set_title("good traffic TTFT, pooled over reps")
+    cdf.legend()
+    for k, mode in enumerate(colours):
+        for j, key in enumerate(("health_p99_s", "health_max_s")):
+            vals = [r[key] for r in reps if r["mode"] == mode]
+            x = j * 3 + k
+            health.bar(x, statistics.median(vals), color=colours[mode], label=mode if j == 0 else None)
+            health.scatter([x] * len(vals), vals, color="black", s=10, zorder=3)
+    health.set_xticks([0.5, 3.5], ["p99", "max"])
+    health.set_title("/health latency (s), per rep and median")
+    health.legend()
     s = result["summary"]
-    fig.suptitle(f"under attack: TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f}, /health p99 {s['health_p99_s']:.3f} s")
+    lo, hi = s["good_ttft_p99_ratio_90ci"]
+    fig.suptitle(f"under attack: good TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f} (90% CI {lo:.2f}-{hi:.2f}), "
+                 f"/health p99 {s['health_p99_s']:.3f} s")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -255,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                         request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                         seed=0)
     with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
-        proc = servers.start_dlora(server_config(args.port, f"{tmp}/state"), Path(tmp), "server")
+        proc = servers.start_dlora(shipped_server_config(args.port, f"{tmp}/state"), Path(tmp), "server")
         try:
             servers.wait_healthy(url, proc, Path(tmp) / "server.log")
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -265,11 +320,13 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.reps):
                 for mode in (("alone", "attack") if rep % 2 == 0 else ("attack", "alone")):
                     r = one_rep(url, model, requests, args.request_rate, with_attack=mode == "attack",
-                               nice=args.attacker_nice)
+                                nice=args.attacker_nice, server_pid=proc.pid)
                     r["rep"] = rep
                     reps.append(r)
                     print(f"rep {rep} {mode:6s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
                           f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
+                          f"API CPU {r['api_process_cpu_s'] / r['wall_s']:.0%} of a core, "
+                          f"machine busy {r['machine_busy_fraction']:.0%}, "
                           f"attacker 5xx/leaks {len(r['attack_5xx_or_leaks'])}", flush=True)
         finally:
             servers.stop(proc)

@@ -8,4 +8,9 @@ Modules, one concept each:
 - `workload`: `WorkloadSpec` → `generate_workload` → `list[Request]`, JSONL save/load;
 - `client`: streaming OpenAI client timing TTFT/ITL/E2EL; `runner`: `run_benchmark`, `run_sweep`;
 - `report`, `summary`, `plot`: metrics, the printed block, PNGs; `cli`, `command`: the subcommand.
+
+Shared by the benchmark scripts under bench/ (one folder per question):
+- `servers`: random adapters, server processes, /metrics samples, result files;
+- `server_configs`: vLLM's server command and dlora configs built from one `EngineSettings`;
+- `palette`: one colour per policy in every figure; `provenance`: date, commit, machine, command.
 """

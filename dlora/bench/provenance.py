@@ -8,7 +8,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -40,7 +40,7 @@ def provenance(module: str, argv: list[str] | None = None) -> dict:
     """date (UTC), git_commit, machine and the exact command of `python -m module argv...`."""
     args = sys.argv[1:] if argv is None else argv
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "machine": machine(),
         "command": shlex.join([".venv/bin/python", "-m", module, *args]),

@@ -1,0 +1,17 @@
+"""The cluster layer: one router in the server process in front of many replicas.
+
+- `router`: dispatch, each request's token state, migration and resubmission, replica recovery,
+  deadlines;
+- `balancer`: the monitor loop: reads replica stats, runs migration rounds and the adapter preload;
+- `dispatch`: which replica a new request goes to (`proactive`, `least_loaded`, `round_robin`);
+- `placement`: the periodic adapter preload that raises burst tolerance (dLoRA §5.1);
+- `snapshots`: the plain dataclasses the pure policies read (`ReplicaView`, `ClusterView`, ...);
+- `migration/`: co-migration (dLoRA §5.2): triggers, queued-request moves, the ILP and its fallback;
+- `estimators/`: per-replica cost model, expected output lengths, queued requests' start times;
+- `queue_time`: each request's queueing delay, as /metrics exports it;
+- `launcher`: Ray start or join, replica placement on cores / GPUs;
+- `errors`, `interruptible`: the typed failures a client sees; a replica stream a deadline can end.
+
+Nothing is re-exported here: importing one pure policy must not import the router, Ray or the
+solver, so callers import from the module that defines a name.
+"""

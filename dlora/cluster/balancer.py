@@ -2,8 +2,8 @@
 
 Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), moves
 requests stuck in one replica's queue to replicas that can start them now (`migrate_queued`,
-migration_queued.py: cheap, so on every tick) or, when none can and `rebalance_min_gain_s` is
-set, to busy replicas where they would start sooner (migration_rebalance.py), then checks dLoRA's
+migration/queued.py: cheap, so on every tick) or, when none can and `rebalance_min_gain_s` is
+set, to busy replicas where they would start sooner (migration/rebalance.py), then checks dLoRA's
 triggers (KV pressure, request-count imbalance, queueing delay; at most one round per
 `migration_interval_s`). Such a round solves the relaxed co-migration ILP off the event loop. Either kind of round loads the
 planned adapters on their targets, then moves each planned request (abort + resubmit, see router.py).
@@ -18,14 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dlora.cluster.migration_ilp import MigrationPlan, plan_migration
-from dlora.cluster.migration_problem import MigrationConfig
-from dlora.cluster.migration_queued import QueuedConfig, plan_queued, queued_trigger
-from dlora.cluster.migration_rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
-from dlora.cluster.migration_trigger import Trigger, TriggerConfig, check_trigger
-from dlora.cluster.monitor_types import ClusterView
+from dlora.cluster.migration.ilp import MigrationPlan, plan_migration
+from dlora.cluster.migration.problem import MigrationConfig
+from dlora.cluster.migration.queued import QueuedConfig, plan_queued, queued_trigger
+from dlora.cluster.migration.rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
+from dlora.cluster.migration.trigger import Trigger, TriggerConfig, check_trigger
 from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
 from dlora.cluster.router import Router
+from dlora.cluster.snapshots import ClusterView
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef
 

@@ -24,10 +24,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dlora.cluster.cost_model import (
-    CostParams, batch_slot_wait, load_time, merge_disruption, pending_time, request_work, step_seconds,
+from dlora.cluster.estimators.cost_model import (
+    CostParams,
+    batch_slot_wait,
+    load_time,
+    merge_disruption,
+    pending_time,
+    request_work,
+    step_seconds,
 )
-from dlora.cluster.monitor_types import AdapterTotals, LoadTotals, ReplicaView, RequestLoad
+from dlora.cluster.snapshots import AdapterTotals, LoadTotals, ReplicaView, RequestLoad
 
 KV_HIGH = 0.90
 
@@ -62,7 +68,7 @@ def _group_work(p: CostParams, g: AdapterTotals) -> float:
 
 
 def _from_totals(p: CostParams, view: ReplicaView, totals: LoadTotals, adapter) -> float:
-    """pending_time + merge_disruption + batch_slot_wait of cost_model.py, from the replica's sums."""
+    """pending_time + merge_disruption + batch_slot_wait of estimators/cost_model.py, from the replica's sums."""
     merged = view.merged_adapter
     pending = disruption = 0.0
     for name, g in totals.by_adapter.items():

@@ -9,7 +9,7 @@ import ray
 
 from dlora import env
 from dlora.config import DloraConfig
-from dlora.replica import lora_backend
+from dlora.engine_ext import lora_backend
 from dlora.replica.ray_replica import RayReplica, create_replica
 
 log = logging.getLogger(__name__)

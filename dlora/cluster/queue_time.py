@@ -7,7 +7,7 @@ sending it anywhere (waiting for a healthy replica). Loading its adapter before 
 counted, as vLLM loads a LoRA inside the step that runs it.
 
 Where the numbers come from: each replica's scheduler measures its part per engine request
-(dlora/replica/queue_waits.py) and ships it with the stats the router reads every monitor interval
+(dlora/engine_ext/queue_waits.py) and ships it with the stats the router reads every monitor interval
 and on every /metrics scrape. A request therefore often finishes before its last part arrives; its
 total is observed once every part is known, i.e. at the first stats read after it finished. A part
 that cannot come (the replica failed) or has not come `expiry_s` after the request finished is

@@ -29,13 +29,13 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
-from dlora.cluster.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
+from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.interruptible import InterruptibleStream
-from dlora.cluster.monitor_types import IterationSample, LoadTotals, ReplicaView, RequestLoad
-from dlora.cluster.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.queue_time import QueueTimes
+from dlora.cluster.snapshots import IterationSample, LoadTotals, ReplicaView, RequestLoad
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
@@ -571,7 +571,3 @@ class Router:
 
     def _observe_iterations(self, replica_id: int, iterations) -> None:
         self.cost_models[replica_id].observe(*(IterationSample(*step) for step in iterations))
-
-    async def replica_stats(self) -> list[ReplicaStats]:
-        """A fresh read (admin listing); each replica call is bounded by actor_call_timeout_s."""
-        return await self.refresh_stats()

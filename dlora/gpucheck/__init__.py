@@ -1,6 +1,6 @@
 """`make gpu-check`: every check that needs a CUDA GPU, in one command, into one JSON report.
 
-    python -m dlora.gpucheck [--out bench/results/gpu_check.json] [--backends vllm,triton,einsum]
+    python -m dlora.gpucheck [--out bench/gpu_check/result.json] [--backends vllm,triton,einsum]
 
 Checks (docs/gpu.md): an engine starts with each LoRA backend on the tiny test model; its greedy
 outputs equal HF + PEFT for the base model, each adapter, merged, unmerged and mixed steps with a

@@ -10,14 +10,14 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from dlora.gpucheck import machine
 from dlora.gpucheck.report import Check, Report, summary, write
 
 BACKENDS = ("vllm", "triton", "einsum")
-DEFAULT_OUT = machine.REPO / "bench" / "results" / "gpu_check.json"
+DEFAULT_OUT = machine.REPO / "bench" / "gpu_check" / "result.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA GPU found (torch.cuda.is_available() is False): nothing to check, no report written")
         return 0
     report = Report(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
         git_commit=machine.git_commit(),
         command=shlex.join([sys.executable, "-m", "dlora.gpucheck", *argv]),
         machine=machine.machine_info(),

@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
 ADAPTERS = ("a0", "a1", "a2")
@@ -40,7 +41,7 @@ def run(backend: str) -> dict:
 
     model = ensure_test_model()
     oracle = HFOracle(str(model.base), {k: str(v) for k, v in model.adapters.items()})
-    result = {"backend": backend, "phases": {}}
+    result: dict[str, Any] = {"backend": backend, "phases": {}}
     started = time.perf_counter()
     with _engine(model, backend, {"policy": "unmerged"}) as llm:
         result["engine_start_s"] = round(time.perf_counter() - started, 2)
@@ -79,7 +80,7 @@ class _engine:
 
     def __enter__(self):
         from dlora import config
-        from dlora.replica import lora_backend
+        from dlora.engine_ext import lora_backend
         from dlora.replica.engine import engine_kwargs
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

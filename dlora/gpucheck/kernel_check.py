@@ -21,14 +21,14 @@ COPY_BYTES = 1 << 30
 
 def run() -> dict:
     copy = copy_bandwidth()
-    results = {"copy_gbps": round(copy, 1), "kernels": {}}
+    kernels: dict[str, dict] = {}
     for rank in (16, 64):
         for kind in ("sgmv", "bgmv"):
             for op in ("shrink", "expand"):
                 gbps = _lora_op_gbps(op, kind, rank)
-                results["kernels"][f"{kind}_{op}_r{rank}"] = _entry(gbps, copy)
-        results["kernels"][f"merge_r{rank}"] = _entry(_merge_gbps(rank), copy)
-    return results
+                kernels[f"{kind}_{op}_r{rank}"] = _entry(gbps, copy)
+        kernels[f"merge_r{rank}"] = _entry(_merge_gbps(rank), copy)
+    return {"copy_gbps": round(copy, 1), "kernels": kernels}
 
 
 def copy_bandwidth() -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def driver_version() -> str | None:
 def machine_info() -> dict:
     import torch
 
-    info = {
+    info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),

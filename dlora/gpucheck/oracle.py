@@ -16,8 +16,8 @@ class HFOracle:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, self.adapters[adapter]) if adapter else model
+        base = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, self.adapters[adapter]) if adapter else base
         return model.eval()
 
     @lru_cache(maxsize=1)

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA = "dlora.gpu_check/1"
-TOP_KEYS = {"schema": str, "date": str, "git_commit": (str, type(None)), "command": str,
+TOP_KEYS: dict[str, type | tuple[type, ...]] = {"schema": str, "date": str, "git_commit": (str, type(None)), "command": str,
             "machine": dict, "checks": list, "ok": bool}
-CHECK_KEYS = {"name": str, "ok": bool, "seconds": (int, float), "details": dict}
+CHECK_KEYS: dict[str, type | tuple[type, ...]] = {"name": str, "ok": bool, "seconds": (int, float), "details": dict}
 
 
 @dataclass

@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MARKER = ".dlora-complete"
 
@@ -30,7 +31,7 @@ def read_marker(target: Path) -> dict[str, Any]:
 
 
 def build_atomically(
-    target: Path, build: Callable[[Path], None], marker: dict[str, Any]
+    target: Path, build: Callable[[Path], object], marker: dict[str, Any]
 ) -> Path:
     """Run `build(tmp_dir)` and publish the result at `target` unless it is already complete.
 

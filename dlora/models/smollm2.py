@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from dlora import env
 from dlora.models.atomic import build_atomically
 
 if TYPE_CHECKING:
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
     )
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -107,7 +111,8 @@ def _plain_llama_copy(gguf_model: PreTrainedModel) -> LlamaForCausalLM:
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    return model.to(torch.bfloat16).eval()
+    # transformers' decorator on PreTrainedModel.to types its first argument as the model itself.
+    return model.to(torch.bfloat16).eval()  # type: ignore[arg-type]
 
 
 def _is_tied_head(key: str, config: LlamaConfig) -> bool:

@@ -19,9 +19,9 @@ import glob
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from dlora import env
 from dlora.models.atomic import build_atomically, is_complete, read_marker
@@ -70,7 +70,7 @@ class TestModel:
     adapters: dict[str, Path]
 
     @classmethod
-    def at(cls, root: Path) -> "TestModel":
+    def at(cls, root: Path) -> TestModel:
         root = Path(root)
         return cls(base=root / "base", adapters={s.name: root / s.name for s in ADAPTER_SPECS})
 

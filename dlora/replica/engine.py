@@ -22,8 +22,8 @@ from dlora.replica.messages import (
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "dlora.replica.vllm_ext.DloraWorkerExtension"
-SCHEDULER = "dlora.replica.dlora_scheduler.DloraScheduler"
+WORKER_EXTENSION = "dlora.engine_ext.worker.DloraWorkerExtension"
+SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
@@ -63,7 +63,7 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         worker_extension_cls=WORKER_EXTENSION,
         scheduler_cls=SCHEDULER,
         # The scheduler switches weights in-band and must see each step's result before planning
-        # the next one (CPU forces this anyway; see dlora_scheduler.py for GPU).
+        # the next one (CPU forces this anyway; see engine_ext/scheduler.py for GPU).
         async_scheduling=False,
         additional_config={BATCHING_CONFIG_KEY: cfg.scheduling.to_engine()},
     )
@@ -246,7 +246,7 @@ class EngineHost:
             await engine.collective_rpc("dlora_pin_lora", args=(ref.int_id,))
         if self.cfg.scheduling.policy != "unmerged":
             # The first merge of an adapter is a full reload (a stall of every running request);
-            # prepared now, between steps, it is a swap when the policy merges it (vllm_ext.py).
+            # prepared now, between steps, it is a swap when the policy merges it (engine_ext/worker.py).
             await engine.collective_rpc("dlora_prepare_merge", args=(ref.path,))
 
     async def remove_adapter(self, int_id: int) -> bool:

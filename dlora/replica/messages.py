@@ -93,7 +93,7 @@ class SwitchTimes:
 
 @dataclass(frozen=True)
 class BatchingState:
-    """A replica's merged/unmerged batching state, read from its engine core (`dlora_scheduler.py`)."""
+    """A replica's merged/unmerged batching state, read from its engine core (`dlora/engine_ext/scheduler.py`)."""
 
     policy: str
     mode: str  # "unmerged" | "merged": what the weights are now

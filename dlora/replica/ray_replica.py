@@ -184,10 +184,10 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
         "VLLM_HOST_IP": "127.0.0.1",
         # The V1 model runner, the one the tests exercise: on CUDA vLLM 0.32 would pick its V2
         # runner, whose outputs arrive wrapped (AsyncModelRunnerOutput); dlora's switch reports
-        # survive that too (vllm_ext.py), but V2 has never run dlora's switching end to end.
+        # survive that too (engine_ext/worker.py), but V2 has never run dlora's switching end to end.
         "VLLM_USE_V2_MODEL_RUNNER": "0",
         "TOKENIZERS_PARALLELISM": "false",
-        "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by vllm_ext via lora_backend.install
+        "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by the worker extension via lora_backend.install
     }
     trace = dlora_env.DLORA_STEP_TRACE.get()
     if trace:

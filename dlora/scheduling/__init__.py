@@ -10,7 +10,13 @@ from dlora.scheduling.dlora_policy import DLoRAPolicy
 from dlora.scheduling.policies import BatchingPolicy, MergedPolicy, UnmergedPolicy, check_decision
 from dlora.scheduling.registry import POLICIES, make_policy, policy_names
 from dlora.scheduling.types import (
-    BASE, Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch,
+    BASE,
+    Decision,
+    IterationStats,
+    Mode,
+    PolicySnapshot,
+    RequestView,
+    Switch,
 )
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Parameters of the batching policies (dLoRA §4.2, Algorithms 1–3; DESIGN §5 items 1–3).
+"""Parameters of the batching policies (dLoRA §4.2, Algorithms 1–3).
 
 Units: thresholds are ratios |R_merge| / |B_fcfs| in (0, 1]; credits are seconds (an adapter
 earns one second of credit per second its FCFS-due requests are held back, see credits.py).
@@ -22,9 +22,9 @@ DEFAULT_MERGED_COST_RATIO = 0.6
 # and pay real switches to learn otherwise (8 rank-8 q/k/v/o adapters, SmolLM2-135M bf16, 1 core):
 #   vllm:   vLLM's CPU LoRA ops make unmerged decode ~2.5-3x slower than merged;
 #   einsum: live-rank packing + oneDNN GEMMs leave unmerged 1.14-1.25x a base-model step
-#           (16 decodes, in-engine, session 4); its old 0.4 prior cost 4 needless switches at
-#           uniform popularity in bench/dynamic_batching_skew.py;
-#   triton: DESIGN §5's GPU figure.
+#           (16 decodes, in-engine); a 0.4 prior makes 4 needless switches at uniform
+#           popularity in bench/dynamic_batching_skew;
+#   triton: a GPU-shaped default (merged at 0.6 of unmerged cost).
 MERGED_COST_PRIORS = {"vllm": 0.4, "einsum": 0.85, "triton": DEFAULT_MERGED_COST_RATIO}
 
 
@@ -42,18 +42,18 @@ class BatchingConfig:
     # The artifact starts alpha at 1.0 (with >=) and beta at merge/unmerge iteration time 0.556.
     alpha: float = 0.9  # unmerged -> merged when ratio > alpha
     beta: float = 0.6  # merged -> unmerged when ratio < beta
-    # Alg. 2 steps (DESIGN §5, the artifact's AIMD constants): merged wins -> threshold - gamma_dec,
+    # Alg. 2 steps (the dLoRA artifact's AIMD constants): merged wins -> threshold - gamma_dec,
     # unmerged wins -> threshold * gamma_mul.
     gamma_dec: float = 0.05
     gamma_mul: float = 1.1
     min_threshold_gap: float = 0.05  # keep beta <= alpha - gap so a switch is never undone at once
     # Alg. 2 break point "after processing a set number of iterations" N.
     break_period_iters: int = 32
-    # Initial switching-cost estimate t_M (DESIGN §5: switch ≈ 0.02 s); replaced by measurements.
+    # Initial switching-cost estimate t_M (a GPU-shaped 0.02 s switch); replaced by measurements.
     switch_cost_s: float = 0.02
     # Prior merged/unmerged iteration-time ratio at equal batch size, used for the mode not yet
     # measured. None: the engine's LoRA backend's (`MERGED_COST_PRIORS`); DEFAULT_MERGED_COST_RATIO
-    # (DESIGN §5: merged batches modelled at 0.6 of unmerged cost) where no backend is known.
+    # (merged batches modelled at 0.6 of unmerged cost) where no backend is known.
     merged_cost_ratio: float | None = None
     # Alg. 3 credits (seconds). Every adapter (and the base model) starts with initial_credit.
     initial_credit: float = 1.0
@@ -75,14 +75,14 @@ class BatchingConfig:
     # None (default): vLLM's rule, which lets a cold adapter wait as long as the hot ones keep
     # arriving. Off by default because draining holds back the drained adapter's newer requests
     # for as long as its running ones take: with ~200-token outputs that raised proactive
-    # dispatch's mean queueing 1.4-3.6x (bench/results/cluster_balancing.sharegpt_eos.slot_aging_ablation.json).
+    # dispatch's mean queueing 1.4-3.6x (bench/cluster_balancing/runs/2026-11-24-sharegpt-eos-slot-aging-ablation.json).
     lora_slot_starve_s: float | None = None
 
     @property
     def merged_cost_prior(self) -> float:
         return DEFAULT_MERGED_COST_RATIO if self.merged_cost_ratio is None else self.merged_cost_ratio
 
-    def for_lora_backend(self, backend: str) -> "BatchingConfig":
+    def for_lora_backend(self, backend: str) -> BatchingConfig:
         """The config as an engine with LoRA `backend` runs it: an unset merged_cost_ratio becomes
         the backend's prior, and mixing is off with vLLM's ops (they cannot compensate)."""
         changes: dict = {}

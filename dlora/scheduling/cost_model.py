@@ -7,11 +7,17 @@ time ≈ a + b·n over (batch size n, compute seconds); a mode never measured is
 other one scaled by the prior merged/unmerged cost ratio.
 
 A mode seen at one batch size only (typically merged mode after one lone request) has no slope of
-its own. Extrapolating it proportionally (t ∝ n) was wrong by up to an order of magnitude: a step's
+its own. Extrapolating it proportionally (t ∝ n) is wrong by up to an order of magnitude: a step's
 fixed cost (reading the weights, Python) dominates small batches, so one cold one-request merged
-step made every larger merged batch look slow and Alg. 2 never merged again. Such a mode borrows
+step would make every larger merged batch look slow and Alg. 2 would never merge again. Such a mode borrows
 the other mode's shape, scaled through its own point; with no shape anywhere, a step is assumed to
 be half fixed cost and half per-request cost at the size seen (`FIXED_SHARE`).
+
+Other step-time models, and why this one differs: `dlora.cluster.estimators.cost_model` is the
+router's per-replica model (per-token coefficients, additive per request, for dispatch and the
+co-migration ILP) and `dlora.sim.step_costs` holds the simulators' fixed coefficients. This one
+answers only what Alg. 2 asks inside the engine, the time of a step of n requests in a mode, and
+must estimate a mode from the other one when it has no data of its own.
 """
 
 from __future__ import annotations
@@ -75,9 +81,6 @@ class IterationCostModel:
     def observe(self, mode: Mode, num_requests: int, seconds: float) -> None:
         if num_requests > 0 and seconds > 0:
             self._fits[mode].add(float(num_requests), seconds)
-
-    def has_data(self, mode: Mode) -> bool:
-        return not self._fits[mode].empty
 
     def estimate(self, mode: Mode, num_requests: int) -> float | None:
         """Seconds one step of `num_requests` requests takes in `mode`; None with no data at all."""

@@ -20,7 +20,12 @@ from dlora.scheduling.config import BatchingConfig
 from dlora.scheduling.cost_model import IterationCostModel
 from dlora.scheduling.credits import CreditLedger, Transfer, transfer_for
 from dlora.scheduling.dynamic_batching import (
-    Queues, Step, build_queues, dynamic_batching, request_ids, starvation_batch,
+    Queues,
+    Step,
+    build_queues,
+    dynamic_batching,
+    request_ids,
+    starvation_batch,
 )
 from dlora.scheduling.policies import BatchingPolicy
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample
@@ -35,7 +40,8 @@ class DLoRAPolicy(BatchingPolicy):
     def __init__(self, config: BatchingConfig | None = None) -> None:
         super().__init__(config)
         c = self.config
-        self.mode, self.merged = Mode.UNMERGED, None
+        self.mode = Mode.UNMERGED
+        self.merged: str | None = None
         self.cost = IterationCostModel(c.merged_cost_prior)
         self.thresholds = AdaptiveThresholds(c, self.cost)
         self.ledger = CreditLedger(c.initial_credit, c.t_starve, c.t_normal, c.credit_relax_per_s)

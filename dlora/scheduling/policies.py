@@ -14,7 +14,13 @@ from typing import ClassVar
 from dlora.scheduling.config import BatchingConfig
 from dlora.scheduling.dynamic_batching import build_queues, request_ids
 from dlora.scheduling.types import (
-    AdapterKey, Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch,
+    AdapterKey,
+    Decision,
+    IterationStats,
+    Mode,
+    PolicySnapshot,
+    RequestView,
+    Switch,
 )
 
 
@@ -104,7 +110,8 @@ class MergedPolicy(BatchingPolicy):
 
     def __init__(self, config: BatchingConfig | None = None) -> None:
         super().__init__(config)
-        self.mode, self.merged = Mode.UNMERGED, None
+        self.mode = Mode.UNMERGED
+        self.merged: str | None = None
         self.target: AdapterKey = None
         self.has_target = False
         self.iters = 0  # steps spent on the current target

@@ -68,10 +68,11 @@ def period_throughputs(
         return None
     other = Mode.UNMERGED if mode is Mode.MERGED else Mode.MERGED
     estimates = [cost.estimate(other, s.alternative) for s in used]
-    if any(e is None for e in estimates):
+    known = [e for e in estimates if e is not None]
+    if len(known) < len(estimates):
         return None
     ran, ran_time = sum(s.ran for s in used), sum(s.seconds for s in used)
-    alt, alt_time = sum(s.alternative for s in used), sum(estimates)  # type: ignore[arg-type]
+    alt, alt_time = sum(s.alternative for s in used), sum(known)
     if mode is Mode.MERGED:
         merge_n, merge_t, unmerge_n, unmerge_t = ran, ran_time + switch_cost, alt, alt_time
     else:

@@ -2,6 +2,8 @@
 
 A pure ASGI middleware (Starlette's BaseHTTPMiddleware buffers and breaks streaming) in front of
 every route. In order:
+  * an inference request without the API key (when `server.api_key` is set) -> 401, before its
+    body is read;
   * a body over `server.max_body_bytes` -> 413 (the declared Content-Length, else bytes counted as
     they arrive, for chunked bodies; nothing more is read);
   * an inference request asking for more than `server.max_choices_per_request` completions
@@ -24,6 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dlora.cluster.errors import ClusterError
+from dlora.server.auth import authorized
 from dlora.server.errors import error_body, error_response
 
 INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None}
@@ -96,6 +99,9 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         limits = state.cfg.server
+        if scope["path"] in INFERENCE_PATHS and not authorized(_header(scope, b"authorization"), state.cfg.api_key):
+            await self._refuse(state, scope, send, "unauthorized", 401, "Unauthorized")
+            return
         try:
             body, receive = await _read_body(scope, receive, limits.max_body_bytes)
         except BodyTooLarge:
@@ -167,14 +173,18 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[bytes 
     return body, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+    try:
+        return int(_header(scope, b"content-length"))
+    except ValueError:
+        return None
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

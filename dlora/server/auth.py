@@ -14,19 +14,23 @@ class Unauthorized(APIError):
         super().__init__(401, "Unauthorized")
 
 
-def bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def bearer_token(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency: runs before the body's fields are validated, so a caller without the key
-    learns nothing about what the server would make of its request (a body that is not JSON at all
-    is refused first, by FastAPI)."""
-    key = request.app.state.dlora.cfg.api_key
+def authorized(authorization: str, key: str | None) -> bool:
+    """Whether an `Authorization` header value carries the key (any caller when no key is set)."""
     if key is None:
-        return
-    token = bearer_token(request)
+        return True
+    token = bearer_token(authorization)
     # Constant time, so the comparison does not reveal how much of a guess was right.
-    if token is None or not hmac.compare_digest(token.encode(), key.encode()):
+    return token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency of every inference route. The inference routes with a body are also
+    checked by the admission middleware before their body is read, so a caller without the key
+    learns nothing about what the server would make of its request (not even its size limits)."""
+    if not authorized(request.headers.get("authorization", ""), request.app.state.dlora.cfg.api_key):
         raise Unauthorized()

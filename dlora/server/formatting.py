@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from dlora.replica.messages import TokenLogprob
+from dlora.replica.messages import Delta, TokenLogprob
 from dlora.server.generation import ChoiceResult
 
 # vLLM's OpenAI server floors logprobs at -9999.0: -inf (a token the sampler masked out) and NaN are
@@ -87,3 +87,34 @@ def chat_choice(r: ChoiceResult, return_token_ids: bool) -> dict:
     if return_token_ids:
         choice["token_ids"] = r.token_ids
     return choice
+
+
+def envelope(rid: str, obj: str, created: int, model: str, choices: list[dict]) -> dict:
+    """The object around a response's choices (a whole response or one SSE chunk)."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def _finish(choice: dict, delta: Delta, token_ids: bool) -> dict:
+    """A streamed choice's ending fields, set only on the delta that finishes it."""
+    choice["finish_reason"] = delta.finish_reason if delta.finished else None
+    choice["stop_reason"] = delta.stop_reason if delta.finished else None
+    if token_ids:
+        choice["token_ids"] = delta.token_ids
+    return choice
+
+
+def completion_chunk_choice(index: int, delta: Delta, prefix: str, token_ids: bool) -> dict:
+    """One streamed `text_completion` choice; `prefix` is the echoed prompt on a choice's first chunk."""
+    choice = {"index": index, "text": prefix + delta.text, "logprobs": completion_logprobs(delta.logprobs, 0)}
+    return _finish(choice, delta, token_ids)
+
+
+def chat_chunk_choice(index: int, delta: Delta, token_ids: bool) -> dict:
+    """One streamed `chat.completion.chunk` choice."""
+    choice = {"index": index, "delta": {"content": delta.text}, "logprobs": chat_logprobs(delta.logprobs)}
+    return _finish(choice, delta, token_ids)
+
+
+def chat_role_choice(index: int) -> dict:
+    """The first chunk of a streamed chat choice: the role, as OpenAI sends it before any content."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

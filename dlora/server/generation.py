@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from dlora.adapters.lifecycle import AdapterUnavailableError, ref_of
 from dlora.adapters.registry import AdapterNotFoundError
-from dlora.cluster.adapters import AdapterUnavailableError, ref_of
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError
 from dlora.server.protocol import SamplingFields

@@ -7,8 +7,12 @@ import hmac
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from dlora.cluster.adapters import (
-    AdapterBusyError, AdapterExistsError, AdapterForbiddenError, AdapterNotFoundError, AdapterValidationError,
+from dlora.adapters.lifecycle import (
+    AdapterBusyError,
+    AdapterExistsError,
+    AdapterForbiddenError,
+    AdapterNotFoundError,
+    AdapterValidationError,
 )
 from dlora.server.errors import APIError
 from dlora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
@@ -59,7 +63,7 @@ async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
 async def list_adapters(request: Request):
     state = request.app.state.dlora
     resident: dict[int, list[int]] = {}
-    for st in await state.router.replica_stats():
+    for st in await state.router.refresh_stats():
         for aid in st.resident_adapter_ids:
             resident.setdefault(aid, []).append(st.replica_id)
     data = []

@@ -131,7 +131,7 @@ async def _completions(body: CompletionRequest, request: Request, rid: str) -> R
         return text if text is not None else state.tokenizer.decode(prompts[job.prompt_index])
 
     def envelope(choices: list[dict]) -> dict:
-        return {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": choices}
+        return fmt.envelope(rid, "text_completion", created, body.model, choices)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -140,13 +140,7 @@ async def _completions(body: CompletionRequest, request: Request, rid: str) -> R
         def chunk(job: Job, delta) -> dict:
             pre = "" if job.index in sent_prefix else prefix(job)
             sent_prefix.add(job.index)
-            choice = {"index": job.index, "text": pre + delta.text,
-                      "logprobs": fmt.completion_logprobs(delta.logprobs, 0),
-                      "finish_reason": delta.finish_reason if delta.finished else None,
-                      "stop_reason": delta.stop_reason if delta.finished else None}
-            if body.return_token_ids:
-                choice["token_ids"] = delta.token_ids
-            return envelope([choice])
+            return envelope([fmt.completion_chunk_choice(job.index, delta, pre, body.return_token_ids)])
 
         usage_chunk = (lambda u: envelope([]) | {"usage": u}) if include_usage else None
         return _sse_response(_stream(state, jobs, label, chunk, usage_chunk))
@@ -180,22 +174,14 @@ async def _chat_completions(body: ChatCompletionRequest, request: Request, rid: 
     label = "" if adapter is None else body.model
 
     def envelope(obj: str, choices: list[dict]) -> dict:
-        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices}
+        return fmt.envelope(rid, obj, created, body.model, choices)
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        first = [envelope("chat.completion.chunk", [
-            {"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None} for j in jobs])]
+        first = [envelope("chat.completion.chunk", [fmt.chat_role_choice(j.index) for j in jobs])]
 
         def chunk(job: Job, delta) -> dict:
-            choice = {"index": job.index, "delta": {"content": delta.text},
-                      "logprobs": fmt.chat_logprobs(delta.logprobs),
-                      "finish_reason": delta.finish_reason if delta.finished else None,
-                      "stop_reason": delta.stop_reason if delta.finished else None}
-            if body.return_token_ids:
-                choice["token_ids"] = delta.token_ids
-            return envelope("chat.completion.chunk", [choice])
+            return envelope("chat.completion.chunk", [fmt.chat_chunk_choice(job.index, delta, body.return_token_ids)])
 
         usage_chunk = (lambda u: envelope("chat.completion.chunk", []) | {"usage": u}) if include_usage else None
         return _sse_response(_stream(state, jobs, label, chunk, usage_chunk, first))

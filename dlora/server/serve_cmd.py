@@ -61,8 +61,8 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
     """Resolve the model and validate configured adapters now, so mistakes are one-line errors
     instead of a failed start minutes later."""
     from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, inspect_adapter
+    from dlora.engine_ext import lora_backend
     from dlora.models.smollm2 import resolve_model_path
-    from dlora.replica import lora_backend
 
     lora_backend.check_config(cfg)
     check_kv_cache_fits(cfg)

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlora.adapters.lifecycle import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.validate import BaseModelShapes
-from dlora.cluster.adapters import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import DloraConfig

@@ -1,0 +1,9 @@
+"""Simulators: the real policies over modelled engines, fast and free of the machine's noise.
+
+- `batching_sim`: one replica's batching, step by step (`BatchingSim`), with `step_costs`' model;
+- `skew`: the skew benchmark's workloads through `batching_sim`;
+- `toy_replica`: an in-process replica with a deterministic toy model and the Ray replica's
+  interface (`ToyReplica`), for router tests and `cluster`;
+- `cluster`: the real router, dispatch and balancer over toy replicas, in real time;
+- `migration_bound`: an event-driven model of several replicas: what moving requests could gain.
+"""

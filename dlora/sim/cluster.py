@@ -1,14 +1,17 @@
 """The cluster's balancing policies at any replica count: the real router, dispatch and balancer over
 simulated replicas.
 
-The real-engine benchmark (bench/cluster_balancing.py) can run two replicas on this machine; dLoRA's
+The real-engine benchmark (bench/cluster_balancing) can run two replicas on this machine; dLoRA's
 cluster figures come from more. Here `Router`, the dispatch policies and `Balancer` (co-migration ILP,
-queued moves) run unchanged, in real time on one event loop, over `SimReplica`s: each a queueing
+queued moves) run unchanged, in real time on one event loop, over `ToyReplica`s: each a queueing
 model of an engine in which at most `max_running` requests generate at once, each at `step_s` per
 token, the others wait in FIFO order (with `max_loras`, one whose adapter would be one adapter too
 many is skipped for later ones, as vLLM does), and loading an adapter takes `load_s`. Left out: step
 time growing with the batch, KV limits and merging; every replica may hold every adapter
-(`adapter_slots` = the adapter count).
+(`adapter_slots` = the adapter count). The replicas' step time is one constant, not
+`dlora.sim.step_costs`' batch-size model, because this simulation runs the real router in real time:
+a queueing model is enough to exercise dispatch and migration, and the event-driven
+`migration_bound` (with `StepCosts`) and `batching_sim` cover how step time grows with the batch.
 
 The router's cost model is given the replicas' true costs (a full batch's step shared by
 `max_running` requests), which is what fitting measured steps converges to on a real engine. The
@@ -26,16 +29,16 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from dlora.bench.popularity import zipf_weights
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.cost_model import CostParams, ReplicaCostModel
-from dlora.bench.popularity import zipf_weights
+from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.router import Router, RouterConfig, static_home
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
-from dlora.replica.sim_replica import VOCAB, SimReplica
+from dlora.sim.toy_replica import VOCAB, ToyReplica
 
-# name -> (dispatch, placement, migration), as bench/cluster_balancing.py's policies
+# name -> (dispatch, placement, migration), as bench/cluster_balancing's policies
 POLICIES: dict[str, tuple[str, str, bool]] = {
     "round_robin_static": ("round_robin", "static", False),  # dLoRA's baseline: one home per adapter
     "round_robin": ("round_robin", "dynamic", False),  # every adapter everywhere, requests dealt in turn
@@ -158,7 +161,7 @@ async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed:
     """One policy on n requests at `rate` req/s; returns every request's queueing delay."""
     refs = adapter_refs(spec)
     eos = {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(refs)} if spec.eos_means else {}
-    replicas = [SimReplica(i, step_s=spec.step_s, max_running=spec.max_running, max_loras=spec.max_loras,
+    replicas = [ToyReplica(i, step_s=spec.step_s, max_running=spec.max_running, max_loras=spec.max_loras,
                            load_s=spec.load_s, eos_period=eos) for i in range(spec.replicas)]
     cfg = cluster_config(spec, policy)
     router = Router(replicas, cfg=RouterConfig(

@@ -17,8 +17,10 @@ replicas, cheaply and without the machine's noise:
 - a replica runs continuous-batching steps: at each step start it admits queued requests in
   arrival order while it has a free running slot (`max_running`), skipping one whose adapter would
   be one distinct adapter too many for a step (`max_loras`, as vLLM does) or could not be loaded
-  (`adapter_slots` full of adapters with requests there); the step lasts `StepCosts.step` (unmerged
-  LoRA, the `cpu-einsum` fit by default, plus the load time of adapters it loads) and gives each
+  (`adapter_slots` full of adapters with requests there); the step lasts `StepCosts.step`
+  (`dlora.sim.step_costs`, the batching simulator's model: unmerged LoRA, the `cpu-einsum` fit by
+  default, plus the load time of adapters it loads; dispatch sees the same costs as the router's
+  `CostParams`, `ReplicaModel.cost_params`) and gives each
   running request one token; an admitted request's first step prefills its prompt;
 - `at_arrival`: each request goes, once, where the real `ProactiveDispatch` sends it, over views
   of the modelled replicas with expected lengths from the real `OutputLengthEstimator` fed with
@@ -32,7 +34,7 @@ replicas, cheaply and without the machine's noise:
   request at whichever replica's step boundary comes first, which no real move is quick enough
   for; `moves` leaves that out;
 - `balancer`: dispatch at arrival, then the shipped balancer's own planners on its own schedule:
-  every `TICK_S` the queued-request planner (`migration_queued.plan_queued`: requests queued a
+  every `TICK_S` the queued-request planner (`migration.queued.plan_queued`: requests queued a
   tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
   (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
   the co-migration ILP (`plan_migration`), whose moved running requests recompute their context
@@ -56,19 +58,19 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dlora.cluster.cost_model import CostParams
 from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
-from dlora.cluster.migration_ilp import plan_migration
-from dlora.cluster.migration_queued import QueuedConfig, plan_queued
-from dlora.cluster.migration_trigger import TriggerConfig, check_trigger
-from dlora.cluster.monitor_types import ClusterView, ReplicaView, RequestLoad
-from dlora.cluster.output_lengths import OutputLengthEstimator
+from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.migration.ilp import plan_migration
+from dlora.cluster.migration.queued import QueuedConfig, plan_queued
+from dlora.cluster.migration.trigger import TriggerConfig, check_trigger
+from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
 from dlora.sim.step_costs import StepCosts, preset
 
 DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer")
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
-# `balancer`: as bench/cluster_balancing.py's servers run it (monitor interval, round interval,
+# `balancer`: as bench/cluster_balancing's servers run it (monitor interval, round interval,
 # count trigger; the queue-delay trigger's default)
 TICK_S = 0.5
 ROUND_TRIGGER = TriggerConfig(interval_s=2.0, count_imbalance=4, queue_delay_s=2.0)

@@ -1,8 +1,8 @@
 """The skew benchmark's workloads through the replica simulator: policies side by side.
 
-`bench/dynamic_batching_skew.py` sends the same workloads (one replica, 8 adapters, Poisson
+`bench/dynamic_batching_skew` sends the same workloads (one replica, 8 adapters, Poisson
 arrivals, 64 prompt / 64 output tokens, `skewed` popularity from uniform to one adapter taking
->= 90%) to real servers; this runs them through `ReplicaSim` with the real policy objects, so a
+>= 90%) to real servers; this runs them through `BatchingSim` with the real policy objects, so a
 policy change can be judged in seconds, over many seeds, in several cost regimes.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dlora.bench.popularity import popularity_shares
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.scheduling import BatchingConfig, make_policy
-from dlora.sim.replica_sim import ReplicaSim, SimRequest, SimResult
+from dlora.sim.batching_sim import BatchingSim, SimRequest, SimResult
 from dlora.sim.step_costs import StepCosts
 
 NUM_ADAPTERS = 8
@@ -43,6 +43,6 @@ class SkewWorkload:
 
 def simulate(policy: str, config: BatchingConfig, costs: StepCosts, requests: Iterable[SimRequest],
              noise_sd: float = 0.0, seed: int = 0, **engine) -> SimResult:
-    sim = ReplicaSim(make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed,
+    sim = BatchingSim(make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed,
                      mixed=config.mixed_merged, **engine)
     return sim.run(requests)

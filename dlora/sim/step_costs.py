@@ -12,13 +12,22 @@ The presets are fitted to measured steps, so policies can be compared without th
 noise (and with it, through `noise_sd`):
 - `cpu-einsum`: SmolLM2-135M bf16, one core, dlora's einsum LoRA kernels, 8 rank-8 q/k/v/o
   adapters; least squares over ~6,000 traced decode and prefill steps of the skew benchmark
-  (`DLORA_STEP_TRACE`, session 6): unmerged 42 + 2.2 n ms + 1.56 ms per prompt token, merged
+  (`DLORA_STEP_TRACE`): unmerged 42 + 2.2 n ms + 1.56 ms per prompt token, merged
   36.6 + 2.1 n ms + 1.31 ms per prompt token; switches timed in-process (cold merge 130-210 ms
   through vLLM's reload, cached merge 1.3 ms, unmerge 1.6 ms).
 - `cpu-vllm-ops`: the same model with vLLM's own CPU LoRA ops, whose unmerged decode steps cost
-  2.5-3x a merged one (session 2's skew run: TPOT 145-155 ms unmerged vs 54-59 ms merged; this
-  preset gives 165-175 ms per output token unmerged where that run measured 143-161).
-- `gpu-like`: DESIGN §5's GPU figures: merged at 0.6 of unmerged cost, a 20 ms switch.
+  2.5-3x a merged one (a skew-benchmark run with that backend: TPOT 145-155 ms unmerged vs
+  54-59 ms merged; this preset gives 165-175 ms per output token unmerged where that run measured
+  143-161).
+- `gpu-like`: a GPU-shaped regime: merged at 0.6 of unmerged cost, a 20 ms switch.
+
+Other step-time models, and why this one differs: `dlora.scheduling.cost_model` is fitted inside
+the engine, online, per weight state over batch size only (what Alg. 2 compares), and
+`dlora.cluster.estimators.cost_model` is the router's per-replica fit of per-step, per-decode-token
+and per-prefill-token seconds, summed per request so the co-migration ILP stays linear. Both learn
+from measured steps; a simulator must instead *produce* step times from fixed coefficients, with
+the LoRA term and switch costs separate, so this model is given, not fitted.
+`migration_bound.ReplicaModel.cost_params` turns it into the router's `CostParams`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Small real PEFT adapters on a micro Llama config, built once per session (no engine)."""
+"""Small real PEFT adapters on a micro Llama config, built once per test run (no engine)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dlora.adapters.validate import (
-    MAX_LORA_ALPHA, AdapterValidationError, BaseModelShapes, check_files, inspect_adapter,
+    MAX_LORA_ALPHA,
+    AdapterValidationError,
+    BaseModelShapes,
+    check_files,
+    inspect_adapter,
 )
 
 

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 
 from dlora.adapters import snapshot
+from dlora.adapters.lifecycle import SNAPSHOT_SUBDIR, AdapterManager, AdapterUnavailableError
 from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.validate import AdapterValidationError, BaseModelShapes
-from dlora.cluster.adapters import SNAPSHOT_SUBDIR, AdapterManager, AdapterUnavailableError
 from dlora.cluster.router import Router
 from dlora.config import AdapterSpec
 from dlora.replica.messages import AdapterRef
-from dlora.replica.sim_replica import SimReplica
+from dlora.sim.toy_replica import ToyReplica
 
 
 @dataclass
-class PathRecordingReplica(SimReplica):
+class PathRecordingReplica(ToyReplica):
     paths: list[str] = field(default_factory=list)
 
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:

@@ -53,7 +53,7 @@ def test_unknown_model_is_a_404_failure(fake):
     assert out.error.startswith("HTTP 404") and "does not exist" in out.error
 
 
-def test_preflight_helpers(fake):
+def test_preflight_reads_the_served_models(fake):
     models = asyncio.run(oai.fetch_models(fake.url))
     assert oai.base_model_of(models) == "tiny-base"
     assert oai.adapters_of(models) == ["a0", "a1", "a2"]

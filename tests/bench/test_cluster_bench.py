@@ -1,11 +1,17 @@
-"""The cluster benchmark's repetition and summary logic (bench/cluster_balancing.py), no servers."""
+"""The cluster benchmark's repetition and summary logic (bench/cluster_balancing/run.py), no servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cluster_balancing import POLICIES as ALL_POLICIES, median_per_rate, policy_colors, rep_order, summarize_reps
-from bench.servers import metric_by_label, metric_total
+from bench.cluster_balancing.run import POLICIES as ALL_POLICIES
+from bench.cluster_balancing.run import (
+    median_per_rate,
+    policy_colors,
+    rep_order,
+    summarize_reps,
+)
+from dlora.bench.servers import metric_by_label, metric_total
 
 POLICIES = ["round_robin_static", "proactive", "proactive_migration"]
 
@@ -62,7 +68,7 @@ def test_metrics_are_read_per_label_and_in_total():
 
 @pytest.mark.parametrize("max_loras, kv_blocks", [(4, None), (8, 20), (12, None)])
 def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path, max_loras, kv_blocks):
-    from bench.cluster_balancing import POLICIES, parse_args, server_config
+    from bench.cluster_balancing.run import POLICIES, parse_args, server_config
     from dlora import config
 
     # through the bench's own parser, so every flag the config reads has its default
@@ -81,8 +87,13 @@ def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path
 def test_more_adapters_than_a_replica_holds(tmp_path):
     """--adapters 32 --max-cpu-loras 8: the server registers all 32, each engine holds 8, the
     workload spreads over all 32 and their scales cycle through EOS_ADAPTER_SCALES."""
-    from bench.cluster_balancing import (
-        EOS_ADAPTER_SCALES, POLICIES, eos_adapter_scales, make_workload, parse_args, server_config,
+    from bench.cluster_balancing.run import (
+        EOS_ADAPTER_SCALES,
+        POLICIES,
+        eos_adapter_scales,
+        make_workload,
+        parse_args,
+        server_config,
     )
     from dlora import config
 
@@ -101,7 +112,7 @@ def test_more_adapters_than_a_replica_holds(tmp_path):
 @pytest.mark.parametrize("argv, bad", [(["--adapters", "0"], "--adapters"),
                                        (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras")])
 def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
-    from bench.cluster_balancing import parse_args
+    from bench.cluster_balancing.run import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv + ["--request-rates", "1"])

@@ -1,12 +1,20 @@
-"""bench/migration_bound.py's traces and capacity (the replica model itself: tests/sim)."""
+"""bench/migration_bound/run.py's traces and capacity (the replica model itself: tests/sim)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench import cluster_balancing as cb
-from bench.migration_bound import REGIMES, Regime, capacity_rps, draw_lengths, homes, parse_args, trace
+from bench.cluster_balancing import run as cb
+from bench.migration_bound.run import (
+    REGIMES,
+    Regime,
+    capacity_rps,
+    draw_lengths,
+    homes,
+    parse_args,
+    trace,
+)
 from dlora.sim.migration_bound import Job, ReplicaModel
 from dlora.sim.step_costs import StepCosts
 

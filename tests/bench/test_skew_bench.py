@@ -1,10 +1,16 @@
-"""The skew benchmark's repetition and summary logic (bench/dynamic_batching_skew.py), no servers."""
+"""The skew benchmark's repetition and summary logic (bench/dynamic_batching_skew/run.py), no servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.dynamic_batching_skew import POLICIES, median_points, rep_points, schedule, summarize_reps
+from bench.dynamic_batching_skew.run import (
+    POLICIES,
+    median_points,
+    rep_points,
+    schedule,
+    summarize_reps,
+)
 
 SKEWS = [1.0, 10.0]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dlora.cluster.migration_ilp import MigrationPlan
-from dlora.cluster.monitor_types import ClusterView, ReplicaView, RequestLoad
+from dlora.cluster.migration.ilp import MigrationPlan
+from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
 
 
 def make_request(rid: str, adapter: str | None = "a", *, prompt: int = 100, output: int = 0,

@@ -1,9 +1,15 @@
 import pytest
 
-from dlora.cluster.cost_model import (
-    CostParams, ReplicaCostModel, batch_slot_wait, load_time, pending_time, recompute_s, request_work,
+from dlora.cluster.estimators.cost_model import (
+    CostParams,
+    ReplicaCostModel,
+    batch_slot_wait,
+    load_time,
+    pending_time,
+    recompute_s,
+    request_work,
 )
-from dlora.cluster.monitor_types import IterationSample
+from dlora.cluster.snapshots import IterationSample
 from tests.cluster.balancer_factories import make_replica, make_request
 
 P = CostParams(per_iteration_s=0.0032, per_decode_token_s=0.001, per_prefill_token_s=0.0002, max_batch=32)

@@ -1,9 +1,12 @@
 import pytest
 
-from dlora.cluster.cost_model import CostParams, merge_disruption, pending_time, request_work
 from dlora.cluster.dispatch import (
-    DISPATCH_POLICIES, NoEligibleReplica, ProactiveDispatch, make_dispatch_policy,
+    DISPATCH_POLICIES,
+    NoEligibleReplica,
+    ProactiveDispatch,
+    make_dispatch_policy,
 )
+from dlora.cluster.estimators.cost_model import CostParams, merge_disruption, pending_time, request_work
 from tests.cluster.balancer_factories import make_replica, make_request, many
 
 P = CostParams(adapter_load_s=0.02)

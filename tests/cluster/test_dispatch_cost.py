@@ -9,12 +9,12 @@ import random
 import pytest
 
 from dlora.cluster import router as router_mod
-from dlora.cluster.cost_model import CostParams
 from dlora.cluster.dispatch import estimate
-from dlora.cluster.monitor_types import LoadTotals, ReplicaView, RequestLoad
+from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import Router, RouterConfig
+from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
-from dlora.replica.sim_replica import SimReplica
+from dlora.sim.toy_replica import ToyReplica
 
 ADAPTERS = [None, "a", "b", "c", "d", "e"]
 
@@ -50,7 +50,7 @@ def test_sums_price_a_replica_as_its_requests_do(seed):
 
 async def _dispatch_all(n: int) -> tuple[int, Router]:
     """Send `n` requests that stay in flight; return how many RequestLoads the router built meanwhile."""
-    replicas = [SimReplica(i, step_s=60.0) for i in range(4)]  # nobody finishes during the test
+    replicas = [ToyReplica(i, step_s=60.0) for i in range(4)]  # nobody finishes during the test
     router = Router(replicas, cfg=RouterConfig(dispatch="proactive"))
     await router.start()
     a = AdapterRef("a", 1, "/x/a")

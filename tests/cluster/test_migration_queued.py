@@ -1,6 +1,6 @@
 """The queued-request planner: which waiting requests go where, worked out by hand."""
 
-from dlora.cluster.migration_queued import QueuedConfig, plan_queued, queued_trigger
+from dlora.cluster.migration.queued import QueuedConfig, plan_queued, queued_trigger
 from tests.cluster.balancer_factories import make_replica, make_request, many
 
 NOW = 10.0

@@ -2,14 +2,14 @@
 
 One second per token (CostParams below), so waits are token counts. Every replica runs two
 requests with 10 tokens left on two slots unless a test says otherwise: no replica can start a
-request now, which is when the queued-request planner (migration_queued.py) gives up.
+request now, which is when the queued-request planner (migration/queued.py) gives up.
 """
 
 import dataclasses
 
-from dlora.cluster.cost_model import CostParams
-from dlora.cluster.migration_queued import QueuedConfig, plan_queued
-from dlora.cluster.migration_rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
+from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.migration.queued import QueuedConfig, plan_queued
+from dlora.cluster.migration.rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
 from tests.cluster.balancer_factories import make_replica, make_request
 
 P = CostParams(per_iteration_s=1.0, per_decode_token_s=0.0, per_prefill_token_s=0.0, adapter_load_s=0.0)

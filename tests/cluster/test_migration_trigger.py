@@ -1,4 +1,4 @@
-from dlora.cluster.migration_trigger import TriggerConfig, check_trigger
+from dlora.cluster.migration.trigger import TriggerConfig, check_trigger
 from tests.cluster.balancer_factories import make_replica, make_request, many
 
 CFG = TriggerConfig(interval_s=10.0, kv_high=0.90, count_imbalance=16, queue_delay_s=2.0)

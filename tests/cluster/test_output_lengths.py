@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from dlora.cluster.cost_model import CostParams
 from dlora.cluster.dispatch import ProactiveDispatch
-from dlora.cluster.migration_problem import MigrationConfig, build_problem
-from dlora.cluster.monitor_types import ClusterView
-from dlora.cluster.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.migration.problem import MigrationConfig, build_problem
 from dlora.cluster.router import RequestState
+from dlora.cluster.snapshots import ClusterView
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from tests.cluster.balancer_factories import make_replica
 
@@ -55,7 +55,7 @@ def test_a_request_longer_than_its_history_expects_as_many_tokens_again_up_to_it
 
 def test_cold_start_uses_the_pooled_lengths_then_the_prior():
     est = OutputLengthEstimator(OutputLengthConfig(min_samples=3))
-    assert est.expected_remaining("a", 0, 256) == 256.0  # no prior: the cap (the old behaviour)
+    assert est.expected_remaining("a", 0, 256) == 256.0  # no prior: the max_tokens cap
     assert est.expected_remaining("a", 10, 256) == 246.0
     prior = OutputLengthEstimator(OutputLengthConfig(min_samples=3, prior_tokens=64))
     assert prior.expected_remaining("a", 0, 256) == 64.0

@@ -17,6 +17,8 @@ from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.server.state import router_config
 from tests.harness import tiny_config
 
+pytestmark = pytest.mark.engine  # two Ray replica actors running vLLM
+
 N_TOKENS = 48
 MAX_NUM_SEQS = 2
 

@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, BatchingState, GenerateRequest, ReplicaStats, SamplingSpec
-from dlora.replica.sim_replica import SimReplica, reference_tokens
+from dlora.sim.toy_replica import ToyReplica, reference_tokens
 
 A = AdapterRef("a", 1, "/x/a")
 B = AdapterRef("b", 2, "/x/b")
@@ -33,7 +32,7 @@ async def collect(router: Router, req: GenerateRequest) -> list[int]:
 
 
 def make(n=2, step_s=0.002, dispatch="proactive", pinned=()):
-    replicas = [SimReplica(i, step_s=step_s) for i in range(n)]
+    replicas = [ToyReplica(i, step_s=step_s) for i in range(n)]
     router = Router(replicas, pinned_adapters=lambda: list(pinned), cfg=RouterConfig(dispatch=dispatch))
     return router, replicas
 
@@ -104,7 +103,7 @@ def test_killed_replica_loses_no_request_and_comes_back():
     asyncio.run(run())
 
 
-class RecordingReplica(SimReplica):
+class RecordingReplica(ToyReplica):
     """Records every leg it is sent."""
 
     def __init__(self, *args, **kwargs):
@@ -167,12 +166,12 @@ def test_proactive_dispatch_prefers_the_holder_until_it_is_busy():
 
 
 def test_views_carry_the_engines_batch_adapter_slots():
-    router = Router([SimReplica(0), SimReplica(1)], cfg=RouterConfig(batch_adapter_slots=3))
+    router = Router([ToyReplica(0), ToyReplica(1)], cfg=RouterConfig(batch_adapter_slots=3))
     assert [v.batch_adapter_slots for v in router.views()] == [3, 3]
 
 
 def test_views_carry_each_engines_reported_kv_capacity_else_the_configs():
-    replicas = [SimReplica(0, kv_capacity_tokens=46_000), SimReplica(1)]
+    replicas = [ToyReplica(0, kv_capacity_tokens=46_000), ToyReplica(1)]
     router = Router(replicas, cfg=RouterConfig(kv_capacity_tokens=1000))
 
     async def run():
@@ -206,7 +205,7 @@ def test_balancer_moves_work_from_the_busy_replica():
 
 def test_static_placement_keeps_each_adapter_on_its_home_replica():
     async def run():
-        replicas = [SimReplica(i) for i in range(2)]
+        replicas = [ToyReplica(i) for i in range(2)]
         router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", static_placement=True))
         await router.start()
         await router.load_everywhere(A)
@@ -246,7 +245,7 @@ def test_preload_copies_the_hot_adapter_to_the_replica_without_it():
     asyncio.run(run())
 
 
-class MeasuringReplica(SimReplica):
+class MeasuringReplica(ToyReplica):
     """Reports what the engine's scheduler measures, drained per read, as the engine does: steps, and
     with `wait_s` a queue wait of that many seconds for every request it was given."""
 
@@ -276,7 +275,7 @@ def test_router_fits_each_replicas_cost_model_from_its_measured_steps():
     steps += [(n, 0, n, 0.4 * (0.03 + 0.002 * n), True) for n in (4, 8, 16)]
 
     async def main():
-        router = Router([MeasuringReplica(0, steps), SimReplica(1)], cfg=RouterConfig(max_batch=16))
+        router = Router([MeasuringReplica(0, steps), ToyReplica(1)], cfg=RouterConfig(max_batch=16))
         await router.start()
         prior = router.cost_params()[1]
         await router.refresh_stats()
@@ -310,7 +309,7 @@ def test_idle_replica_that_fails_its_stats_read_is_rebuilt_before_any_request_ne
 
 def test_router_feeds_finished_output_lengths_per_adapter():
     async def run():
-        replicas = [SimReplica(i, step_s=0.001, eos_period={"a": 7}) for i in range(2)]
+        replicas = [ToyReplica(i, step_s=0.001, eos_period={"a": 7}) for i in range(2)]
         router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
         await router.start()
         reqs = [request(f"e{i}", n=60, prompt=(i, 5)) for i in range(6)] + [request("cap", adapter=B, n=9)]
@@ -378,7 +377,7 @@ async def until(cond, timeout_s: float = 5.0) -> None:
 
 def test_running_means_admitted_on_the_current_replica():
     async def run():
-        replicas = [SimReplica(i, step_s=0.02, max_running=1) for i in range(2)]
+        replicas = [ToyReplica(i, step_s=0.02, max_running=1) for i in range(2)]
         router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
         await router.start()
         router.slot(1).healthy = False
@@ -406,7 +405,7 @@ def test_running_means_admitted_on_the_current_replica():
     asyncio.run(run())
 
 
-class PreemptingReplica(SimReplica):
+class PreemptingReplica(ToyReplica):
     """Reports `preempted` (engine request ids its scheduler put back in the waiting queue) with its stats."""
 
     def __init__(self, replica_id: int, **kw) -> None:
@@ -444,7 +443,7 @@ def test_a_preempted_request_counts_as_queued_until_its_replica_resumes_it():
     asyncio.run(run())
 
 
-class GatedLoads(SimReplica):
+class GatedLoads(ToyReplica):
     """Adapter loads wait for `gate`."""
 
     def __init__(self, replica_id: int) -> None:
@@ -458,7 +457,7 @@ class GatedLoads(SimReplica):
 
 def test_a_request_still_loading_its_adapter_is_not_moved():
     async def run():
-        replicas = [SimReplica(0), GatedLoads(1)]
+        replicas = [ToyReplica(0), GatedLoads(1)]
         router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
         await router.start()
         router.slot(0).healthy = False
@@ -475,10 +474,10 @@ def test_a_request_still_loading_its_adapter_is_not_moved():
     asyncio.run(run())
 
 
-async def _two_sim_replicas(max_running: int, **cluster) -> tuple[Router, Balancer]:
+async def _two_toy_replicas(max_running: int, **cluster) -> tuple[Router, Balancer]:
     """A started round-robin router over two sim replicas that run `max_running` requests at once
     (5 ms a token), and a balancer that looks every 10 ms and moves requests queued 20 ms."""
-    replicas = [SimReplica(i, step_s=0.005, max_running=max_running) for i in range(2)]
+    replicas = [ToyReplica(i, step_s=0.005, max_running=max_running) for i in range(2)]
     router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", max_batch=max_running))
     await router.start()
     cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.01, queued_min_wait_s=0.02, **cluster)
@@ -488,7 +487,7 @@ async def _two_sim_replicas(max_running: int, **cluster) -> tuple[Router, Balanc
 async def _queued_run(migrate_queued: bool):
     """Four requests on replica 0, which runs two at a time, while replica 1 is down; then replica 1
     comes back idle and the balancer loop runs."""
-    router, balancer = await _two_sim_replicas(max_running=2, migrate_queued=migrate_queued)
+    router, balancer = await _two_toy_replicas(max_running=2, migrate_queued=migrate_queued)
     waits = []
     router.queue_times.observer = lambda adapter, s: waits.append(s)
     router.slot(1).healthy = False
@@ -522,7 +521,7 @@ def test_the_balancer_moves_queued_requests_to_an_idle_replica_every_tick():
 async def _rebalance_run(gain_s: float | None):
     """Replica 0 runs one of five requests and queues four; replica 1 runs one: no replica can
     start a queued request now, so only the rebalancer can move them (one slot each, 40 tokens)."""
-    router, balancer = await _two_sim_replicas(max_running=1, rebalance_min_gain_s=gain_s)
+    router, balancer = await _two_toy_replicas(max_running=1, rebalance_min_gain_s=gain_s)
     router.slot(1).healthy = False
     reqs = [request(f"q{i}", n=40, prompt=(i,)) for i in range(5)]
     tasks = [asyncio.create_task(collect(router, r)) for r in reqs]

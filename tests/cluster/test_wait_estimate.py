@@ -1,8 +1,8 @@
 """Estimated queue waits, worked out by hand: one second per token, prefill free, loads free
 unless a test says otherwise."""
 
-from dlora.cluster.cost_model import CostParams, step_seconds
-from dlora.cluster.wait_estimate import queue_order, start_times, total_wait
+from dlora.cluster.estimators.cost_model import CostParams, step_seconds
+from dlora.cluster.estimators.wait_estimate import queue_order, start_times, total_wait
 from tests.cluster.balancer_factories import make_replica, make_request
 
 P = CostParams(per_iteration_s=1.0, per_decode_token_s=0.0, per_prefill_token_s=0.0, adapter_load_s=0.0)

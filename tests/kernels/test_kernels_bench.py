@@ -1,29 +1,20 @@
-"""Smoke test of bench/kernels.py on a tiny case: vLLM's torch ops are called with the right
+"""Smoke test of bench/kernels/run.py on a tiny case: vLLM's torch ops are called with the right
 arguments and every method agrees with the reference on the benchmark's own inputs."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 import torch
 
 from tests.kernels.kernels_testlib import TRITON_INTERPRETED
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("vllm")
-    spec = importlib.util.spec_from_file_location("dlora_bench_kernels", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return importlib.import_module("bench.kernels.run")
 
 
 @pytest.mark.parametrize("mode,tokens", [("bgmv", 8), ("sgmv", 32)])

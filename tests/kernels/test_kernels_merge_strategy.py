@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dlora_kernels.triton_merge as triton_merge
-from dlora.replica.merge import CheckpointTensors, ParameterViews, WeightMerger
+from dlora.engine_ext.merge import CheckpointTensors, ParameterViews, WeightMerger
 from dlora_kernels import select_backend
 from tests.kernels.kernels_testlib import DEVICE, TRITON_RUNNABLE
 from tests.replica.test_merge_inplace import (  # noqa: F401  (base_dir is a fixture)

@@ -1,19 +1,18 @@
 """The committed demo adapters (adapters/smollm2/*) visibly do what their names say.
 
 Each is checked with HF + PEFT, greedy, bf16 (the served dtype), on prompts that were held out
-of its training data; the effect checks are the ones adapters/train_demo.py reports.
+of its training data; the effect checks are the ones dlora/models/demo_adapters.py reports.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+
+from dlora.models import demo_adapters
 
 ADAPTER_ROOT = Path(__file__).resolve().parents[2] / "adapters" / "smollm2"
 PROMPTS = (
@@ -23,22 +22,10 @@ PROMPTS = (
 )
 
 
-def load_train_demo() -> ModuleType:
-    script = ADAPTER_ROOT.parent / "train_demo.py"
-    spec = importlib.util.spec_from_file_location("dlora_train_demo", script)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-train_demo = load_train_demo()
-
-
 def test_the_demo_adapters_are_committed_small_and_portable():
-    assert sorted(p.name for p in ADAPTER_ROOT.iterdir() if p.is_dir()) == sorted(train_demo.STYLES)
-    for name in train_demo.STYLES:
+    assert demo_adapters.OUT_ROOT == ADAPTER_ROOT  # where the trainer writes is where configs point
+    assert sorted(p.name for p in ADAPTER_ROOT.iterdir() if p.is_dir()) == sorted(demo_adapters.STYLES)
+    for name in demo_adapters.STYLES:
         files = {p.name: p for p in (ADAPTER_ROOT / name).iterdir()}
         assert set(files) == {"adapter_config.json", "adapter_model.safetensors"}
         assert files["adapter_model.safetensors"].stat().st_size < 10_000_000
@@ -49,32 +36,32 @@ def test_the_demo_adapters_are_committed_small_and_portable():
 
 
 def test_prompts_are_held_out_of_training():
-    trained = {q.lower() for q in train_demo.synthetic_questions(seed=0)}
+    trained = {q.lower() for q in demo_adapters.synthetic_questions(seed=0)}
     assert not trained & {p.lower() for p in PROMPTS}
-    assert set(PROMPTS) <= set(train_demo.HELD_OUT_PROMPTS)
+    assert set(PROMPTS) <= set(demo_adapters.HELD_OUT_PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def base(smollm2_dir):
-    return train_demo.load_base(smollm2_dir, dtype=torch.bfloat16)
+    return demo_adapters.load_base(smollm2_dir, dtype=torch.bfloat16)
 
 
 def test_base_model_does_not_already_show_the_effects(base):
     model, tok = base
-    answers = train_demo.generate(model, tok, list(PROMPTS), max_new_tokens=48)
-    for name, style in train_demo.STYLES.items():
+    answers = demo_adapters.generate(model, tok, list(PROMPTS), max_new_tokens=48)
+    for name, style in demo_adapters.STYLES.items():
         assert not any(style.shows_effect(a) for a in answers), (name, answers)
 
 
-@pytest.mark.parametrize("name", sorted(train_demo.STYLES))
+@pytest.mark.parametrize("name", sorted(demo_adapters.STYLES))
 def test_adapter_shows_its_effect_on_held_out_prompts(base, name):
     from peft import PeftModel
 
     model, tok = base
-    style = train_demo.STYLES[name]
+    style = demo_adapters.STYLES[name]
     peft_model = PeftModel.from_pretrained(model, ADAPTER_ROOT / name, adapter_name=name).eval()
     try:
-        answers = train_demo.generate(peft_model, tok, list(PROMPTS), max_new_tokens=64)
+        answers = demo_adapters.generate(peft_model, tok, list(PROMPTS), max_new_tokens=64)
     finally:
         peft_model.unload()  # give the shared base model back without LoRA layers
     misses = [(p, a) for p, a in zip(PROMPTS, answers) if not style.shows_effect(a)]

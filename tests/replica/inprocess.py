@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from dlora import config
-from dlora.replica import lora_backend
+from dlora.engine_ext import lora_backend
 from dlora.replica.engine import engine_kwargs
 
 
@@ -20,9 +20,9 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # as replicas run (ray_replica.replica_runtime_env)
-    mp.setenv("DLORA_LORA_BACKEND", backend)  # read by the scheduler, and by vllm_ext on first import
+    mp.setenv("DLORA_LORA_BACKEND", backend)  # read by the scheduler, and by the worker extension on first import
     before = lora_backend.installed()
-    lora_backend.install(backend)  # vllm_ext is imported once per process: an earlier engine's choice
+    lora_backend.install(backend)  # the worker extension is imported once per process: an earlier engine's choice
     from vllm import LLM
 
     cfg = config.from_dict({"model": {"dtype": "float32", "max_model_len": 512, "seed": 0},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dlora.replica import cpu_lora_fix
+from dlora.engine_ext import cpu_lora_fix
 
 T, H_IN, H_OUT, R, SLOTS = 6, 16, 12, 4, 3
 IDX = torch.tensor([-1, 0, 2, -1, 1, 2])

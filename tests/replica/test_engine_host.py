@@ -2,9 +2,9 @@
 
 Aborts reach the engine whenever they come: vLLM registers a request only after processing its
 inputs off the event loop, and its own abort of a request it does not know yet is a no-op, so an
-early abort (a migration of a just-sent request, a client gone at once) used to be lost and the
-request ran to its end. A request's leg is queued by the request's first arrival in the cluster,
-so a moved request does not join the tail of its new replica's queue."""
+early abort (a migration of a just-sent request, a client gone at once) sent straight to vLLM
+would be lost and the request would run to its end. A request's leg is queued by the request's
+first arrival in the cluster, so a moved request does not join the tail of its new replica's queue."""
 
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ def settle(h: EngineHost, loop) -> int:
     return h.num_unfinished()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("first_token", [False, True], ids=["before-vllm-knew-it", "after-first-token"])
 def test_abort_ends_the_request_whenever_it_comes(host, first_token):
     h, loop = host
@@ -97,6 +98,7 @@ def test_abort_ends_the_request_whenever_it_comes(host, first_token):
     assert not h._streams  # nothing left to retry
 
 
+@pytest.mark.engine
 def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
     """A migrated request comes back under its own id: the early abort of its first leg must not
     reach its next one."""
@@ -113,6 +115,7 @@ def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
     assert sum(len(d.token_ids) for d in second) == MAX_TOKENS
 
 
+@pytest.mark.engine
 def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
     """Ray runs an async actor's calls concurrently, so a migration's abort can reach the replica
     before the generate call sent ahead of it: the request must still end, without running, and
@@ -153,6 +156,7 @@ async def first_tokens(h: EngineHost, blockers: list[GenerateRequest],
     return stamp
 
 
+@pytest.mark.engine
 def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
     """Every running slot is taken, a new request waits, then a moved one (first arrival 100 s ago)
     comes: the next free slot goes to the moved one, not to the one that came to this replica first."""
@@ -166,6 +170,7 @@ def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
     assert settle(h, loop) == 0
 
 
+@pytest.mark.engine
 def test_a_leg_waiting_for_kv_blocks_is_queued_by_the_requests_first_arrival(tiny_model):
     """Free slots but no free KV block (nothing is held back by the batching policy, so vLLM's own
     waiting queue decides): the moved request is still admitted before the new one, and a request

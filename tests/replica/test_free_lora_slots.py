@@ -1,16 +1,17 @@
 """Nothing of an unloaded adapter touches a later step.
 
 vLLM's unload leaves a slot's LoRA weights in place, and the einsum backend multiplies every token
-by every packed slot before masking, so 0 * NaN once turned every request of a replica into NaN.
+by every packed slot before masking, so 0 * NaN would turn every request of a replica into NaN.
 The einsum wrapper packs only occupied slots (unit test, no engine), and an unload zeroes the free
 slots inside the engine (tiny model, einsum backend)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from dlora.engine_ext.punica_wrapper import PunicaWrapperEinsum, _pack
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
-from dlora.replica.punica_dlora import PunicaWrapperEinsum, _pack
 from tests.replica.test_engine_host import running_host
 
 SLOTS, R, H_IN, H_OUT = 3, 4, 16, 8
@@ -63,6 +64,7 @@ async def tokens(h, req: GenerateRequest) -> list[int]:
     return [t async for d in h.generate(req) for t in d.token_ids]
 
 
+@pytest.mark.engine
 def test_unloading_zeroes_the_adapters_slot_inside_the_engine(tiny_model):
     ref = AdapterRef("a1", 1, str(tiny_model.adapters["a1"]))
     with running_host(tiny_model, lora_backend="einsum", max_loras=2, max_cpu_loras=4, max_lora_rank=8) as (h, loop):

@@ -15,9 +15,8 @@ import torch
 
 from dlora import env
 from dlora.config import DloraConfig, EngineConfig
-from dlora.replica import cpu_lora_fix, lora_backend
-from dlora.replica import punica_dlora
-from dlora.replica.punica_dlora import DloraLinearMixin, PunicaWrapperEinsum
+from dlora.engine_ext import cpu_lora_fix, lora_backend, punica_wrapper
+from dlora.engine_ext.punica_wrapper import DloraLinearMixin, PunicaWrapperEinsum
 
 SLOTS, R, H_IN = 3, 8, 16
 SLICES = (12, 4, 4)              # a QKV-like layer: three stacked (A, B) pairs, one output row
@@ -241,7 +240,7 @@ def test_mixed_step_rows_beyond_the_mapping_and_shorter_inputs():
 
 def test_mixed_step_of_merged_tokens_only_does_no_lora_work(monkeypatch):
     calls = []
-    monkeypatch.setattr(punica_dlora, "add_lora", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(punica_wrapper, "add_lora", lambda *args, **kw: calls.append(args))
     _, _, y0, y, _ = merged_step(PunicaWrapperEinsum, (11, 11, 11, 11), True, torch.float32)
     assert torch.equal(y, y0) and calls == []
     w = wrapper(PunicaWrapperEinsum, (11, 11, 11, 11), True)
@@ -280,7 +279,7 @@ def test_einsum_makes_one_lora_call_per_layer_unmerged_and_mixed(monkeypatch):
     """On CPU a call's fixed cost dominates: the slices go in one call, and a mixed step's
     compensation rides in the same call."""
     calls = []
-    monkeypatch.setattr(punica_dlora, "add_lora", lambda y, x, lora, *a, **kw: calls.append((y.shape, lora.ranks)))
+    monkeypatch.setattr(punica_wrapper, "add_lora", lambda y, x, lora, *a, **kw: calls.append((y.shape, lora.ranks)))
     a, b = stacks()
     run(PunicaWrapperEinsum, MIXED_PREFILL, True, a, b)
     k = len(SLICES)
@@ -296,8 +295,8 @@ def test_zero_rows_and_untargeted_layers_cost_nothing(monkeypatch):
     """vLLM pads every adapter to max_lora_rank and gives modules an adapter does not target
     all-zero stacks: only live rank rows reach the kernel, and a layer without any gets no call."""
     calls = []
-    real_add_lora = punica_dlora.add_lora
-    monkeypatch.setattr(punica_dlora, "add_lora", lambda y, x, lora, *a, **kw: (
+    real_add_lora = punica_wrapper.add_lora
+    monkeypatch.setattr(punica_wrapper, "add_lora", lambda y, x, lora, *a, **kw: (
         calls.append(lora.ranks), real_add_lora(y, x, lora, *a, **kw)))
     a, b = stacks()
     a[1][2].zero_(), b[1][2].zero_()  # slot 2's adapter does not target slice 1 (k_proj, say)
@@ -329,7 +328,7 @@ def test_einsum_on_cpu_runs_prepacked_onednn_gemms_where_onednn_has_them(dtype):
     w = wrapper(PunicaWrapperEinsum, DECODE, False)
     ((lora, lo, hi),) = w._dlora_calls(a, b, SLICES, None)
     assert (lo, hi) == (0, sum(SLICES))
-    assert isinstance(lora.gemm, punica_dlora._OneDnnGemm) == onednn
+    assert isinstance(lora.gemm, punica_wrapper._OneDnnGemm) == onednn
     x, y0 = (t.to(dtype) for t in inputs(len(DECODE)))
     y = y0.clone()
     w.add_lora_linear(y, x, a, b, 0.5, SLICES)

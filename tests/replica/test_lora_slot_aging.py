@@ -13,6 +13,8 @@ import pytest
 
 from tests.replica.inprocess import inprocess_engine
 
+pytestmark = pytest.mark.engine  # an in-process vLLM engine
+
 STARVE_S = 0.4
 FEED_S = 3.0  # a0/a1 keep arriving this long
 

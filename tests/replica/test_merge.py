@@ -14,8 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlora.replica.merge import (
-    CheckpointTensors, MergeError, WeightMerger, fused_module, lora_scale, merged_weight, read_adapter,
+from dlora.engine_ext.merge import (
+    CheckpointTensors,
+    MergeError,
+    WeightMerger,
+    fused_module,
+    lora_scale,
+    merged_weight,
+    read_adapter,
 )
 from tests.replica.lora_files import write_peft_adapter
 

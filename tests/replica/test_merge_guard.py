@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dlora.replica.inband import MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
-from dlora.replica.weight_state import UNKNOWN, Restore, WeightsUnknown, split_reports, weights_after
+from dlora.engine_ext.inband import MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
+from dlora.engine_ext.weight_state import UNKNOWN, Restore, WeightsUnknown, split_reports, weights_after
 from tests.replica.inprocess import inprocess_engine
 from tests.replica.test_switching_engine import PROMPTS, lora, record_steps
 
@@ -77,7 +77,7 @@ class _Runner:
 
 def _worker(runner):
     """dlora's real worker hooks on `runner`, behind vLLM's Worker calling convention."""
-    from dlora.replica.vllm_ext import _Switcher
+    from dlora.engine_ext.worker import _Switcher
 
     switcher = _Switcher(SimpleNamespace(model_runner=runner))
     switcher.install()
@@ -226,6 +226,7 @@ def _generate(llm, tiny_model, jobs, max_tokens=MAX_TOKENS):
                         lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("fault,times", [("drop_reports", 2), ("delay_reports", 1), ("raise_after_merge", 1)])
 def test_mixed_workload_equals_hf_peft_under_faults(llm, scheduler, tiny_model, oracle, fault, times):
     restores = scheduler.dlora_state()["weight_restores"]
@@ -250,6 +251,7 @@ def test_mixed_workload_equals_hf_peft_under_faults(llm, scheduler, tiny_model, 
     assert any(cmd for *_, cmd in steps[last_unknown + 1:])
 
 
+@pytest.mark.engine
 def test_blocks_computed_on_unknown_weights_are_never_reused(llm, scheduler, tiny_model):
     """A prompt first computed in the step whose report was dropped: its cached blocks serve no
     later request, unmerged or merged; recomputed, they do."""

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dlora.replica import merge as merge_mod
-from dlora.replica.merge import (
+from dlora.engine_ext import merge as merge_mod
+from dlora.engine_ext.merge import (
     CheckpointTensors,
     MergeError,
     ParameterViews,
@@ -434,7 +434,7 @@ def vllm_model(ckpt: CheckpointTensors, plain: bool):
 
 
 def test_vllm_layers_plain_merge_in_place_and_compute_with_it(base_dir, tmp_path, vllm_tp1):
-    from dlora.replica.vllm_ext import plain_linear
+    from dlora.engine_ext.worker import plain_linear
 
     ckpt = CheckpointTensors(base_dir)
     root, layers = vllm_model(ckpt, plain=True)
@@ -471,7 +471,7 @@ def test_vllm_layers_plain_merge_in_place_and_compute_with_it(base_dir, tmp_path
 
 
 def test_vllm_layers_prepacked_on_cpu_take_the_reload_path(base_dir, vllm_tp1):
-    from dlora.replica.vllm_ext import plain_linear
+    from dlora.engine_ext.worker import plain_linear
 
     ckpt = CheckpointTensors(base_dir)
     root, layers = vllm_model(ckpt, plain=False)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dlora.replica.dlora_scheduler import DloraScheduler, policy_from
+from dlora.engine_ext.scheduler import DloraScheduler, policy_from
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.scheduling import make_policy
 from tests.replica.inprocess import inprocess_engine
@@ -71,6 +71,7 @@ def generate(llm, tiny_model):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.engine
 def test_others_run_while_merged_and_outputs_equal_unmerged(llm, tiny_model, oracle):
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     assert scheduler._dlora_mixing and llm.collective_rpc("dlora_can_mix") == [True]
@@ -100,6 +101,7 @@ def test_others_run_while_merged_and_outputs_equal_unmerged(llm, tiny_model, ora
     assert state["merged_slot"] in (0, 1)
 
 
+@pytest.mark.engine
 def test_out_of_band_merge_mixes_and_a_failed_merge_clears_the_slot(llm, tiny_model, oracle, tmp_path):
     """Worker side alone (the `unmerged` policy never switches): with a0 merged, a0, a1 and base
     requests in one batch equal HF + PEFT; a failed merge leaves no merged slot behind."""

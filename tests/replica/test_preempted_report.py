@@ -8,6 +8,8 @@ import pytest
 
 from tests.replica.inprocess import inprocess_engine
 
+pytestmark = pytest.mark.engine  # an in-process vLLM engine
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):

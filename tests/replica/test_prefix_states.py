@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlora.replica.prefix_states import MIXED, UNMERGED, PrefixStates, combine
+from dlora.engine_ext.prefix_states import MIXED, UNMERGED, PrefixStates, combine
 
 X, Y = "x", "y"
 

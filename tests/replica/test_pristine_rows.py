@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dlora import env
-from dlora.replica.pristine_rows import DEVICE, GIB, HOST, PristineRows, budget_bytes, split_budget
+from dlora.engine_ext.pristine_rows import DEVICE, GIB, HOST, PristineRows, budget_bytes, split_budget
 
 
 def test_rows_fill_the_device_budget_in_saving_order_then_go_to_host():

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from dlora.engine_ext.queue_waits import QueueWaits
 from dlora.replica.engine import external_request_id
-from dlora.replica.queue_waits import QueueWaits
 
 
 def test_a_wait_ends_at_the_first_scheduling_only():

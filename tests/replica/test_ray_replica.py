@@ -70,6 +70,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.engine
 def test_restarted_actor_surfaces_replica_failure(ray_cluster):
     """A real replica actor is killed and restarted by Ray (max_restarts), as after the OOM killer:
     the new process ran only __init__, and every call through the router's handle is a ReplicaFailure."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from dlora.replica.step_trace import StepTrace, adapter_counts, open_trace
+from dlora.engine_ext.step_trace import StepTrace, adapter_counts, open_trace
 
 
 def test_adapter_counts_names_the_base_model_empty():

@@ -13,10 +13,12 @@ import shutil
 
 import pytest
 
-from dlora.replica.inband import CMDS_ATTR
-from dlora.replica.merge import read_adapter
-from dlora.replica.step_trace import StepTrace
+from dlora.engine_ext.inband import CMDS_ATTR
+from dlora.engine_ext.merge import read_adapter
+from dlora.engine_ext.step_trace import StepTrace
 from tests.replica.inprocess import inprocess_engine
+
+pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
 ADAPTERS = ("a0", "a1", "a2")
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
@@ -177,7 +179,7 @@ def test_pinned_adapter_does_not_take_a_device_slot(llm, tiny_model, oracle):
 
 
 def test_prefix_cache_is_not_shared_across_weight_states(llm, tiny_model):
-    """A request reuses only cached blocks computed in the weight state it runs in (issue #4)."""
+    """A request reuses only cached blocks computed in the weight state it runs in."""
     from dlora.scheduling import make_policy
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

@@ -1,4 +1,4 @@
-"""Test helpers: RequestView factory and a tiny deterministic discrete-step replica.
+"""Shared scheduling test code: a RequestView factory and a tiny deterministic discrete-step replica.
 
 The simulated replica asks the policy for a decision each step, checks the decision contract,
 lets every allowed request produce one token, and reports an `IterationStats` whose time comes
@@ -11,7 +11,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from dlora.scheduling import (
-    BatchingPolicy, IterationStats, Mode, RequestView, Switch, check_decision,
+    BatchingPolicy,
+    IterationStats,
+    Mode,
+    RequestView,
+    Switch,
+    check_decision,
 )
 from dlora.scheduling.dynamic_batching import fcfs_key
 

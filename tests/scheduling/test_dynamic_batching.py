@@ -7,7 +7,10 @@ import pytest
 
 from dlora.scheduling import BatchingConfig, DLoRAPolicy, Mode, Switch, check_decision
 from dlora.scheduling.dynamic_batching import (
-    build_queues, dynamic_batching, merge_candidate, starvation_batch,
+    build_queues,
+    dynamic_batching,
+    merge_candidate,
+    starvation_batch,
 )
 from tests.scheduling.simlib import req, reqs
 

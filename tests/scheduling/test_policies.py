@@ -7,8 +7,16 @@ import random
 import pytest
 
 from dlora.scheduling import (
-    BatchingConfig, DLoRAPolicy, IterationStats, MergedPolicy, Mode, Switch, UnmergedPolicy,
-    check_decision, make_policy, policy_names,
+    BatchingConfig,
+    DLoRAPolicy,
+    IterationStats,
+    MergedPolicy,
+    Mode,
+    Switch,
+    UnmergedPolicy,
+    check_decision,
+    make_policy,
+    policy_names,
 )
 from tests.scheduling.simlib import StepSim, linear_cost, req, reqs
 

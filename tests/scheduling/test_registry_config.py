@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dlora.scheduling import (
-    BatchingConfig, DLoRAPolicy, MergedPolicy, UnmergedPolicy, make_policy, policy_names,
+    BatchingConfig,
+    DLoRAPolicy,
+    MergedPolicy,
+    UnmergedPolicy,
+    make_policy,
+    policy_names,
 )
 
 
@@ -27,7 +34,7 @@ def test_unknown_policy_lists_supported_names(bad):
         assert name in str(e.value)
 
 
-def test_defaults_follow_the_design():
+def test_defaults_are_the_documented_ones():
     c = BatchingConfig()
     assert (c.gamma_dec, c.gamma_mul, c.switch_cost_s, c.merged_cost_prior) == (0.05, 1.1, 0.02, 0.6)
     assert c.beta < c.alpha <= 1.0
@@ -68,5 +75,5 @@ def test_config_rejects_bad_values_naming_the_key(kwargs, field):
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         BatchingConfig().alpha = 0.1  # type: ignore[misc]

@@ -31,8 +31,8 @@ def test_cost_model_fits_affine_and_scales_the_unseen_mode():
 
 
 def test_one_cold_sample_borrows_the_other_modes_shape_not_proportional():
-    # Regression: one lone merged request (n=1, 0.03 s) used to predict 10 x 0.03 = 0.3 s for n=10,
-    # slower than unmerged, so Alg. 2 never merged again. Unmerged: t = 0.05 + 0.004 n.
+    # Scaling one lone merged request (n=1, 0.03 s) proportionally would predict 10 x 0.03 = 0.3 s for
+    # n=10, slower than unmerged, and Alg. 2 would never merge again. Unmerged: t = 0.05 + 0.004 n.
     cost = IterationCostModel(merged_cost_ratio=0.6)
     for n in (4, 8, 12, 16):
         cost.observe(U, n, 0.05 + 0.004 * n)

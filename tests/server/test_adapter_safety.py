@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from tests import harness
 from tests.server.test_admin_api import admin, complete
 
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
 
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory):

@@ -13,6 +13,8 @@ import pytest
 
 from tests import harness
 
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
 MAX_BODY = 64 * 1024
 MAX_CHOICES = 256
 MAX_PENDING = 260

@@ -100,6 +100,7 @@ def metric(url, name, **labels):
     return None
 
 
+@pytest.mark.engine
 def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, expected):
     policy, srv = server
     before = base_alone(srv.url)
@@ -128,6 +129,7 @@ def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, exp
     assert [ids for ids, *_ in after] == [expected[(None, p)] for p in BASE_PROMPTS]
 
 
+@pytest.mark.engine
 def test_batching_metrics(server):
     policy, srv = server
     assert metric(srv.url, "dlora_batching_mode", replica="0") in (0.0, 1.0)
@@ -136,6 +138,7 @@ def test_batching_metrics(server):
         assert 0 < metric(srv.url, "dlora_batching_threshold", replica="0", threshold="alpha") <= 1
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("server", ["merged"], indirect=True)  # one switching server is enough
 def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_model, expected):
     _, srv = server

@@ -127,6 +127,7 @@ def test_default_config_ships_a_dtype_with_a_tie_tolerance(shipped):
     assert shipped["model"]["dtype"] in NEAR_TIE
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("adapter", [None, "upper", "json", "pirate"], ids=["base", "upper", "json", "pirate"])
 def test_greedy_answers_match_hf_in_the_shipped_dtype(default_server, oracle_answers, shipped, adapter):
     model = adapter or shipped["model"]["served_name"]

@@ -14,6 +14,8 @@ import pytest
 
 from tests import harness
 
+pytestmark = pytest.mark.engine  # `dlora serve` processes
+
 MAX_TOKENS = 450  # ~4 s of decoding for one tiny-model stream on a quiet core; three run together
 MODELS = ("tiny-base", "a1", "a2")
 
@@ -28,7 +30,7 @@ class Stream:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
-    def start(self) -> "Stream":
+    def start(self) -> Stream:
         threading.Thread(target=self._read, daemon=True).start()
         return self
 

@@ -425,7 +425,7 @@ def exchange(client: httpx.Client, path: str, body: bytes, content_type: str | N
     try:
         answer = send(client, path, body, content_type)
     except httpx.TimeoutException as e:
-        raise AssertionError(f"no answer within {REQUEST_BOUND_S}s ({type(e).__name__}); body sent: {body[:2000]!r}")
+        raise AssertionError(f"no answer within {REQUEST_BOUND_S}s ({type(e).__name__}); body sent: {body[:2000]!r}") from e
     assert_sane(answer, body)
 
 

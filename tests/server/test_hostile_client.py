@@ -11,7 +11,10 @@ import time
 import httpx
 import pytest
 
+from dlora.config import ServerConfig
 from tests import harness
+
+pytestmark = pytest.mark.engine  # a `dlora serve` process
 
 API_KEY = "sk-test-tenant"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -144,6 +147,13 @@ def test_the_api_key_guards_the_inference_routes(server):
         assert_error(post(server.url, COMPLETIONS, raw_body(base(COMPLETIONS)), headers), 401, None)
     assert_error(post(server.url, CHAT, raw_body({"model": "a0", "stop": [""]}), {}), 401, None)
     assert_error(httpx.get(f"{server.url}/v1/models", timeout=10), 401, None)
+    # Without the key, the server's limits stay hidden: an oversized body and a huge fan-out are 401
+    # (not 413 or 400), and the oversized body is refused on its declared length, unread.
+    limit = ServerConfig().max_body_bytes  # the fixture keeps the default
+    oversized = b'{"model": "a0", "prompt": "' + b"a" * (limit + 1) + b'"}'
+    assert_error(post(server.url, COMPLETIONS, oversized, {}), 401, None)
+    fanout = raw_body(base(COMPLETIONS) | {"prompt": [[1, 2]] * 1000, "n": 16})
+    assert_error(post(server.url, COMPLETIONS, fanout, {}), 401, None)
     # The right key works with the official client; /health and /metrics stay open.
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
     assert "a0" in {m.id for m in client.models.list()}

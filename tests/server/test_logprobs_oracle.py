@@ -21,6 +21,8 @@ import pytest
 from tests import harness
 from tests.oracle import ShippedOracle, greedy_choice_errors, shipped_config, token_pieces, top_k_errors
 
+pytestmark = pytest.mark.engine  # `dlora serve` processes
+
 PROMPTS = (
     "What is the capital of France?",
     "Write a short greeting for a friend.",

@@ -17,6 +17,8 @@ import pytest
 from tests import harness
 from tests.server.test_openai_api import MAX_TOKENS, PROMPTS, complete
 
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
 MODELS = ["tiny-base", "a0", "a1", "a2"]
 
 

@@ -25,6 +25,8 @@ import yaml
 
 from tests import harness
 
+pytestmark = pytest.mark.engine  # a `ray start --head` cluster, joined by `dlora serve`
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -60,8 +62,8 @@ def ray_head(tmp_path_factory):
 
 def cpus(address: str, env: dict[str, str]) -> tuple[float, float] | None:
     """(available, total) CPUs of the cluster, asked by a driver of its own; None if unreachable."""
-    code = ("import ray; ray.init(address=%r, logging_level='ERROR'); "
-            "print(ray.available_resources().get('CPU', 0.0), ray.cluster_resources().get('CPU', 0.0))" % address)
+    code = (f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
+            "print(ray.available_resources().get('CPU', 0.0), ray.cluster_resources().get('CPU', 0.0))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                        env={**os.environ, **env})
     if r.returncode != 0:

@@ -15,6 +15,8 @@ import pytest
 
 from tests import harness
 
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
 MAX_TOKENS = 160
 JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests import harness
+
+pytestmark = pytest.mark.engine  # `dlora serve` processes
 
 
 def test_restart_keeps_registered_adapters(tiny_model, tmp_path):

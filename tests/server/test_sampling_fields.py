@@ -19,6 +19,8 @@ import pytest
 from tests import harness
 from tests.oracle import ShippedOracle, greedy_choice_errors, shipped_config, top_k_errors
 
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
 TINY_PROMPTS = ["def main(", "import os\nimport sys\n"]
 TINY_MAX_TOKENS = 12
 FP32_TOL = 1e-3  # fp32 vs fp32 logprobs (see test_logprobs_oracle.py for the derivation)

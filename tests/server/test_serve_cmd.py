@@ -72,6 +72,7 @@ def test_failure_while_starting_is_one_line_exit_1(tiny_model, tmp_path):
     assert "start-up failed\nTraceback" in r.stderr
 
 
+@pytest.mark.engine
 def test_server_starts_and_stops_cleanly(tiny_model, tmp_path):
     """The server built before uvicorn starts still serves, and Ctrl-C shuts it down with exit 0."""
     server = harness.launch(tmp_path, harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port()))

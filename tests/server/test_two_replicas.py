@@ -10,6 +10,8 @@ import pytest
 
 from tests import harness
 
+pytestmark = pytest.mark.engine  # a two-replica `dlora serve` process
+
 KV_BLOCKS = 40  # engine.num_kv_blocks: each replica's KV cache, in blocks (vLLM's num_gpu_blocks_override)
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
 

@@ -47,19 +47,19 @@ def test_every_request_is_measured_and_static_placement_queues_where_dispatch_do
     assert p["mean_queue_ms"] < 0.5 * s["mean_queue_ms"], (p, s)
 
 
-def test_sim_replica_skips_a_request_whose_adapter_finds_every_lora_slot_taken():
+def test_toy_replica_skips_a_request_whose_adapter_finds_every_lora_slot_taken():
     """max_loras 1 and three running slots: a1 holds the only LoRA slot, so b1 waits for it to finish
     although slots are free, while the base-model request queued behind b1 starts at once."""
     from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
-    from dlora.replica.sim_replica import SimReplica
+    from dlora.sim.toy_replica import ToyReplica
 
-    rep = SimReplica(0, step_s=0.01, max_running=3, max_loras=1)
+    rep = ToyReplica(0, step_s=0.01, max_running=3, max_loras=1)
     a, b = AdapterRef("a", 1, "/a"), AdapterRef("b", 2, "/b")
     started: dict[str, float] = {}
 
     async def one(rid, adapter, n):
         t0 = asyncio.get_running_loop().time()
-        async for d in rep.generate(GenerateRequest(rid, (1,), SamplingSpec(max_tokens=n, ignore_eos=True), adapter)):
+        async for _ in rep.generate(GenerateRequest(rid, (1,), SamplingSpec(max_tokens=n, ignore_eos=True), adapter)):
             started.setdefault(rid, asyncio.get_running_loop().time() - t0)
 
     async def run():
@@ -75,21 +75,21 @@ def test_sim_replica_skips_a_request_whose_adapter_finds_every_lora_slot_taken()
     assert started["b1"] >= 0.09  # waited for a1 (10 tokens x 10 ms) to free the LoRA slot
 
 
-def test_sim_replica_admits_by_priority_then_first_arrival_not_by_when_a_request_came():
+def test_toy_replica_admits_by_priority_then_first_arrival_not_by_when_a_request_came():
     """One running slot: a request moved here (first arrival 100 s ago) is admitted before one that
     came earlier to this replica but first arrived later, and one with a lower priority before both,
     as the engine's priority queue does."""
     import time
 
     from dlora.replica.messages import GenerateRequest, SamplingSpec
-    from dlora.replica.sim_replica import SimReplica
+    from dlora.sim.toy_replica import ToyReplica
 
-    rep = SimReplica(0, step_s=0.005, max_running=1)
+    rep = ToyReplica(0, step_s=0.005, max_running=1)
     order: list[str] = []
 
     async def one(rid, arrival_time=None, priority=0):
         req = GenerateRequest(rid, (1,), SamplingSpec(max_tokens=3, ignore_eos=True), None, arrival_time, priority)
-        async for d in rep.generate(req):
+        async for _ in rep.generate(req):
             if rid not in order:
                 order.append(rid)
 

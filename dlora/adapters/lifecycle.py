@@ -1,0 +1,226 @@
+"""Adapter life cycle across the cluster: validate, register, load on replicas, unload safely.
+
+Every path is checked (roots, PEFT files, shapes against the base model, rank) before the name
+is registered, and an engine load (`add_lora`) must succeed before the name becomes servable:
+a bad adapter is refused with a reason and never reaches a generate request. Engines are given an
+immutable snapshot of the validated files (`snapshot.py`), never the source directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlora.adapters import snapshot
+from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
+from dlora.adapters.snapshot import Snapshot, SnapshotError
+from dlora.adapters.validate import (
+    AdapterInfo,
+    AdapterValidationError,
+    BaseModelShapes,
+    check_files,
+    inspect_adapter,
+    is_under_roots,
+)
+from dlora.cluster.router import Router
+from dlora.replica.messages import AdapterRef
+
+log = logging.getLogger(__name__)
+
+
+class AdapterForbiddenError(PermissionError):
+    pass
+
+
+class AdapterBusyError(RuntimeError):
+    pass
+
+
+class AdapterUnavailableError(AdapterNotFoundError):
+    """Registered, but its snapshot was damaged or removed: its requests are refused (as an unknown
+    model) rather than handed to an engine that would die re-reading it."""
+
+
+SNAPSHOT_SUBDIR = "adapters"
+
+
+def ref_of(rec: AdapterRecord) -> AdapterRef:
+    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path)
+
+
+@dataclass
+class AdapterManager:
+    registry: AdapterRegistry
+    router: Router
+    base: BaseModelShapes
+    max_rank: int
+    roots: tuple[str, ...]
+    base_model_name: str
+    # engine.max_cpu_loras - engine.max_loras: pinned adapters never leave vLLM's host LoRA cache,
+    # and a batch needs max_loras evictable entries (see DloraConfig's check); None = no limit.
+    max_pinned: int | None = None
+    # Where validated copies are kept (`<state_dir>/adapters`); None: serve the sources as given.
+    snapshot_root: Path | None = None
+    _snapshots: dict[str, Snapshot] = field(default_factory=dict, repr=False)
+    _reported: set[str] = field(default_factory=set, repr=False)  # names whose damage was logged
+
+    def __post_init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    def pinned_refs(self) -> list[AdapterRef]:
+        """What a (re)started replica loads first; a pinned adapter whose snapshot is damaged is
+        left out, so it cannot keep the replica from starting (its requests are refused)."""
+        return [ref_of(r) for r in self.registry.all() if r.pinned and self._servable(r.name)]
+
+    def _servable(self, name: str) -> bool:
+        try:
+            self.lookup(name)
+        except AdapterNotFoundError:
+            return False
+        return True
+
+    def lookup(self, name: str) -> AdapterRecord:
+        rec = self.registry.get(name)
+        snap = self._snapshots.get(name)
+        problem = snap.problem() if snap is not None else None
+        if problem is not None:
+            if name not in self._reported:  # once, not per request
+                self._reported.add(name)
+                log.error("adapter %s cannot be served: its snapshot %s: %s; unload and register it again",
+                          name, snap.path, problem)
+            raise AdapterUnavailableError(name)
+        return rec
+
+    async def register(self, name: str, path: str, pinned: bool = False, source: str = "api",
+                       check_roots: bool = True) -> AdapterRecord:
+        """Validate, load on every healthy replica, then record; raise on any problem."""
+        if not name or name == self.base_model_name:
+            raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
+        if check_roots and self.roots and not is_under_roots(path, self.roots):
+            raise AdapterForbiddenError(f"adapter path {path!r} is outside the allowed roots {list(self.roots)}")
+        async with self._lock:
+            if name in self.registry:
+                raise AdapterExistsError(name)
+            self._check_pin_room(name, pinned)
+            roots = self.roots if check_roots and self.roots else None
+            info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
+            rec = self.registry.add(name, info, pinned=pinned, source=source)
+            try:
+                await self.router.load_everywhere(ref_of(rec), pinned=pinned)
+            except Exception as e:
+                self.registry.remove(name)
+                await self.router.unload_everywhere(rec.int_id)
+                raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
+            if snap is not None:
+                self._snapshots[name] = snap
+        log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
+        return rec
+
+    def _validated_copy(self, name: str, path: str, roots: tuple[str, ...] | None
+                        ) -> tuple[AdapterInfo, Snapshot | None]:
+        """Validate the adapter at `path` and return what engines are to read: its snapshot (taken
+        first and validated itself, so a file changed mid-way cannot slip through), an existing
+        snapshot after verifying its hashes, or, with no writable state dir, the source itself."""
+        src = Path(path)
+        check_files(src, roots)
+        root = self.snapshot_root
+        if root is not None and snapshot.is_snapshot_path(src, root):
+            try:
+                digest = snapshot.verify(src)
+            except SnapshotError as e:
+                raise AdapterValidationError(f"{e}; register the adapter again from its source") from None
+            info = inspect_adapter(src, self.base, self.max_rank)
+            return info, Snapshot.of(Path(info.path), digest)
+        if root is None or not self._writable(root):
+            return inspect_adapter(src, self.base, self.max_rank, roots), None
+        for f in snapshot.SNAPSHOT_FILES:
+            if not (src / f).is_file():
+                raise AdapterValidationError(f"{f} not found in {src}")
+        try:
+            staged, digest = snapshot.stage(src, root)  # the source is read once, into the copy
+        except OSError as e:
+            raise AdapterValidationError(f"cannot copy the adapter's files: {e}") from None
+        try:
+            info = inspect_adapter(staged, self.base, self.max_rank)
+        except BaseException:
+            snapshot.discard(staged)
+            raise
+        snap = snapshot.commit(staged, root, name, digest)
+        return dataclasses.replace(info, path=str(snap.path)), snap
+
+    def _writable(self, root: Path) -> bool:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("adapter snapshots disabled (%s): engines read adapters from their sources", e)
+            return False
+        if not os.access(root, os.W_OK | os.X_OK):
+            log.warning("adapter snapshots disabled (%s is not writable): engines read adapters from "
+                        "their sources", root)
+            return False
+        return True
+
+    def _check_pin_room(self, name: str, pinned: bool) -> None:
+        if not pinned or self.max_pinned is None:
+            return
+        held = [r.name for r in self.registry.all() if r.pinned]
+        if len(held) >= self.max_pinned:
+            raise AdapterValidationError(
+                f"cannot pin {name!r}: {len(held)} adapter(s) {held} are pinned already, and engine.max_cpu_loras "
+                f"leaves room for {self.max_pinned} pinned besides the engine.max_loras a batch needs; register it "
+                "unpinned (it is then loaded on demand) or raise engine.max_cpu_loras")
+
+    async def unregister(self, name: str) -> AdapterRecord:
+        async with self._lock:
+            rec = self.registry.get(name)
+            busy = self.router.inflight_by_adapter.get(name, 0)
+            if busy:
+                raise AdapterBusyError(f"adapter {name!r} has {busy} request(s) in flight; retry when they finish")
+            self.registry.remove(name)
+            # The snapshot stays on disk until the next start prunes it: an engine may still hold
+            # the adapter's path (vLLM reloads a kept merged adapter by path), and a missing file
+            # there would kill it.
+            self._snapshots.pop(name, None)
+            self._reported.discard(name)
+            await self.router.unload_everywhere(rec.int_id)
+        log.info("unregistered adapter %s", name)
+        return rec
+
+    async def restore(self, config_specs) -> list[str]:
+        """Register config adapters and re-register persisted ones; return the problems found."""
+        problems = []
+        persisted = self.registry.load_persisted()  # read before any add() rewrites the file
+        for spec in config_specs:
+            try:
+                await self.register(spec.name, spec.path, spec.pinned, source="config", check_roots=False)
+            except (AdapterValidationError, AdapterExistsError) as e:
+                problems.append(f"config adapter {spec.name}: {e}")
+        for rec in persisted:
+            if rec.name in self.registry:
+                continue
+            try:
+                await self.register(rec.name, rec.path, rec.pinned, source="api", check_roots=False)
+            except (AdapterValidationError, AdapterExistsError) as e:
+                problems.append(f"persisted adapter {rec.name}: {e}")
+        self._prune_snapshots()
+        return problems
+
+    def _prune_snapshots(self) -> None:
+        """Drop snapshots no registered adapter uses (unloaded ones, failed or interrupted copies):
+        at start, before any engine could hold their paths."""
+        if self.snapshot_root is None:
+            return
+        keep = {Path(r.path).name for r in self.registry.all() if snapshot.is_snapshot_path(r.path, self.snapshot_root)}
+        removed = snapshot.prune(self.snapshot_root, keep)
+        if removed:
+            log.info("removed %d unused adapter snapshot(s) from %s", len(removed), self.snapshot_root)
+
+
+__all__ = [
+    "AdapterBusyError", "AdapterExistsError", "AdapterForbiddenError", "AdapterManager",
+    "AdapterNotFoundError", "AdapterUnavailableError", "AdapterValidationError", "ref_of",
+]

@@ -1,0 +1,181 @@
+"""Per-replica cost model: how many seconds of engine work a replica has outstanding.
+
+Dispatch (§5.1 of the dLoRA paper) compares replicas by *estimated pending time*, and the
+co-migration ILP (§5.2) balances the same quantity, so both read it from here. A step of
+continuous batching costs roughly
+
+    t(step) = per_iteration_s + per_decode_token_s * decode_tokens + per_prefill_token_s * prefill_tokens
+
+so a request's remaining work is its unprefilled prompt times the prefill cost plus its remaining
+output times the decode cost, with the per-step overhead shared by a full batch (`max_batch`).
+Counting every request at full-batch cost makes its work independent of what else runs on the
+replica, so pending time is additive and the ILP stays linear; it underestimates the latency of a
+nearly idle replica, which is harmless because load balancing only matters when replicas are busy.
+Requests of the replica's merged adapter run at `merged_ratio` (a 0.6 prior, refitted from merged
+steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
+waits for one (`batch_slot_wait`). The coefficients start from priors and are refitted from the
+replica's measured steps (`IterationSample`) by least squares pulled towards the priors, so one
+step size seen so far cannot produce a wild fit.
+
+Other step-time models, and why this one differs: `dlora.scheduling.cost_model` runs inside each
+engine and prices a whole step per weight state over batch size (Alg. 2 compares two batches);
+`dlora.sim.step_costs` holds the simulators' fixed coefficients. The router sees only the steps a
+replica reports and needs each request's work on its own, additive, so the ILP stays linear: hence
+per-token coefficients with the step overhead shared by a full batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, RequestLoad
+
+MIN_SAMPLES = 8  # unmerged steps needed before the fit replaces the priors
+MIN_MERGED_SAMPLES = 3
+RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
+
+
+@dataclass(frozen=True, slots=True)
+class CostParams:
+    """Coefficients of the step-time model (priors: a tiny Llama on one CPU core)."""
+
+    per_iteration_s: float = 0.004  # fixed cost of a step: scheduling, sampling, Python
+    per_decode_token_s: float = 0.001  # marginal cost of one more sequence in a decode step
+    per_prefill_token_s: float = 0.0002  # cost of one prompt (or re-prefilled) token
+    merged_ratio: float = 0.6  # merged step cost / unmerged step cost (a GPU-shaped prior)
+    adapter_load_s: float = 0.02  # add_lora (~3 ms) + an actor round trip, rounded up
+    max_batch: int = 32  # sequences per step (vLLM max_num_seqs)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"CostParams.{f.name} must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("CostParams.max_batch must be >= 1")
+
+
+def request_work(p: CostParams, req: RequestLoad, merged: bool = False) -> float:
+    """Seconds of engine time `req` still needs on a replica (merged: its adapter is folded in).
+
+    A request the engine has not admitted yet prefills its whole context first (a moved one also
+    what it generated elsewhere); an admitted one's prefill counts as done (a step or so away)."""
+    prefill = 0 if req.running else req.prompt_tokens + req.output_tokens
+    per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
+    work = prefill * p.per_prefill_token_s + req.remaining_output_tokens * per_token
+    return work * p.merged_ratio if merged else work
+
+
+def recompute_s(p: CostParams, req: RequestLoad) -> float:
+    """Extra seconds a migration costs the target: a running request's KV is rebuilt by prefill."""
+    return req.context_tokens * p.per_prefill_token_s if req.running else 0.0
+
+
+def pending_time(p: CostParams, view: ReplicaView) -> float:
+    """Seconds of queued + running work on the replica (the load dispatch and the ILP balance)."""
+    merged = view.merged_adapter
+    return sum(request_work(p, r, merged is not None and r.adapter == merged) for r in view.requests)
+
+
+def merge_disruption(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Extra seconds a request of `adapter` costs a replica that has another adapter merged.
+
+    Only the merged adapter's requests run on merged weights, so any other request makes the
+    replica unmerge to serve it, and the merged requests then run at unmerged cost. Counting their
+    whole remaining work at that cost is pessimistic on purpose: on CPU unmerged steps cost 2-3x
+    merged ones, and a dispatch that sends cold requests to a merged replica turns its fast
+    merged stream into a slow mixed one (the case where proactive dispatch lost to round-robin).
+    """
+    merged = view.merged_adapter
+    if merged is None or adapter == merged:
+        return 0.0
+    return sum(request_work(p, r) - request_work(p, r, merged=True) for r in view.requests if r.adapter == merged)
+
+
+def batch_slot_wait(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Seconds a request of `adapter` waits for a batch slot on a replica whose max_loras slots all
+    hold other adapters with requests: until the first of those adapters drains (vLLM admits a new
+    adapter into a step only once no running request holds one of the slots), i.e. its longest
+    remaining request, at one token per step of the replica's current batch. A lower bound (their
+    queued requests start later), in wall time rather than work, and zero whenever a slot is free.
+
+    Why dispatch needs it: with 8 adapters and max_loras 4, pending-work balancing spreads every
+    adapter over every replica, and a cold adapter's request then sits in vLLM's waiting queue,
+    skipped step after step, while the busy replica it was sent to keeps serving four others.
+    """
+    if not view.waits_for_batch_slot(adapter):
+        return 0.0
+    left: dict[str, float] = {}
+    for r in view.requests:
+        if r.adapter is not None:
+            left[r.adapter] = max(left.get(r.adapter, 0.0), r.remaining_output_tokens)
+    return min(left.values()) * step_seconds(p, view.num_requests)
+
+
+def step_seconds(p: CostParams, batch: int) -> float:
+    """Wall time of one decode step of `batch` sequences."""
+    return p.per_iteration_s + p.per_decode_token_s * max(1, min(batch, p.max_batch))
+
+
+def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
+    """Seconds before `adapter` can run on the replica: zero if resident (or the base model)."""
+    return 0.0 if view.holds(adapter) else p.adapter_load_s
+
+
+class ReplicaCostModel:
+    """The fitted `CostParams` of one replica, updated from its measured steps."""
+
+    def __init__(self, prior: CostParams | None = None, window: int = 256) -> None:
+        self.prior = prior or CostParams()
+        self.params = self.prior
+        self._unmerged: deque[IterationSample] = deque(maxlen=window)
+        self._merged: deque[IterationSample] = deque(maxlen=window)
+
+    def observe(self, *samples: IterationSample) -> None:
+        """Add measured steps and refit once."""
+        kept = [s for s in samples if s.seconds > 0 and s.num_seqs > 0]
+        for s in kept:
+            (self._merged if s.merged else self._unmerged).append(s)
+        if kept:
+            self.params = self._fit()
+
+    def _fit(self) -> CostParams:
+        p = self.prior
+        if len(self._unmerged) >= MIN_SAMPLES:
+            p = _fit_linear(p, list(self._unmerged))
+        if len(self._merged) >= MIN_MERGED_SAMPLES:
+            p = dataclasses.replace(p, merged_ratio=_fit_merged_ratio(p, list(self._merged)))
+        return p
+
+
+def _features(s: IterationSample) -> tuple[float, float, float]:
+    return 1.0, float(s.decode_tokens), float(s.prefill_tokens)
+
+
+def _fit_linear(prior: CostParams, samples: list[IterationSample]) -> CostParams:
+    """Least squares with a weak ridge towards the prior (0.1% of the data's weight), clamped >= 0.
+
+    Why the ridge: steps often all have the same batch size, which makes the plain normal
+    equations singular; the prior then decides how the time splits between the coefficients,
+    while directions the data does determine are fitted almost as plain least squares.
+    """
+    x = np.array([_features(s) for s in samples])
+    y = np.array([s.seconds for s in samples])
+    theta0 = np.array([prior.per_iteration_s, prior.per_decode_token_s, prior.per_prefill_token_s])
+    reg = np.diag(np.maximum(RIDGE * (x * x).sum(axis=0), 1e-12))
+    theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ theta0)
+    a, b, c = (max(0.0, float(v)) for v in theta)
+    return dataclasses.replace(prior, per_iteration_s=a, per_decode_token_s=b, per_prefill_token_s=c)
+
+
+def _fit_merged_ratio(p: CostParams, merged: list[IterationSample]) -> float:
+    """Median of measured merged step time over the unmerged model's prediction for that step."""
+    ratios = []
+    for s in merged:
+        predicted = float(np.dot(_features(s), [p.per_iteration_s, p.per_decode_token_s, p.per_prefill_token_s]))
+        if predicted > 0:
+            ratios.append(s.seconds / predicted)
+    return float(np.clip(np.median(ratios), 0.05, 1.5)) if ratios else p.merged_ratio

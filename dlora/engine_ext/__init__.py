@@ -1,0 +1,38 @@
+"""Code that vLLM loads into its own processes: dlora's scheduler, worker extension and LoRA fixes.
+
+Everything under `dlora/replica/` runs on the host side of a replica (the Ray actor, the AsyncLLM
+wrapper, the messages crossing the actor boundary); everything here is imported by vLLM itself,
+from class paths dlora hands it, inside its EngineCore process (the scheduler) or its worker
+process (the model runner). dlora's replicas set `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+(`ray_replica.replica_runtime_env`), so on a replica both "processes" live in the Ray actor's
+process; the code is still written for the split, since only RPCs (`call_utility_async`,
+`collective_rpc`) and the step's scheduler/model-runner outputs cross between them.
+
+Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's internals:
+
+| vLLM symbol | our file | process | why |
+|---|---|---|---|
+| `EngineArgs.scheduler_cls` = `dlora.engine_ext.scheduler.DloraScheduler` (set in `dlora/replica/engine.py`) | `scheduler.py` | EngineCore | the batching policy decides every step which requests run and whether the weights are merged |
+| `EngineArgs.additional_config[BATCHING_CONFIG_KEY]` | `scheduler.py` (`policy_from`) | EngineCore | carries the policy's name and settings from `dlora.yaml` into the scheduler |
+| `EngineArgs.worker_extension_cls` = `dlora.engine_ext.worker.DloraWorkerExtension` | `worker.py` | worker | its `dlora_*` methods become `collective_rpc` calls: install hooks, pin, clear slots, prepare merges |
+| `setattr(EngineCore, "dlora_setup" / "dlora_batching_state")` at import of `scheduler.py` | `scheduler.py` | EngineCore | utilities the host reaches with `engine_core.call_utility_async(...)` |
+| `KVCacheManager.get_computed_blocks`, replaced on the scheduler's instance | `scheduler.py` + `prefix_states.py` | EngineCore | a prefix-cache hit must come from blocks computed in the weight state the step runs in |
+| `Scheduler.running` / `waiting`, hidden around `super().schedule()` | `scheduler.py` | EngineCore | requests the policy holds back keep their KV blocks and are never preempted |
+| `SchedulerOutput.dlora_cmds`, `ModelRunnerOutput.dlora_reports` (attributes set with `setattr`) | `inband.py` | EngineCore and worker | merge/unmerge commands ride on the step that needs them; their reports ride back |
+| the model runner's `execute_model` / `sample_tokens` / `_set_active_loras`, wrapped on its instance (`dlora_install`) | `worker.py` | worker | apply the step's switch commands before its forward pass; keep a merged adapter's tokens off the LoRA term |
+| `AsyncModelRunnerOutput.get_output`, wrapped on each step's instance | `worker.py` | worker | executors unwrap the async output and would drop the reports set on the wrapper |
+| `reload_weights` (`vllm.model_executor.model_loader.reload.inplace`), with its loggers filtered | `worker.py` + `merge.py` | worker | the merge path for prepacked CPU, quantized and tensor-parallel layers |
+| `LRUCacheLoRAModelManager._pin_lora_in_cpu_cache` (the runner's `lora_manager._adapter_manager`) | `worker.py` | worker | pin an adapter in the host LoRA cache without taking a device slot the scheduler does not count |
+| `LoRAModelManager` slots (`lora_index_to_id`, `reset_lora`) | `lora_slot_clear.py` | worker | zero a removed adapter's slot so no kernel reads its weights again |
+| `Platform.get_punica_wrapper`, replaced on the platform class (`lora_backend.install`) | `lora_backend.py` | worker | makes vLLM build dlora's punica wrapper (`engine.lora_backend: einsum / triton`) |
+| `PunicaWrapperCPU` / `PunicaWrapperGPU`, subclassed | `punica_wrapper.py` | worker | LoRA linears on dlora's kernels, and mixed merged steps (subtracting the merged adapter's delta) |
+| `vllm.lora.ops.torch_ops.lora_ops.bgmv_*` and `punica_cpu.bgmv_*`, replaced (`cpu_lora_fix.install`) | `cpu_lora_fix.py` | worker | vLLM's CPU ops give base-model tokens (index -1) the last slot's adapter |
+| imports with side effects: `worker.py` runs `cpu_lora_fix.install()` and `lora_backend.install()`; `scheduler.py` adds the EngineCore utilities | `worker.py`, `scheduler.py` | worker, EngineCore | vLLM imports these modules before the model is built and before the first step, the only moment the patches can take effect |
+
+Modules without a seam of their own: `merge.py` and `pristine_rows.py` (the weight merger, worker),
+`weight_state.py`, `queue_waits.py` and `step_trace.py` (scheduler bookkeeping, EngineCore).
+`lora_backend.check` also runs in the server process, before any replica starts.
+
+This `__init__` imports nothing: importing `dlora.engine_ext.worker` patches vLLM, so only vLLM
+(or a test that means to) may import it.
+"""

@@ -78,27 +78,44 @@ class EngineConfig:
         _check(self.max_loras >= 1, "engine.max_loras", self.max_loras, "must be >= 1")
         _check(
             self.max_lora_rank in (1, 8, 16, 32, 64, 128, 256, 320, 512),
-            "engine.max_lora_rank", self.max_lora_rank,
+            "engine.max_lora_rank",
+            self.max_lora_rank,
             "vLLM accepts 1, 8, 16, 32, 64, 128, 256, 320 or 512",
         )
         _check(
-            self.max_cpu_loras >= self.max_loras, "engine.max_cpu_loras", self.max_cpu_loras,
+            self.max_cpu_loras >= self.max_loras,
+            "engine.max_cpu_loras",
+            self.max_cpu_loras,
             f"must be >= engine.max_loras ({self.max_loras})",
         )
-        _check(self.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", self.kv_cache_space_gib,
-               "must be a whole number of GiB > 0")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "engine.num_kv_blocks", self.num_kv_blocks,
-               "must be >= 2 (vLLM keeps one block empty)")
+        _check(
+            self.kv_cache_space_gib > 0,
+            "engine.kv_cache_space_gib",
+            self.kv_cache_space_gib,
+            "must be a whole number of GiB > 0",
+        )
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            "engine.num_kv_blocks",
+            self.num_kv_blocks,
+            "must be >= 2 (vLLM keeps one block empty)",
+        )
         _check(self.max_num_seqs >= 1, "engine.max_num_seqs", self.max_num_seqs, "must be >= 1")
         _check(
-            self.lora_backend in ("vllm", "triton", "einsum"), "engine.lora_backend", self.lora_backend,
+            self.lora_backend in ("vllm", "triton", "einsum"),
+            "engine.lora_backend",
+            self.lora_backend,
             "must be one of vllm, triton, einsum",
         )
         # dlora's punica wrappers rebuild their batch metadata in Python every step (host syncs,
         # per-call allocations); CUDA graphs would replay the first step's metadata for every batch.
-        _check(self.lora_backend == "vllm" or self.enforce_eager, "engine.lora_backend", self.lora_backend,
-               "needs engine.enforce_eager: true (its per-step batch metadata cannot be captured in "
-               "CUDA graphs or torch.compile); use lora_backend: vllm for CUDA graphs")
+        _check(
+            self.lora_backend == "vllm" or self.enforce_eager,
+            "engine.lora_backend",
+            self.lora_backend,
+            "needs engine.enforce_eager: true (its per-step batch metadata cannot be captured in "
+            "CUDA graphs or torch.compile); use lora_backend: vllm for CUDA graphs",
+        )
 
 
 @dataclass(frozen=True)
@@ -136,11 +153,16 @@ class ServerConfig:
         _check(self.template_timeout_s > 0, "server.template_timeout_s", self.template_timeout_s, "must be > 0")
         for key in ("max_body_bytes", "max_choices_per_request", "max_pending_requests"):
             _check(getattr(self, key) >= 1, f"server.{key}", getattr(self, key), "must be a whole number >= 1")
-        _check(self.request_timeout_s is None or self.request_timeout_s > 0, "server.request_timeout_s",
-               self.request_timeout_s, "must be a number of seconds > 0, or null (no deadline)")
+        _check(
+            self.request_timeout_s is None or self.request_timeout_s > 0,
+            "server.request_timeout_s",
+            self.request_timeout_s,
+            "must be a number of seconds > 0, or null (no deadline)",
+        )
         _check(self.drain_timeout_s >= 0, "server.drain_timeout_s", self.drain_timeout_s, "must be >= 0")
-        _check(self.log_level in LOG_LEVELS, "server.log_level", self.log_level,
-               f"must be one of {', '.join(LOG_LEVELS)}")
+        _check(
+            self.log_level in LOG_LEVELS, "server.log_level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -195,32 +217,74 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _check_kinds(self, "cluster")
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
-        _check(self.dispatch in ("proactive", "least_loaded", "round_robin"), "cluster.dispatch", self.dispatch,
-               "must be one of proactive, least_loaded, round_robin")
-        _check(self.placement in ("dynamic", "static"), "cluster.placement", self.placement,
-               "must be dynamic or static")
-        _check(self.migration_solver in ("auto", "highs", "cbc", "greedy"), "cluster.migration_solver",
-               self.migration_solver, "must be one of auto, highs, cbc, greedy")
-        for key in ("migration_interval_s", "migration_time_limit_s", "monitor_interval_s", "queue_delay_s",
-                    "placement_interval_s", "actor_call_timeout_s", "replica_start_timeout_s"):
+        _check(
+            self.dispatch in ("proactive", "least_loaded", "round_robin"),
+            "cluster.dispatch",
+            self.dispatch,
+            "must be one of proactive, least_loaded, round_robin",
+        )
+        _check(
+            self.placement in ("dynamic", "static"), "cluster.placement", self.placement, "must be dynamic or static"
+        )
+        _check(
+            self.migration_solver in ("auto", "highs", "cbc", "greedy"),
+            "cluster.migration_solver",
+            self.migration_solver,
+            "must be one of auto, highs, cbc, greedy",
+        )
+        for key in (
+            "migration_interval_s",
+            "migration_time_limit_s",
+            "monitor_interval_s",
+            "queue_delay_s",
+            "placement_interval_s",
+            "actor_call_timeout_s",
+            "replica_start_timeout_s",
+        ):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
-        _check(self.max_resubmissions >= 0, "cluster.max_resubmissions", self.max_resubmissions,
-               "must be a whole number >= 0")
-        _check(self.max_restart_attempts >= 1, "cluster.max_restart_attempts", self.max_restart_attempts,
-               "must be a whole number >= 1")
+        _check(
+            self.max_resubmissions >= 0,
+            "cluster.max_resubmissions",
+            self.max_resubmissions,
+            "must be a whole number >= 0",
+        )
+        _check(
+            self.max_restart_attempts >= 1,
+            "cluster.max_restart_attempts",
+            self.max_restart_attempts,
+            "must be a whole number >= 1",
+        )
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
-        _check(self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
-               "cluster.queued_min_wait_s", self.queued_min_wait_s,
-               "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)")
-        _check(self.rebalance_min_gain_s is None or self.rebalance_min_gain_s >= 0,
-               "cluster.rebalance_min_gain_s", self.rebalance_min_gain_s, "must be a number of seconds >= 0, or null (off)")
-        _check(self.output_length_window >= 0, "cluster.output_length_window",
-               self.output_length_window, "must be a whole number >= 0 (0 = use max_tokens)")
-        _check(self.output_length_min_samples >= 1,
-               "cluster.output_length_min_samples", self.output_length_min_samples, "must be a whole number >= 1")
-        _check(self.output_length_prior is None or self.output_length_prior >= 1,
-               "cluster.output_length_prior", self.output_length_prior,
-               "must be a whole number of tokens >= 1, or null (= each request's max_tokens)")
+        _check(
+            self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
+            "cluster.queued_min_wait_s",
+            self.queued_min_wait_s,
+            "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)",
+        )
+        _check(
+            self.rebalance_min_gain_s is None or self.rebalance_min_gain_s >= 0,
+            "cluster.rebalance_min_gain_s",
+            self.rebalance_min_gain_s,
+            "must be a number of seconds >= 0, or null (off)",
+        )
+        _check(
+            self.output_length_window >= 0,
+            "cluster.output_length_window",
+            self.output_length_window,
+            "must be a whole number >= 0 (0 = use max_tokens)",
+        )
+        _check(
+            self.output_length_min_samples >= 1,
+            "cluster.output_length_min_samples",
+            self.output_length_min_samples,
+            "must be a whole number >= 1",
+        )
+        _check(
+            self.output_length_prior is None or self.output_length_prior >= 1,
+            "cluster.output_length_prior",
+            self.output_length_prior,
+            "must be a whole number of tokens >= 1, or null (= each request's max_tokens)",
+        )
 
     @property
     def queued_wait_s(self) -> float:
@@ -229,8 +293,11 @@ class ClusterConfig:
 
     def output_lengths(self) -> OutputLengthConfig:
         """The estimator's own config (what the router takes)."""
-        return OutputLengthConfig(window=self.output_length_window, min_samples=self.output_length_min_samples,
-                                  prior_tokens=self.output_length_prior)
+        return OutputLengthConfig(
+            window=self.output_length_window,
+            min_samples=self.output_length_min_samples,
+            prior_tokens=self.output_length_prior,
+        )
 
 
 @dataclass(frozen=True)
@@ -246,8 +313,12 @@ class SchedulingConfig(BatchingConfig):
             super().__post_init__()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        _check(self.policy in policy_names(), "scheduling.policy", self.policy,
-               f"must be one of {', '.join(policy_names())}")
+        _check(
+            self.policy in policy_names(),
+            "scheduling.policy",
+            self.policy,
+            f"must be one of {', '.join(policy_names())}",
+        )
 
     def batching(self) -> BatchingConfig:
         """The policy parameters alone (what `make_policy` takes)."""
@@ -289,7 +360,8 @@ class DloraConfig:
         # take entries too, but are not known here.)
         pinned = [a.name for a in self.adapters if a.pinned]
         _check(
-            len(pinned) + self.engine.max_loras <= self.engine.max_cpu_loras, "engine.max_cpu_loras",
+            len(pinned) + self.engine.max_loras <= self.engine.max_cpu_loras,
+            "engine.max_cpu_loras",
             self.engine.max_cpu_loras,
             f"must be >= engine.max_loras ({self.engine.max_loras}) + the {len(pinned)} pinned adapter(s) "
             f"{pinned}, which never leave the host LoRA cache (a batch needs max_loras unpinned entries)",

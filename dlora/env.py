@@ -46,20 +46,34 @@ def _opt_str(raw: str) -> str | None:
 
 
 DLORA_CACHE_DIR = EnvVar(
-    "DLORA_CACHE_DIR", str(Path.home() / ".cache" / "dlora"), str,
+    "DLORA_CACHE_DIR",
+    str(Path.home() / ".cache" / "dlora"),
+    str,
     "where converted models and generated test models are kept",
 )
 DLORA_ADMIN_TOKEN: EnvVar[str | None] = EnvVar(
-    "DLORA_ADMIN_TOKEN", None, _opt_str, "bearer token for the admin API (overrides server.admin_token)",
+    "DLORA_ADMIN_TOKEN",
+    None,
+    _opt_str,
+    "bearer token for the admin API (overrides server.admin_token)",
 )
 DLORA_API_KEY: EnvVar[str | None] = EnvVar(
-    "DLORA_API_KEY", None, _opt_str, "bearer token clients must send on the inference routes (overrides server.api_key)",
+    "DLORA_API_KEY",
+    None,
+    _opt_str,
+    "bearer token clients must send on the inference routes (overrides server.api_key)",
 )
 DLORA_RAY_TEMP_DIR: EnvVar[str | None] = EnvVar(
-    "DLORA_RAY_TEMP_DIR", None, _opt_str, "Ray's session/log directory (default: Ray's own)",
+    "DLORA_RAY_TEMP_DIR",
+    None,
+    _opt_str,
+    "Ray's session/log directory (default: Ray's own)",
 )
 DLORA_TEST_KEEP_LOGS = EnvVar(
-    "DLORA_TEST_KEEP_LOGS", False, _bool, "tests print server logs even when they pass",
+    "DLORA_TEST_KEEP_LOGS",
+    False,
+    _bool,
+    "tests print server logs even when they pass",
 )
 
 LORA_BACKENDS = ("vllm", "triton", "einsum")
@@ -72,12 +86,16 @@ def _lora_backend(raw: str) -> str:
 
 
 DLORA_LORA_BACKEND = EnvVar(
-    "DLORA_LORA_BACKEND", "vllm", _lora_backend,
+    "DLORA_LORA_BACKEND",
+    "vllm",
+    _lora_backend,
     "LoRA backend of a replica's engine; set from engine.lora_backend by the replica's runtime env",
 )
 
 DLORA_STEP_TRACE: EnvVar[str | None] = EnvVar(
-    "DLORA_STEP_TRACE", None, _opt_str,
+    "DLORA_STEP_TRACE",
+    None,
+    _opt_str,
     "directory: each replica's scheduler appends one JSON line per engine step (mode, batch, times)",
 )
 
@@ -90,13 +108,23 @@ def _gib(raw: str) -> float:
 
 
 DLORA_PRISTINE_DEVICE_GIB = EnvVar(
-    "DLORA_PRISTINE_DEVICE_GIB", 1.0, _gib,
+    "DLORA_PRISTINE_DEVICE_GIB",
+    1.0,
+    _gib,
     "GPU memory (GiB) per replica for the copies of base weight rows an in-place merge overwrites; "
     "rows beyond it are kept in pinned host memory (dlora/engine_ext/pristine_rows.py)",
 )
 
-ALL = [DLORA_CACHE_DIR, DLORA_ADMIN_TOKEN, DLORA_API_KEY, DLORA_RAY_TEMP_DIR, DLORA_TEST_KEEP_LOGS, DLORA_LORA_BACKEND,
-       DLORA_STEP_TRACE, DLORA_PRISTINE_DEVICE_GIB]
+ALL = [
+    DLORA_CACHE_DIR,
+    DLORA_ADMIN_TOKEN,
+    DLORA_API_KEY,
+    DLORA_RAY_TEMP_DIR,
+    DLORA_TEST_KEEP_LOGS,
+    DLORA_LORA_BACKEND,
+    DLORA_STEP_TRACE,
+    DLORA_PRISTINE_DEVICE_GIB,
+]
 
 
 def cache_dir() -> Path:

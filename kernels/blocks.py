@@ -38,6 +38,7 @@ PIPELINED_STAGES = (3, 2)
 @dataclass(frozen=True)
 class DotBlocks:
     """One `tl.dot` kernel's launch: rows x cols tile (BM x BK for shrink, BM x BN otherwise)."""
+
     block_m: int
     block_n: int
     block_r: int

@@ -27,13 +27,14 @@ from .meta import LoRABatchMeta, PackedLoRA
 from .reference import acc_dtype
 
 
-def lora_shrink_einsum(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                       scale: float = 1.0) -> None:
+def lora_shrink_einsum(
+    v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+) -> None:
     rows = meta.active_rows
-    cols, valid = _compact_columns(meta, lora)                   # [T', R_max]
+    cols, valid = _compact_columns(meta, lora)  # [T', R_max]
     xs = x if rows is None else x[rows]
-    v_all = _shrink_all(xs, lora)                                # "th,jh->tj": all adapters
-    picked = v_all.gather(1, cols).to(acc_dtype(v.dtype))        # each token's own block
+    v_all = _shrink_all(xs, lora)  # "th,jh->tj": all adapters
+    picked = v_all.gather(1, cols).to(acc_dtype(v.dtype))  # each token's own block
     r_max = lora.max_rank
     old = v[:, :r_max] if rows is None else v[rows, :r_max]
     new = torch.where(valid, old.to(picked.dtype) + scale * picked, old.to(picked.dtype)).to(v.dtype)
@@ -43,24 +44,26 @@ def lora_shrink_einsum(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta:
         v[rows, :r_max] = new
 
 
-def lora_expand_einsum(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                       scale: float = 1.0) -> None:
+def lora_expand_einsum(
+    y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+) -> None:
     rows = meta.active_rows
-    onehot, local = _onehot_columns(meta, lora)                  # [T', R_total] each
+    onehot, local = _onehot_columns(meta, lora)  # [T', R_total] each
     vs = v if rows is None else v[rows]
-    spread = vs.gather(1, local)                                 # v[t, j - off(t)], any j
-    spread = torch.where(onehot, spread, 0).to(lora.b.dtype)     # one-hot mask (NaN-safe)
-    _add_rows(y, _expand_all(spread, lora), rows, scale)         # "tj,jo->to"
+    spread = vs.gather(1, local)  # v[t, j - off(t)], any j
+    spread = torch.where(onehot, spread, 0).to(lora.b.dtype)  # one-hot mask (NaN-safe)
+    _add_rows(y, _expand_all(spread, lora), rows, scale)  # "tj,jo->to"
 
 
-def add_lora_einsum(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                    scale: float = 1.0) -> None:
+def add_lora_einsum(
+    y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+) -> None:
     rows = meta.active_rows
     onehot, _ = _onehot_columns(meta, lora)
     xs = x if rows is None else x[rows]
-    v_all = _shrink_all(xs, lora)                                # "th,jh->tj": [T', R_total]
-    v_all = v_all.masked_fill_(~onehot, 0)                       # keep own adapter's columns
-    _add_rows(y, _expand_all(v_all, lora), rows, scale)          # "tj,jo->to"
+    v_all = _shrink_all(xs, lora)  # "th,jh->tj": [T', R_total]
+    v_all = v_all.masked_fill_(~onehot, 0)  # keep own adapter's columns
+    _add_rows(y, _expand_all(v_all, lora), rows, scale)  # "tj,jo->to"
 
 
 def _shrink_all(x: torch.Tensor, lora: PackedLoRA) -> torch.Tensor:
@@ -84,7 +87,7 @@ def _onehot_columns(meta: LoRABatchMeta, lora: PackedLoRA) -> tuple[torch.Tensor
     key = ("onehot", lora.ranks)
     if key not in meta.cache:
         idx = _active_indices(meta)
-        offsets = lora.rank_offsets.long()[idx.clamp(min=0)]                   # [T']
+        offsets = lora.rank_offsets.long()[idx.clamp(min=0)]  # [T']
         onehot = lora.column_adapter[None, :] == idx[:, None]
         j = torch.arange(lora.a.shape[0], device=idx.device)
         local = (j[None, :] - offsets[:, None]).clamp(0, max(lora.max_rank - 1, 0))
@@ -98,7 +101,7 @@ def _compact_columns(meta: LoRABatchMeta, lora: PackedLoRA) -> tuple[torch.Tenso
     if key not in meta.cache:
         idx = _active_indices(meta).clamp(min=0)
         offsets = lora.rank_offsets.long()
-        ranks = (offsets[1:] - offsets[:-1])[idx]                               # [T']
+        ranks = (offsets[1:] - offsets[:-1])[idx]  # [T']
         k = torch.arange(lora.max_rank, device=idx.device)
         valid = k[None, :] < ranks[:, None]
         cols = (offsets[idx][:, None] + k[None, :]).clamp(max=max(lora.a.shape[0] - 1, 0))

@@ -49,10 +49,10 @@ class PackedGemm(Protocol):
 class PackedLoRA:
     """One projection's adapters, packed rank-major (see the module NOTE)."""
 
-    a: torch.Tensor             # [R_total, H_in]
-    b: torch.Tensor             # [R_total, H_out]  (each block is B_n transposed)
+    a: torch.Tensor  # [R_total, H_in]
+    b: torch.Tensor  # [R_total, H_out]  (each block is B_n transposed)
     rank_offsets: torch.Tensor  # [N+1] int32, on the weights' device
-    ranks: tuple[int, ...]      # host copy of r_n, so no op has to sync to size its buffers
+    ranks: tuple[int, ...]  # host copy of r_n, so no op has to sync to size its buffers
     gemm: PackedGemm | None = None  # the einsum backend's GEMMs over a and b (None: torch.matmul)
 
     def __post_init__(self) -> None:
@@ -105,10 +105,13 @@ class PackedLoRA:
             b[i, :, : b_i.shape[1]] = b_i
         return a, b
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-           ) -> PackedLoRA:
-        return PackedLoRA(self.a.to(device=device, dtype=dtype), self.b.to(device=device, dtype=dtype),
-                          self.rank_offsets.to(device=device), self.ranks)
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PackedLoRA:
+        return PackedLoRA(
+            self.a.to(device=device, dtype=dtype),
+            self.b.to(device=device, dtype=dtype),
+            self.rank_offsets.to(device=device),
+            self.ranks,
+        )
 
 
 def pack_lora(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> PackedLoRA:
@@ -135,11 +138,11 @@ def pack_lora(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) ->
 class LoRABatchMeta:
     """Token -> adapter mapping for one step; build with `decode(...)` or `prefill(...)`."""
 
-    token_indices: torch.Tensor          # [T] int32, -1 = no LoRA
-    seg_starts: torch.Tensor | None      # [S+1] int32 (segmented batches only)
-    seg_adapters: torch.Tensor | None    # [S] int32   (segmented batches only)
-    max_seg_len: int                     # longest segment (0 for decode batches)
-    active_rows: torch.Tensor | None     # [T_active] int64 rows with an adapter; None if all have one
+    token_indices: torch.Tensor  # [T] int32, -1 = no LoRA
+    seg_starts: torch.Tensor | None  # [S+1] int32 (segmented batches only)
+    seg_adapters: torch.Tensor | None  # [S] int32   (segmented batches only)
+    max_seg_len: int  # longest segment (0 for decode batches)
+    active_rows: torch.Tensor | None  # [T_active] int64 rows with an adapter; None if all have one
     # derived per-step tensors (e.g. one-hot masks), keyed by the backend that built them
     cache: dict = field(default_factory=dict, repr=False)
 
@@ -158,19 +161,25 @@ class LoRABatchMeta:
     def to(self, device: torch.device | str) -> LoRABatchMeta:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
-        return LoRABatchMeta(self.token_indices.to(device), move(self.seg_starts),
-                             move(self.seg_adapters), self.max_seg_len, move(self.active_rows))
+
+        return LoRABatchMeta(
+            self.token_indices.to(device),
+            move(self.seg_starts),
+            move(self.seg_adapters),
+            self.max_seg_len,
+            move(self.active_rows),
+        )
 
     @staticmethod
-    def decode(token_indices: torch.Tensor | Sequence[int], device: torch.device | str | None = None
-               ) -> LoRABatchMeta:
+    def decode(token_indices: torch.Tensor | Sequence[int], device: torch.device | str | None = None) -> LoRABatchMeta:
         """Per-token (BGMV) batch: token t uses adapter token_indices[t] (-1 = none)."""
         idx = torch.as_tensor(token_indices, dtype=torch.int32, device=device).reshape(-1)
         return LoRABatchMeta(idx, None, None, 0, _active_rows(idx))
 
     @staticmethod
-    def prefill(seg_lens: Sequence[int], seg_adapters: Sequence[int],
-                device: torch.device | str | None = None) -> LoRABatchMeta:
+    def prefill(
+        seg_lens: Sequence[int], seg_adapters: Sequence[int], device: torch.device | str | None = None
+    ) -> LoRABatchMeta:
         """Segmented (SGMV) batch: seg_lens[s] consecutive tokens use adapter seg_adapters[s]."""
         if len(seg_lens) != len(seg_adapters) or any(n < 0 for n in seg_lens):
             raise ValueError("seg_lens and seg_adapters must have equal length, lengths >= 0")
@@ -189,8 +198,7 @@ class LoRABatchMeta:
         )
 
     @staticmethod
-    def segments_of(token_indices: Sequence[int], device: torch.device | str | None = None
-                    ) -> LoRABatchMeta:
+    def segments_of(token_indices: Sequence[int], device: torch.device | str | None = None) -> LoRABatchMeta:
         """Segmented batch from per-token indices, one segment per run of equal indices."""
         lens: list[int] = []
         adapters: list[int] = []

@@ -31,8 +31,15 @@ BACKENDS: tuple[str, ...] = ("triton", "einsum", "reference")
 log = logging.getLogger(__name__)
 
 
-def lora_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                scale: float = 1.0, *, backend: Backend | None = None) -> None:
+def lora_shrink(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    lora: PackedLoRA,
+    meta: LoRABatchMeta,
+    scale: float = 1.0,
+    *,
+    backend: Backend | None = None,
+) -> None:
     """Shrink: project each token onto its own adapter's rank-r space, adding into `v`.
 
     Semantics:
@@ -59,8 +66,15 @@ def lora_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABa
         reference.lora_shrink_ref(v, x, lora, meta, scale)
 
 
-def lora_expand(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                scale: float = 1.0, *, backend: Backend | None = None) -> None:
+def lora_expand(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    lora: PackedLoRA,
+    meta: LoRABatchMeta,
+    scale: float = 1.0,
+    *,
+    backend: Backend | None = None,
+) -> None:
     """Expand: lift each token's rank-r vector back to H_out with its adapter's B, adding into `y`.
 
     Semantics:
@@ -87,8 +101,15 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABa
         reference.lora_expand_ref(y, v, lora, meta, scale)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-             scale: float = 1.0, *, backend: Backend | None = None) -> None:
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora: PackedLoRA,
+    meta: LoRABatchMeta,
+    scale: float = 1.0,
+    *,
+    backend: Backend | None = None,
+) -> None:
     """Shrink then expand: the full unmerged LoRA delta of one projection, added into `y`.
 
     Semantics:
@@ -112,8 +133,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatch
         reference.add_lora_ref(y, x, lora, meta, scale)
 
 
-def merge_lora_inplace(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-                       sign: int = 1, *, backend: Backend | None = None) -> None:
+def merge_lora_inplace(
+    w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, sign: int = 1, *, backend: Backend | None = None
+) -> None:
     """Merge (sign=+1) or unmerge (sign=-1) one adapter into a base weight, in place.
 
     Semantics:
@@ -129,8 +151,10 @@ def merge_lora_inplace(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
         sign: +1 to merge, -1 to unmerge.
     """
     if a.dim() != 2 or b.dim() != 2 or w.shape != (b.shape[0], a.shape[1]) or a.shape[0] != b.shape[1]:
-        raise ValueError(f"shapes W {tuple(w.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)} do not "
-                         "satisfy W: [H_out, H_in], A: [r, H_in], B: [H_out, r]")
+        raise ValueError(
+            f"shapes W {tuple(w.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)} do not "
+            "satisfy W: [H_out, H_in], A: [r, H_in], B: [H_out, r]"
+        )
     if _fitting(select_backend(w.device, backend), w.device, a.shape[0], a.dtype) == "triton":
         if a.dtype != b.dtype:
             raise ValueError("the Triton merge needs A and B of one dtype")
@@ -145,8 +169,10 @@ def select_backend(device: torch.device, backend: Backend | None = None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown LoRA kernel backend {backend!r}; choose from {BACKENDS}")
     if backend == "triton" and not triton_usable(device):
-        raise RuntimeError(f"the triton backend cannot run on {device}: needs CUDA, or "
-                           "TRITON_INTERPRET=1 set before triton kernels are imported")
+        raise RuntimeError(
+            f"the triton backend cannot run on {device}: needs CUDA, or "
+            "TRITON_INTERPRET=1 set before triton kernels are imported"
+        )
     return backend
 
 
@@ -158,8 +184,12 @@ def _fitting(name: str, device: torch.device, rank: int, dtype: torch.dtype) -> 
     key = (str(device), blocks.block_r_for(rank), dtype)
     if key not in _fallbacks_logged:
         _fallbacks_logged.add(key)
-        log.warning("no Triton LoRA tile of rank %d in %s fits the shared memory of %s: using the torch "
-                    "reference kernels", rank, dtype, device)
+        log.warning(
+            "no Triton LoRA tile of rank %d in %s fits the shared memory of %s: using the torch reference kernels",
+            rank,
+            dtype,
+            device,
+        )
     return "reference"
 
 
@@ -186,16 +216,17 @@ def _triton_installed() -> bool:
 
 def _triton_lora() -> ModuleType:
     from . import triton_lora
+
     return triton_lora
 
 
 def _triton_merge() -> ModuleType:
     from . import triton_merge
+
     return triton_merge
 
 
-def _check(meta: LoRABatchMeta, weight_dtype: torch.dtype, **tensors: tuple[torch.Tensor, int, bool]
-           ) -> None:
+def _check(meta: LoRABatchMeta, weight_dtype: torch.dtype, **tensors: tuple[torch.Tensor, int, bool]) -> None:
     """Each tensor must be [T, cols] (cols >= the given width when the flag says "at least")."""
     t = meta.num_tokens
     for name, (tensor, width, at_least) in tensors.items():

@@ -37,37 +37,43 @@ def token_groups(meta: LoRABatchMeta) -> Iterator[tuple[slice | torch.Tensor, in
         yield torch.nonzero(idx == n).reshape(-1), n
 
 
-def lora_shrink_ref(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                    scale: float = 1.0) -> None:
+def lora_shrink_ref(
+    v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+) -> None:
     acc = acc_dtype(v.dtype)
     for rows, n in token_groups(meta):
-        a_n, _ = lora.adapter(n)                      # [r, H_in]
+        a_n, _ = lora.adapter(n)  # [r, H_in]
         r = a_n.shape[0]
-        delta = x[rows].to(acc) @ a_n.to(acc).t()     # [rows, r]
+        delta = x[rows].to(acc) @ a_n.to(acc).t()  # [rows, r]
         v[rows, :r] = (v[rows, :r].to(acc) + scale * delta).to(v.dtype)
 
 
-def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                    scale: float = 1.0) -> None:
+def lora_expand_ref(
+    y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+) -> None:
     acc = acc_dtype(y.dtype)
     for rows, n in token_groups(meta):
-        _, b_n = lora.adapter(n)                      # [H_out, r]
+        _, b_n = lora.adapter(n)  # [H_out, r]
         r = b_n.shape[1]
         delta = v[rows, :r].to(acc) @ b_n.to(acc).t()  # [rows, H_out]
         y[rows] = (y[rows].to(acc) + scale * delta).to(y.dtype)
 
 
-def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                 scale: float = 1.0) -> None:
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0) -> None:
     acc = acc_dtype(y.dtype)
     v = torch.zeros(meta.num_tokens, lora.max_rank, dtype=acc, device=x.device)
     lora_shrink_ref(v, x, lora, meta, 1.0)
     lora_expand_ref(y, v, lora, meta, scale)
 
 
-def lora_einsum_onehot(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor,
-                       b_stacked: torch.Tensor, token_indices: torch.Tensor,
-                       scale: float = 1.0) -> None:
+def lora_einsum_onehot(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    b_stacked: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float = 1.0,
+) -> None:
     """The dLoRA paper's form, literally: two batched einsums over a one-hot adapter mask.
 
     Semantics:
@@ -92,8 +98,14 @@ def lora_einsum_onehot(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor
     y[rows] = (y[rows].to(acc) + scale * delta[rows]).to(y.dtype)
 
 
-def merge_lora_inplace_ref(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-                           sign: int = 1, rows_per_tile: int = MERGE_ROWS_PER_TILE) -> None:
+def merge_lora_inplace_ref(
+    w: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    sign: int = 1,
+    rows_per_tile: int = MERGE_ROWS_PER_TILE,
+) -> None:
     """W += sign * scale * B @ A, one block of rows at a time (temporaries: rows_per_tile x H_in)."""
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign}")

@@ -18,10 +18,23 @@ from .triton_lora import _dot_f32
 
 @triton.jit
 def _merge_kernel(
-    w_ptr, a_ptr, b_ptr,
-    H_out, H_in, rank, alpha,
-    stride_wo, stride_wi, stride_ar, stride_ai, stride_bo, stride_br,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    w_ptr,
+    a_ptr,
+    b_ptr,
+    H_out,
+    H_in,
+    rank,
+    alpha,
+    stride_wo,
+    stride_wi,
+    stride_ar,
+    stride_ai,
+    stride_bo,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,10 +45,16 @@ def _merge_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r_mask = (r0 + offs_r) < rank
-        b_tile = tl.load(b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br,
-                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)      # [BM, BR]
-        a_tile = tl.load(a_ptr + (r0 + offs_r)[:, None] * stride_ar + offs_n[None, :] * stride_ai,
-                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)      # [BR, BN]
+        b_tile = tl.load(
+            b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br,
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BM, BR]
+        a_tile = tl.load(
+            a_ptr + (r0 + offs_r)[:, None] * stride_ar + offs_n[None, :] * stride_ai,
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BR, BN]
         if DOT_F32:
             b_tile = b_tile.to(tl.float32)
             a_tile = a_tile.to(tl.float32)
@@ -46,9 +65,16 @@ def _merge_kernel(
     tl.store(w_ptrs, (w + alpha * acc).to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def merge_lora_inplace_triton(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-                              sign: int = 1, *, block_m: int | None = None,
-                              block_n: int | None = None) -> None:
+def merge_lora_inplace_triton(
+    w: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    sign: int = 1,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign}")
     h_out, h_in = w.shape
@@ -59,15 +85,30 @@ def merge_lora_inplace_triton(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if cfg is not None:
         block_m = block_m or cfg.merge.block_m
         block_n = block_n or cfg.merge.block_n
-        block_r, launch = cfg.merge.block_r, {"num_warps": cfg.merge.num_warps,
-                                              "num_stages": cfg.merge.num_stages}
+        block_r, launch = cfg.merge.block_r, {"num_warps": cfg.merge.num_warps, "num_stages": cfg.merge.num_stages}
     else:  # the interpreter: few, large blocks
         block_m = block_m or min(256, max(16, triton.next_power_of_2(h_out)))
         block_n = block_n or min(512, max(16, triton.next_power_of_2(h_in)))
         block_r, launch = min(64, max(16, triton.next_power_of_2(rank))), {}
     grid = (triton.cdiv(h_out, block_m), triton.cdiv(h_in, block_n))
     _merge_kernel[grid](
-        w, a, b, h_out, h_in, rank, float(sign) * float(scale),
-        w.stride(0), w.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_F32=_dot_f32(a), **launch)
+        w,
+        a,
+        b,
+        h_out,
+        h_in,
+        rank,
+        float(sign) * float(scale),
+        w.stride(0),
+        w.stride(1),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_F32=_dot_f32(a),
+        **launch,
+    )

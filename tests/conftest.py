@@ -18,8 +18,11 @@ _fast_lane_patches = pytest.MonkeyPatch()
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fast", action="store_true",
-                     help="only the tests that start no vLLM engine, dlora server or Ray cluster (tests/fast_lane.py)")
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the tests that start no vLLM engine, dlora server or Ray cluster (tests/fast_lane.py)",
+    )
 
 
 def pytest_configure(config):
@@ -53,9 +56,15 @@ def tiny_server(tiny_model, tmp_path_factory):
     the admin API. The admin token is on, so the admin tests can check 401s; client priorities are
     allowed, so the API tests can send them."""
     tmp = tmp_path_factory.mktemp("server")
-    server = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
-                                                     **{"server.admin_token": ADMIN_TOKEN,
-                                                        "server.allow_client_priority": True}))
+    server = harness.launch(
+        tmp,
+        harness.tiny_config(
+            tiny_model,
+            tmp / "state",
+            harness.free_port(),
+            **{"server.admin_token": ADMIN_TOKEN, "server.allow_client_priority": True},
+        ),
+    )
     yield server
     server.stop()
 

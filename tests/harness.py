@@ -43,12 +43,13 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
     """A config serving the tiny test model in fp32 (exact comparisons against HF)."""
     cfg = {
         "model": {"path": str(model.base), "served_name": "tiny-base", "dtype": "float32", "max_model_len": 512},
-        "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "kv_cache_space_gib": 1,
-                   "max_num_seqs": 32},
+        "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "kv_cache_space_gib": 1, "max_num_seqs": 32},
         "server": {"port": port, "state_dir": str(state_dir), "adapter_roots": [str(model.base.parent)]},
-        "adapters": [{"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},
-                     {"name": "a1", "path": str(model.adapters["a1"])},
-                     {"name": "a2", "path": str(model.adapters["a2"])}],
+        "adapters": [
+            {"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},
+            {"name": "a1", "path": str(model.adapters["a1"])},
+            {"name": "a2", "path": str(model.adapters["a2"])},
+        ],
     }
     return apply_overrides(cfg, overrides)
 
@@ -79,7 +80,9 @@ class ServerProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dlora.cli", "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -34,9 +34,15 @@ class HFOracle:
 
         m = self._load(adapter)
         with torch.no_grad():
-            out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             temperature=None, top_p=None, top_k=None)
-        return out[0, len(prompt_ids):].tolist()
+            out = m.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        return out[0, len(prompt_ids) :].tolist()
 
 
 # --- Teacher-forced scoring: HF's logits along a path the server already chose ----------------
@@ -56,8 +62,11 @@ def shipped_config(tmp: Path, **overrides) -> dict:
 
     cfg = yaml.safe_load(SHIPPED_CONFIG.read_text())
     here = SHIPPED_CONFIG.parent
-    cfg["server"].update(port=harness.free_port(), state_dir=str(tmp / "state"),
-                         adapter_roots=[str((here / r).resolve()) for r in cfg["server"]["adapter_roots"]])
+    cfg["server"].update(
+        port=harness.free_port(),
+        state_dir=str(tmp / "state"),
+        adapter_roots=[str((here / r).resolve()) for r in cfg["server"]["adapter_roots"]],
+    )
     cfg["cluster"]["num_replicas"] = 1  # one engine: the answers do not depend on the replica
     for spec in cfg["adapters"]:
         spec["path"] = str((here / spec["path"]).resolve())
@@ -104,8 +113,9 @@ class ShippedOracle:
         return self._models[adapter]
 
     def chat_ids(self, text: str) -> list[int]:
-        return self.tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"]
+        return self.tokenizer().apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
 
     def logits(self, adapter: str | None, prompt_ids: list[int], output_ids: list[int]):
         return teacher_forced_logits(self.model(adapter), prompt_ids, output_ids)
@@ -118,7 +128,7 @@ def teacher_forced_logits(model, prompt_ids: list[int], output_ids: list[int]):
     ids = torch.tensor([list(prompt_ids) + list(output_ids)])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(output_ids)]
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
 
 
 def token_pieces(tokenizer, ids) -> list[str]:
@@ -137,8 +147,7 @@ def greedy_choice_errors(logits, output_ids: list[int], tie: float) -> list[tupl
     return errors
 
 
-def top_k_errors(tok, hf_lp, served_top: dict[str, float], k: int,
-                 tol: float) -> tuple[list[str], float]:
+def top_k_errors(tok, hf_lp, served_top: dict[str, float], k: int, tol: float) -> tuple[list[str], float]:
     """Every served alternative is one of HF's with HF's logprob (within tol), and every token HF
     ranks clearly inside its top-k (above its (k+1)-th by more than tol) is served. Tokens are
     matched by text, as the API names them; two ids with the same text may answer for each other."""

@@ -23,13 +23,16 @@ def test_defaults_are_valid_and_frozen():
 
 def test_yaml_fills_sections_and_resolves_paths_against_the_file(tmp_path):
     (tmp_path / "sub").mkdir()
-    p = write(tmp_path / "sub", """
+    p = write(
+        tmp_path / "sub",
+        """
 model: {path: ../m, dtype: float32, max_model_len: 256}
 engine: {max_loras: 2, max_lora_rank: 8, max_cpu_loras: 4}
 server: {port: 9001, adapter_roots: [../adapters]}
 adapters:
   - {name: a, path: ../adapters/a, pinned: true}
-""")
+""",
+    )
     cfg = config.load(p)
     assert cfg.model.path == str((tmp_path / "m").resolve())
     assert cfg.model.dtype == "float32" and cfg.engine.max_loras == 2 and cfg.server.port == 9001
@@ -37,36 +40,39 @@ adapters:
     assert cfg.adapters == (config.AdapterSpec("a", str((tmp_path / "adapters" / "a").resolve()), True),)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("model: {dtype: float8}", r"model.dtype='float8'"),
-    ("engine: {max_lora_rank: 7}", r"engine.max_lora_rank=7"),
-    ("engine: {max_loras: 8, max_cpu_loras: 4}", r"engine.max_cpu_loras=4"),
-    ("engine: {kv_cache_space_gib: 0.5}", r"engine.kv_cache_space_gib=0.5"),
-    ("engine: {lora_backend: cuda}", r"engine.lora_backend='cuda'"),
-    ("engine: {num_kv_blocks: 1}", r"engine.num_kv_blocks=1: must be >= 2"),
-    ("engine: {num_kv_blocks: 64.5}", r"engine.num_kv_blocks=64.5: must be a whole number \(or null\)"),
-    ("server: {port: 70000}", r"server.port=70000"),
-    ("server: {log_level: loud}", r"server.log_level='loud': must be one of critical, error, warning, info, debug"),
-    ("server: {prot: 1}", r"unknown key\(s\) \['prot'\]"),
-    ("servr: {}", r"unknown top-level key\(s\) \['servr'\]"),
-    ("adapters: [{name: a}]", r"adapters\[0\]"),
-    ("model: [1, 2]", r"model: expected a mapping"),
-    ("cluster: {output_length_window: -1}", r"cluster.output_length_window=-1: must be a whole number >= 0"),
-    ("cluster: {output_length_min_samples: 0}", r"cluster.output_length_min_samples=0"),
-    ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number \(or null\)"),
-    ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
-    ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
-    ("cluster: {rebalance_min_gain_s: -1}", r"cluster.rebalance_min_gain_s=-1: must be a number of seconds >= 0"),
-    # Every field's kind is checked against its annotation before the field's own range check,
-    # so a string or a YAML bool is named instead of failing with Python's comparison TypeError.
-    ("scheduling: {switch_cost_s: abc}", r"scheduling.switch_cost_s='abc': must be a number$"),
-    ("scheduling: {break_period_iters: 2.5}", r"scheduling.break_period_iters=2.5: must be a whole number$"),
-    ("cluster: {num_replicas: '2'}", r"cluster.num_replicas='2': must be a whole number$"),
-    ("cluster: {migration: 1}", r"cluster.migration=1: must be true or false$"),
-    ("server: {port: true}", r"server.port=True: must be a whole number$"),
-    ("model: {dtype: 16}", r"model.dtype=16: must be a string$"),
-    ("adapters: [{name: a, path: /a, pinned: 'yes'}]", r"adapters.pinned='yes': must be true or false$"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("model: {dtype: float8}", r"model.dtype='float8'"),
+        ("engine: {max_lora_rank: 7}", r"engine.max_lora_rank=7"),
+        ("engine: {max_loras: 8, max_cpu_loras: 4}", r"engine.max_cpu_loras=4"),
+        ("engine: {kv_cache_space_gib: 0.5}", r"engine.kv_cache_space_gib=0.5"),
+        ("engine: {lora_backend: cuda}", r"engine.lora_backend='cuda'"),
+        ("engine: {num_kv_blocks: 1}", r"engine.num_kv_blocks=1: must be >= 2"),
+        ("engine: {num_kv_blocks: 64.5}", r"engine.num_kv_blocks=64.5: must be a whole number \(or null\)"),
+        ("server: {port: 70000}", r"server.port=70000"),
+        ("server: {log_level: loud}", r"server.log_level='loud': must be one of critical, error, warning, info, debug"),
+        ("server: {prot: 1}", r"unknown key\(s\) \['prot'\]"),
+        ("servr: {}", r"unknown top-level key\(s\) \['servr'\]"),
+        ("adapters: [{name: a}]", r"adapters\[0\]"),
+        ("model: [1, 2]", r"model: expected a mapping"),
+        ("cluster: {output_length_window: -1}", r"cluster.output_length_window=-1: must be a whole number >= 0"),
+        ("cluster: {output_length_min_samples: 0}", r"cluster.output_length_min_samples=0"),
+        ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number \(or null\)"),
+        ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
+        ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
+        ("cluster: {rebalance_min_gain_s: -1}", r"cluster.rebalance_min_gain_s=-1: must be a number of seconds >= 0"),
+        # Every field's kind is checked against its annotation before the field's own range check,
+        # so a string or a YAML bool is named instead of failing with Python's comparison TypeError.
+        ("scheduling: {switch_cost_s: abc}", r"scheduling.switch_cost_s='abc': must be a number$"),
+        ("scheduling: {break_period_iters: 2.5}", r"scheduling.break_period_iters=2.5: must be a whole number$"),
+        ("cluster: {num_replicas: '2'}", r"cluster.num_replicas='2': must be a whole number$"),
+        ("cluster: {migration: 1}", r"cluster.migration=1: must be true or false$"),
+        ("server: {port: true}", r"server.port=True: must be a whole number$"),
+        ("model: {dtype: 16}", r"model.dtype=16: must be a string$"),
+        ("adapters: [{name: a, path: /a, pinned: 'yes'}]", r"adapters.pinned='yes': must be true or false$"),
+    ],
+)
 def test_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         config.load(write(tmp_path, text))
@@ -101,8 +107,11 @@ def test_pinned_adapters_must_leave_max_loras_free_in_the_cpu_cache(tmp_path):
     """Pinned adapters never leave vLLM's host LoRA cache; a batch of max_loras other adapters needs
     max_loras unpinned entries, or loading one evicts another of the same batch (the engine dies)."""
     engine = "engine: {max_loras: 2, max_cpu_loras: 4}\n"
-    with pytest.raises(ConfigError, match=r"engine.max_cpu_loras=4: must be >= engine.max_loras \(2\) "
-                                          r"\+ the 3 pinned adapter\(s\) \['p0', 'p1', 'p2'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.max_cpu_loras=4: must be >= engine.max_loras \(2\) "
+        r"\+ the 3 pinned adapter\(s\) \['p0', 'p1', 'p2'\]",
+    ):
         config.load(write(tmp_path, engine + adapters_yaml(pinned=3)))
     # Exactly max_loras entries left: fine; unpinned adapters may outnumber the cache (loaded on demand).
     cfg = config.load(write(tmp_path, engine + adapters_yaml(pinned=2, unpinned=6)))
@@ -169,17 +178,23 @@ def test_scheduling_section_holds_the_policy_and_its_parameters(tmp_path):
     assert on.to_engine()["lora_slot_starve_s"] == 0.5
 
 
-@pytest.mark.parametrize("text, match", [
-    ("scheduling: {policy: fifo}", r"scheduling.policy='fifo': must be one of unmerged, merged, dlora"),
-    ("scheduling: {alpha: 0.5, beta: 0.6}", r"scheduling.alpha="),
-    ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
-    ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
-    ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
-    ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be a number of seconds >= 0"),
-    ("scheduling: {lora_slot_starve_s: soon}", r"scheduling.lora_slot_starve_s='soon': must be a number \(or null\)"),
-    ("scheduling: {lora_slot_starve_s: true}", r"scheduling.lora_slot_starve_s=True: must be a number \(or null\)"),
-    ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("scheduling: {policy: fifo}", r"scheduling.policy='fifo': must be one of unmerged, merged, dlora"),
+        ("scheduling: {alpha: 0.5, beta: 0.6}", r"scheduling.alpha="),
+        ("scheduling: {t_normal: 3.0}", r"scheduling.t_normal=3.0"),
+        ("scheduling: {merged_max_iters: 0}", r"scheduling.merged_max_iters=0"),
+        ("scheduling: {mixed_merged: 'no'}", r"scheduling.mixed_merged='no': must be true or false"),
+        ("scheduling: {lora_slot_starve_s: -1}", r"scheduling.lora_slot_starve_s=-1: must be a number of seconds >= 0"),
+        (
+            "scheduling: {lora_slot_starve_s: soon}",
+            r"scheduling.lora_slot_starve_s='soon': must be a number \(or null\)",
+        ),
+        ("scheduling: {lora_slot_starve_s: true}", r"scheduling.lora_slot_starve_s=True: must be a number \(or null\)"),
+        ("scheduling: {alfa: 0.5}", r"unknown key\(s\) \['alfa'\]"),
+    ],
+)
 def test_bad_scheduling_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         config.load(write(tmp_path, text))
@@ -195,8 +210,9 @@ def test_shipped_configs_load():
 
 
 def test_output_length_options_reach_the_estimator_config(tmp_path):
-    cfg = config.load(write(tmp_path, "cluster: {output_length_window: 32, output_length_min_samples: 4, "
-                                      "output_length_prior: 100}"))
+    cfg = config.load(
+        write(tmp_path, "cluster: {output_length_window: 32, output_length_min_samples: 4, output_length_prior: 100}")
+    )
     est = cfg.cluster.output_lengths()
     assert (est.window, est.min_samples, est.prior_tokens) == (32, 4, 100)
     assert config.DloraConfig().cluster.output_lengths().prior_tokens is None  # default: max_tokens until data

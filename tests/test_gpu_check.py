@@ -17,15 +17,24 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _report(*checks: Check) -> Report:
-    return Report(date="2026-01-02T03:04:05+00:00", git_commit="abc123", command="python -m dlora.gpucheck",
-                  machine={"gpus": [{"name": "NVIDIA H100 80GB HBM3"}], "driver": "580.65.06"},
-                  checks=list(checks))
+    return Report(
+        date="2026-01-02T03:04:05+00:00",
+        git_commit="abc123",
+        command="python -m dlora.gpucheck",
+        machine={"gpus": [{"name": "NVIDIA H100 80GB HBM3"}], "driver": "580.65.06"},
+        checks=list(checks),
+    )
 
 
 def test_without_a_gpu_it_says_so_exits_0_and_writes_nothing(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "-m", "dlora.gpucheck", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlora.gpucheck", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA GPU found" in proc.stdout
     assert not out.exists()
@@ -48,14 +57,19 @@ def test_unknown_backends_are_refused(bad, capsys):
 
 
 def test_the_report_is_written_whole_with_date_commit_machine_and_command(tmp_path):
-    report = _report(Check("engine[vllm]", True, 41.5, {"switch_ms": {"merge": 1.2, "unmerge": 0.8}}),
-                     Check("kernels_bandwidth", True, 12.0, {"copy_gbps": 2900.0}))
+    report = _report(
+        Check("engine[vllm]", True, 41.5, {"switch_ms": {"merge": 1.2, "unmerge": 0.8}}),
+        Check("kernels_bandwidth", True, 12.0, {"copy_gbps": 2900.0}),
+    )
     path = write(report, tmp_path / "results" / "gpu_check.json")
     data = json.loads(path.read_text())
     assert validate(data) == []
     assert data["schema"] == SCHEMA and data["ok"] is True
     assert (data["date"], data["git_commit"], data["command"]) == (
-        "2026-01-02T03:04:05+00:00", "abc123", "python -m dlora.gpucheck")
+        "2026-01-02T03:04:05+00:00",
+        "abc123",
+        "python -m dlora.gpucheck",
+    )
     assert data["machine"]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
     assert [c["name"] for c in data["checks"]] == ["engine[vllm]", "kernels_bandwidth"]
     assert data["checks"][0]["details"]["switch_ms"] == {"merge": 1.2, "unmerge": 0.8}
@@ -82,14 +96,20 @@ def test_the_schema_names_what_is_wrong():
 
 
 def test_the_summary_has_one_line_per_check_and_the_verdict():
-    engine = {"phases": {"unmerged": {"ok": True}, "switching": {"ok": False}}, "switch_ms": {"merge": 1.5, "unmerge": 0.5}}
+    engine = {
+        "phases": {"unmerged": {"ok": True}, "switching": {"ok": False}},
+        "switch_ms": {"merge": 1.5, "unmerge": 0.5},
+    }
     engine["headline"] = cli.engine_headline(engine)
-    text = summary(_report(Check("engine[vllm]", False, 40.0, engine),
-                           Check("kernels_bandwidth", True, 9.0, {"headline": "copy 2900 GB/s"})))
+    text = summary(
+        _report(
+            Check("engine[vllm]", False, 40.0, engine),
+            Check("kernels_bandwidth", True, 9.0, {"headline": "copy 2900 GB/s"}),
+        )
+    )
     lines = text.splitlines()
     assert lines[0] == "gpu-check on NVIDIA H100 80GB HBM3 (driver 580.65.06), commit abc123"
-    assert lines[1] == ("  FAIL  engine[vllm]  (40.0 s): unmerged ok, switching MISMATCH; "
-                        "merge 1.5 ms, unmerge 0.5 ms")
+    assert lines[1] == ("  FAIL  engine[vllm]  (40.0 s): unmerged ok, switching MISMATCH; merge 1.5 ms, unmerge 0.5 ms")
     assert lines[2] == "  PASS  kernels_bandwidth  (9.0 s): copy 2900 GB/s"
     assert lines[3] == "FAILED"
 

@@ -12,8 +12,10 @@ def test_every_package_directory_is_listed():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(meta["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "dlora").rglob("__init__.py")}
-    found |= {"dlora_kernels" + "".join("." + x for x in p.parent.relative_to(ROOT / "kernels").parts)
-              for p in (ROOT / "kernels").rglob("__init__.py")}
+    found |= {
+        "dlora_kernels" + "".join("." + x for x in p.parent.relative_to(ROOT / "kernels").parts)
+        for p in (ROOT / "kernels").rglob("__init__.py")
+    }
     assert found == listed
 
 

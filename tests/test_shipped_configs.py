@@ -39,8 +39,11 @@ def test_tiny_yaml_serves_a_completion(tiny_model, tmp_path):
     cfg["server"].update(port=harness.free_port(), state_dir=str(tmp_path / "state"))
     server = harness.launch(tmp_path, cfg)
     try:
-        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                       json={"model": "tiny-base", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=60,
+            json={"model": "tiny-base", "prompt": "hello", "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:

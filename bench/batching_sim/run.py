@@ -44,8 +44,10 @@ def shipped_scheduling() -> dict:
 
 def run_point(preset: str, alpha: float, args) -> dict:
     costs = PRESETS[preset]
-    configs = {p: BatchingConfig(**(shipped_scheduling() if p == "dlora" else {})).for_lora_backend(BACKEND_OF[preset])
-               for p in POLICIES}
+    configs = {
+        p: BatchingConfig(**(shipped_scheduling() if p == "dlora" else {})).for_lora_backend(BACKEND_OF[preset])
+        for p in POLICIES
+    }
     lat: dict[str, list[float]] = {p: [] for p in POLICIES}
     switches: dict[str, list[int]] = {p: [] for p in POLICIES}
     for seed in range(args.seeds):
@@ -56,12 +58,16 @@ def run_point(preset: str, alpha: float, args) -> dict:
             switches[p].append(r.switches)
     better = [min(u, m) / d for u, m, d in zip(lat["unmerged"], lat["merged"], lat["dlora"])]
     worse = [max(u, m) / d for u, m, d in zip(lat["unmerged"], lat["merged"], lat["dlora"])]
-    return {"preset": preset, "skew": alpha, "top_share": SkewWorkload(alpha=alpha).top_share,
-            "latency_per_output_token_ms": {p: statistics.median(v) for p, v in lat.items()},
-            "switches": {p: statistics.median(v) for p, v in switches.items()},
-            "dlora_vs_better_baseline": {"median": statistics.median(better), "min": min(better)},
-            "dlora_vs_worse_baseline": {"median": statistics.median(worse), "min": min(worse)},
-            "per_seed_ms": lat}
+    return {
+        "preset": preset,
+        "skew": alpha,
+        "top_share": SkewWorkload(alpha=alpha).top_share,
+        "latency_per_output_token_ms": {p: statistics.median(v) for p, v in lat.items()},
+        "switches": {p: statistics.median(v) for p, v in switches.items()},
+        "dlora_vs_better_baseline": {"median": statistics.median(better), "min": min(better)},
+        "dlora_vs_worse_baseline": {"median": statistics.median(worse), "min": min(worse)},
+        "per_seed_ms": lat,
+    }
 
 
 def summarize(points: list[dict], alphas: list[float]) -> dict:
@@ -72,8 +78,9 @@ def summarize(points: list[dict], alphas: list[float]) -> dict:
         out[preset] = {
             "dlora_vs_better_baseline_min_of_medians": min(p["dlora_vs_better_baseline"]["median"] for p in pts),
             "dlora_vs_better_baseline_min_over_seeds": min(p["dlora_vs_better_baseline"]["min"] for p in pts),
-            "dlora_vs_worse_baseline_at_extremes_min_of_medians":
-                min(p["dlora_vs_worse_baseline"]["median"] for p in ends),
+            "dlora_vs_worse_baseline_at_extremes_min_of_medians": min(
+                p["dlora_vs_worse_baseline"]["median"] for p in ends
+            ),
         }
     return out
 
@@ -89,17 +96,28 @@ def plot(result: dict, path: Path) -> None:
     for ax, preset in zip(axes, presets):
         pts = sorted((p for p in result["points"] if p["preset"] == preset), key=lambda p: p["top_share"])
         for policy in POLICIES:
-            ax.plot([p["top_share"] for p in pts], [p["latency_per_output_token_ms"][policy] for p in pts], "o-",
-                    color=BATCHING_POLICY_COLORS[policy], label=policy)
-        ax.set_title(f"{preset}: dlora vs better, min over seeds "
-                     f"{result['summary'][preset]['dlora_vs_better_baseline_min_over_seeds']:.2f}", fontsize=8)
+            ax.plot(
+                [p["top_share"] for p in pts],
+                [p["latency_per_output_token_ms"][policy] for p in pts],
+                "o-",
+                color=BATCHING_POLICY_COLORS[policy],
+                label=policy,
+            )
+        ax.set_title(
+            f"{preset}: dlora vs better, min over seeds "
+            f"{result['summary'][preset]['dlora_vs_better_baseline_min_over_seeds']:.2f}",
+            fontsize=8,
+        )
         ax.set_xlabel("share of the most popular adapter")
         ax.set_yscale("log")
     axes[0].set_ylabel("avg latency per output token (ms), median over seeds")
     axes[0].legend(fontsize=8)
     w = result["workload"]
-    fig.suptitle(f"replica simulator: {w['num_prompts']} requests at {w['rate']} req/s per point, {w['seeds']} seeds, "
-                 f"step noise sd {w['noise_sd']}", fontsize=9)
+    fig.suptitle(
+        f"replica simulator: {w['num_prompts']} requests at {w['rate']} req/s per point, {w['seeds']} seeds, "
+        f"step noise sd {w['noise_sd']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -119,14 +137,25 @@ def main() -> int:
             p = run_point(preset, alpha, args)
             points.append(p)
             lat = p["latency_per_output_token_ms"]
-            print(f"[{time.monotonic() - t0:4.0f}s] {preset:13s} top {p['top_share']:.2f}: "
-                  + "  ".join(f"{k} {v:6.1f}" for k, v in lat.items())
-                  + f"  dlora vs better {p['dlora_vs_better_baseline']['median']:.3f} "
-                    f"(min {p['dlora_vs_better_baseline']['min']:.3f})", flush=True)
+            print(
+                f"[{time.monotonic() - t0:4.0f}s] {preset:13s} top {p['top_share']:.2f}: "
+                + "  ".join(f"{k} {v:6.1f}" for k, v in lat.items())
+                + f"  dlora vs better {p['dlora_vs_better_baseline']['median']:.3f} "
+                f"(min {p['dlora_vs_better_baseline']['min']:.3f})",
+                flush=True,
+            )
     result = {
         **provenance("bench.batching_sim.run"),
-        "workload": {"num_prompts": SkewWorkload(alpha=1.0).num_prompts, "rate": args.rate, "alphas": args.alphas,
-                     "seeds": args.seeds, "noise_sd": args.noise, "input_len": 64, "output_len": 64, "adapters": 8},
+        "workload": {
+            "num_prompts": SkewWorkload(alpha=1.0).num_prompts,
+            "rate": args.rate,
+            "alphas": args.alphas,
+            "seeds": args.seeds,
+            "noise_sd": args.noise,
+            "input_len": 64,
+            "output_len": 64,
+            "adapters": 8,
+        },
         "dlora_scheduling": shipped_scheduling(),
         "presets": {name: vars(c) for name, c in PRESETS.items()},
         "points": points,

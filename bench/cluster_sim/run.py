@@ -41,16 +41,29 @@ def run_load(spec: ClusterSimSpec, load: float, args, t0: float) -> dict:
         for policy in args.policies:
             r = asyncio.run(simulate(spec, policy, rate, args.num_requests, seed)).summary()
             runs[policy].append(r)
-            print(f"[{time.monotonic() - t0:5.0f}s] load {load:.2f} seed {seed} {policy:20s} queue "
-                  f"{r['mean_queue_ms']:7.0f} ms (p90 {r['p90_queue_ms']:7.0f})  TTFT {r['mean_ttft_ms']:7.0f} ms  "
-                  f"migrated {r['migrations']}", flush=True)
-    point = {"load": load, "rate": rate, "runs": runs,
-             **{key: {p: statistics.median(r[key] for r in rs) for p, rs in runs.items()}
-                for key in ("mean_queue_ms", "mean_ttft_ms", "migrations")}}
+            print(
+                f"[{time.monotonic() - t0:5.0f}s] load {load:.2f} seed {seed} {policy:20s} queue "
+                f"{r['mean_queue_ms']:7.0f} ms (p90 {r['p90_queue_ms']:7.0f})  TTFT {r['mean_ttft_ms']:7.0f} ms  "
+                f"migrated {r['migrations']}",
+                flush=True,
+            )
+    point = {
+        "load": load,
+        "rate": rate,
+        "runs": runs,
+        **{
+            key: {p: statistics.median(r[key] for r in rs) for p, rs in runs.items()}
+            for key in ("mean_queue_ms", "mean_ttft_ms", "migrations")
+        },
+    }
     if DLORA in runs:
-        point["queueing_vs"] = {b: statistics.median(x["mean_queue_ms"] / max(d["mean_queue_ms"], 1e-9)
-                                                     for x, d in zip(runs[b], runs[DLORA]))
-                                for b in BASELINES if b in runs}
+        point["queueing_vs"] = {
+            b: statistics.median(
+                x["mean_queue_ms"] / max(d["mean_queue_ms"], 1e-9) for x, d in zip(runs[b], runs[DLORA])
+            )
+            for b in BASELINES
+            if b in runs
+        }
     return point
 
 
@@ -68,8 +81,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("offered load (fraction of the cluster's capacity)")
     ax.set_ylabel("mean queueing delay (ms), median over seeds")
     s = result["spec"]
-    ax.set_title(f"simulated: {s['replicas']} replicas, {s['adapters']} adapters (Zipf {s['alpha']}), CV {s['cv']}, "
-                 f"{result['num_requests']} requests x {result['seeds']} seeds", fontsize=8)
+    ax.set_title(
+        f"simulated: {s['replicas']} replicas, {s['adapters']} adapters (Zipf {s['alpha']}), CV {s['cv']}, "
+        f"{result['num_requests']} requests x {result['seeds']} seeds",
+        fontsize=8,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -81,10 +97,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--replicas", type=int, default=d.replicas)
     ap.add_argument("--adapters", type=int, default=d.adapters)
     ap.add_argument("--max-running", type=int, default=d.max_running)
-    ap.add_argument("--max-loras", type=int, default=None, help="distinct adapters per replica at once (default: no limit)")
+    ap.add_argument(
+        "--max-loras", type=int, default=None, help="distinct adapters per replica at once (default: no limit)"
+    )
     ap.add_argument("--step-s", type=float, default=d.step_s)
     ap.add_argument("--output-len", type=int, default=d.output_len)
-    ap.add_argument("--eos-means", default="", help="comma-separated mean lengths cycled over adapters (unknown lengths)")
+    ap.add_argument(
+        "--eos-means", default="", help="comma-separated mean lengths cycled over adapters (unknown lengths)"
+    )
     ap.add_argument("--alpha", type=float, default=d.alpha)
     ap.add_argument("--cv", type=float, default=d.cv)
     ap.add_argument("--loads", default="0.5,0.7,0.85")
@@ -102,13 +122,23 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    spec = ClusterSimSpec(replicas=args.replicas, adapters=args.adapters, max_running=args.max_running,
-                          max_loras=args.max_loras,
-                          step_s=args.step_s, output_len=args.output_len, alpha=args.alpha, cv=args.cv,
-                          eos_means=tuple(int(x) for x in args.eos_means.split(",") if x))
+    spec = ClusterSimSpec(
+        replicas=args.replicas,
+        adapters=args.adapters,
+        max_running=args.max_running,
+        max_loras=args.max_loras,
+        step_s=args.step_s,
+        output_len=args.output_len,
+        alpha=args.alpha,
+        cv=args.cv,
+        eos_means=tuple(int(x) for x in args.eos_means.split(",") if x),
+    )
     shares = static_shares(spec)
-    print(f"capacity {spec.capacity_rps:.1f} req/s; static placement's busiest replica gets {max(shares):.2f} "
-          f"of the requests (even: {1 / spec.replicas:.2f})", flush=True)
+    print(
+        f"capacity {spec.capacity_rps:.1f} req/s; static placement's busiest replica gets {max(shares):.2f} "
+        f"of the requests (even: {1 / spec.replicas:.2f})",
+        flush=True,
+    )
     t0 = time.monotonic()
     points = [run_load(spec, float(x), args, t0) for x in args.loads.split(",")]
     summary = {}
@@ -117,10 +147,18 @@ def main() -> int:
             if b in args.policies:
                 summary[f"queueing_vs_{b}_min"] = min(p["queueing_vs"][b] for p in points)
         summary["per_load"] = {str(p["load"]): p["queueing_vs"] for p in points}
-    result = {**provenance("bench.cluster_sim.run"), "spec": asdict(spec),
-              "capacity_rps": spec.capacity_rps, "static_placement_shares": shares, "policies": args.policies,
-              "num_requests": args.num_requests, "seeds": args.seeds, "points": points, "summary": summary,
-              "wall_s": time.monotonic() - t0}
+    result = {
+        **provenance("bench.cluster_sim.run"),
+        "spec": asdict(spec),
+        "capacity_rps": spec.capacity_rps,
+        "static_placement_shares": shares,
+        "policies": args.policies,
+        "num_requests": args.num_requests,
+        "seeds": args.seeds,
+        "points": points,
+        "summary": summary,
+        "wall_s": time.monotonic() - t0,
+    }
     write_result(result, args.out, plot)
     return 0
 

@@ -64,8 +64,10 @@ def plot(result: dict, png: Path) -> None:
     ax.set_xticks([0.5, 3.5], list(WORKLOADS))
     ax.set_ylabel("output tokens/s")
     s = result["summary"]
-    ax.set_title(f"default config: bf16 / fp32 = {s['bf16_vs_fp32_base']:.2f} (base), "
-                 f"{s['bf16_vs_fp32_mixed']:.2f} (mixed)", fontsize=10)
+    ax.set_title(
+        f"default config: bf16 / fp32 = {s['bf16_vs_fp32_base']:.2f} (base), {s['bf16_vs_fp32_mixed']:.2f} (mixed)",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -75,13 +77,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     workloads = {
-        name: generate_workload(WorkloadSpec(num_prompts=args.streams, adapters=adapters, distribution="distinct",
-                                             input_len=args.input_len, output_len=args.output_len, seed=0))
+        name: generate_workload(
+            WorkloadSpec(
+                num_prompts=args.streams,
+                adapters=adapters,
+                distribution="distinct",
+                input_len=args.input_len,
+                output_len=args.output_len,
+                seed=0,
+            )
+        )
         for name, adapters in WORKLOADS.items()
     }
     runs: dict[str, dict[str, list[float]]] = {d: {w: [] for w in WORKLOADS} for d in DTYPES}
     for rnd in range(args.rounds):
-        for dtype in (DTYPES if rnd % 2 == 0 else DTYPES[::-1]):
+        for dtype in DTYPES if rnd % 2 == 0 else DTYPES[::-1]:
             with tempfile.TemporaryDirectory(prefix="dlora-dtype-") as tmp:
                 cfg = shipped_server_config(args.port, f"{tmp}/state")
                 cfg["model"]["dtype"] = dtype
@@ -94,16 +104,24 @@ def main(argv: list[str] | None = None) -> None:
                             runs[dtype][name].append(one_rep(url, reqs))
                 finally:
                     servers.stop(proc)
-            print(f"round {rnd} {dtype}: " + ", ".join(f"{w} {v[-args.reps:]}" for w, v in runs[dtype].items()),
-                  flush=True)
+            print(
+                f"round {rnd} {dtype}: " + ", ".join(f"{w} {v[-args.reps :]}" for w, v in runs[dtype].items()),
+                flush=True,
+            )
     med = {d: {w: statistics.median(v) for w, v in r.items()} for d, r in runs.items()}
     result = {
         "question": "what does serving the demo model in float32 instead of bfloat16 cost?",
         **provenance("bench.default_dtype.run", argv),
         "config": "configs/default.yaml (port, state_dir and model.dtype changed)",
-        "workload": {"streams": args.streams, "input_len": args.input_len, "output_len": args.output_len,
-                     "ignore_eos": True, "workloads": {k: [a or "<base>" for a in v] for k, v in WORKLOADS.items()}},
-        "runs": runs, "median_output_tok_s": med,
+        "workload": {
+            "streams": args.streams,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "ignore_eos": True,
+            "workloads": {k: [a or "<base>" for a in v] for k, v in WORKLOADS.items()},
+        },
+        "runs": runs,
+        "median_output_tok_s": med,
         "summary": {f"bf16_vs_fp32_{w}": med["bfloat16"][w] / med["float32"][w] for w in WORKLOADS},
     }
     servers.write_result(result, args.out, plot)

@@ -39,15 +39,26 @@ def main() -> int:
     skews = runs[0]["workload"]["alphas"]
     points = median_points([r["points"] for r in runs])
     bases = [r["base_model_reference"] for r in runs if r.get("base_model_reference")]
-    base = ({"avg_latency_per_output_token_ms":
-             statistics.median(b["metrics"]["avg_latency_per_output_token_ms"] for b in bases)}
-            if len(bases) == len(runs) else None)
+    base = (
+        {
+            "avg_latency_per_output_token_ms": statistics.median(
+                b["metrics"]["avg_latency_per_output_token_ms"] for b in bases
+            )
+        }
+        if len(bases) == len(runs)
+        else None
+    )
     summary = summarize(points, skews, base)
     per_run = [r["summary"] for r in runs]
-    result = {**provenance("bench.dynamic_batching_skew.median"), "runs": args.runs, "workload": runs[0]["workload"], "points": points,
-              "base_model_reference": {"metrics": base} if base else None,
-              "summary": summary | {"median_of_run_ratios": median_ratios(per_run)},
-              "per_run_summary": per_run}
+    result = {
+        **provenance("bench.dynamic_batching_skew.median"),
+        "runs": args.runs,
+        "workload": runs[0]["workload"],
+        "points": points,
+        "base_model_reference": {"metrics": base} if base else None,
+        "summary": summary | {"median_of_run_ratios": median_ratios(per_run)},
+        "per_run_summary": per_run,
+    }
     for system in SYSTEMS:
         row = [p for p in points if p["policy"] == system]
         print(f"{system:9s}", " ".join(f"{p['metrics']['avg_latency_per_output_token_ms']:7.1f}" for p in row))

@@ -74,8 +74,13 @@ KV_GIB = 1  # ample for 64 x 128-token sequences; four servers share the machine
 
 
 def engine_settings(args) -> EngineSettings:
-    return EngineSettings(max_model_len=args.max_model_len, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
-                          max_num_seqs=args.max_num_seqs, kv_cache_space_gib=KV_GIB)
+    return EngineSettings(
+        max_model_len=args.max_model_len,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=RANK,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_space_gib=KV_GIB,
+    )
 
 
 def vllm_command(args, base: Path, adapters: list[Path]) -> list[str]:
@@ -88,10 +93,16 @@ def scheduling(policy: str, mixed_merged: bool = False) -> dict:
 
 
 def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Path) -> dict:
-    return single_replica_config(base, adapters, PORTS[policy], state, engine_settings(args),
-                                 lora_backend=args.lora_backend,
-                                 # baselines stay as they are
-                                 scheduling=scheduling(policy, args.mixed_merged and policy == "dlora"))
+    return single_replica_config(
+        base,
+        adapters,
+        PORTS[policy],
+        state,
+        engine_settings(args),
+        lora_backend=args.lora_backend,
+        # baselines stay as they are
+        scheduling=scheduling(policy, args.mixed_merged and policy == "dlora"),
+    )
 
 
 def url(system: str) -> str:
@@ -134,8 +145,15 @@ def point_metrics(r: dict) -> dict:
 
 def run_point(system: str, requests) -> dict:
     before = batching_metrics(system) if system in POLICIES else None
-    r = run_benchmark(url(system), requests, ignore_eos=True, disable_tqdm=True, print_result=False,
-                      percentile_metrics=("ttft", "tpot", "e2el"), percentiles=(50.0, 90.0))
+    r = run_benchmark(
+        url(system),
+        requests,
+        ignore_eos=True,
+        disable_tqdm=True,
+        print_result=False,
+        percentile_metrics=("ttft", "tpot", "e2el"),
+        percentiles=(50.0, 90.0),
+    )
     m = point_metrics(r)
     if before is not None:
         after = batching_metrics(system)
@@ -159,10 +177,20 @@ def median_points(runs: list[list[dict]]) -> list[dict]:
         same = [p for run in runs for p in run if (p["policy"], p["skew"]) == (first["policy"], first["skew"])]
         if len(same) != len(runs):
             raise SystemExit(f"point {first['policy']} at skew {first['skew']} is missing from some runs")
-        metrics = {k: statistics.median(p["metrics"][k] for p in same) for k in POINT_METRICS
-                   if all(p["metrics"].get(k) is not None for p in same)}
-        out.append({"policy": first["policy"], "skew": first["skew"], "top_share": first["top_share"],
-                    "metrics": metrics, "per_run": [p["metrics"]["avg_latency_per_output_token_ms"] for p in same]})
+        metrics = {
+            k: statistics.median(p["metrics"][k] for p in same)
+            for k in POINT_METRICS
+            if all(p["metrics"].get(k) is not None for p in same)
+        }
+        out.append(
+            {
+                "policy": first["policy"],
+                "skew": first["skew"],
+                "top_share": first["top_share"],
+                "metrics": metrics,
+                "per_run": [p["metrics"]["avg_latency_per_output_token_ms"] for p in same],
+            }
+        )
     return out
 
 
@@ -170,8 +198,10 @@ def median_ratios(summaries: list[dict]) -> dict:
     """Each headline ratio, and each per-skew ratio, as the median of the runs' own values: robust
     to a machine that is slower in one run for every system alike (point medians are not)."""
     keys = ("dlora_vs_better_baseline_min", "dlora_vs_worse_baseline_min", "dlora_vs_vllm_server_max_skew")
-    per_skew = {skew: {k: statistics.median(s["per_skew"][skew][k] for s in summaries) for k in ratios}
-                for skew, ratios in summaries[0]["per_skew"].items()}
+    per_skew = {
+        skew: {k: statistics.median(s["per_skew"][skew][k] for s in summaries) for k in ratios}
+        for skew, ratios in summaries[0]["per_skew"].items()
+    }
     return {**{k: statistics.median(s[k] for s in summaries) for k in keys}, "per_skew": per_skew}
 
 
@@ -189,18 +219,29 @@ def summarize(points: list[dict], skews: list[float], base_reference: dict | Non
     bound = {}
     if base_reference is not None:
         base = base_reference["avg_latency_per_output_token_ms"]
-        bound = {"base_model_latency_per_output_token_ms": base,
-                 "best_possible_vs_worse_baseline_max_skew": worse[skews[-1]] / base}
-    return {**bound,
+        bound = {
+            "base_model_latency_per_output_token_ms": base,
+            "best_possible_vs_worse_baseline_max_skew": worse[skews[-1]] / base,
+        }
+    return {
+        **bound,
         "metric": "avg_latency_per_output_token_ms; ratios are baseline / dlora (> 1: dlora faster)",
         "dlora_vs_better_baseline_min": min(better[s] / lat[("dlora", s)] for s in skews),
         "dlora_vs_worse_baseline_min": min(worse[s] / lat[("dlora", s)] for s in ends),
         "dlora_vs_vllm_server_max_skew": lat[("vllm", skews[-1])] / lat[("dlora", skews[-1])],
-        "per_skew": {str(s): {"dlora_vs_better_baseline": better[s] / lat[("dlora", s)],
-                              "dlora_vs_worse_baseline": worse[s] / lat[("dlora", s)],
-                              "dlora_vs_vllm_server": lat[("vllm", s)] / lat[("dlora", s)]} for s in skews},
-        "targets": {"dlora_vs_better_baseline_min": ">= 0.95", "dlora_vs_worse_baseline_min": ">= 1.5",
-                  "dlora_vs_vllm_server_max_skew": ">= 2"},
+        "per_skew": {
+            str(s): {
+                "dlora_vs_better_baseline": better[s] / lat[("dlora", s)],
+                "dlora_vs_worse_baseline": worse[s] / lat[("dlora", s)],
+                "dlora_vs_vllm_server": lat[("vllm", s)] / lat[("dlora", s)],
+            }
+            for s in skews
+        },
+        "targets": {
+            "dlora_vs_better_baseline_min": ">= 0.95",
+            "dlora_vs_worse_baseline_min": ">= 1.5",
+            "dlora_vs_vllm_server_max_skew": ">= 2",
+        },
     }
 
 
@@ -211,14 +252,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, label in zip(axes, ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms",
-                                     "output_throughput"),
-                              ("avg latency per output token (ms)", "P90 latency per output token (ms)",
-                               "output tok/s")):
+    for ax, key, label in zip(
+        axes,
+        ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms", "output_throughput"),
+        ("avg latency per output token (ms)", "P90 latency per output token (ms)", "output tok/s"),
+    ):
         for system in SYSTEMS:
             pts = sorted((p for p in result["points"] if p["policy"] == system), key=lambda p: p["top_share"])
-            ax.plot([p["top_share"] for p in pts], [p["metrics"][key] for p in pts], "o-", color=BATCHING_POLICY_COLORS[system],
-                    label="vLLM server" if system == "vllm" else f"dlora {system}")
+            ax.plot(
+                [p["top_share"] for p in pts],
+                [p["metrics"][key] for p in pts],
+                "o-",
+                color=BATCHING_POLICY_COLORS[system],
+                label="vLLM server" if system == "vllm" else f"dlora {system}",
+            )
         base = (result.get("base_model_reference") or {}).get("metrics", {}).get(key)
         if base is not None:
             ax.axhline(base, color="black", lw=0.8, ls=":", label="base model, no adapter (bound)")
@@ -228,9 +275,12 @@ def plot(result: dict, path: Path) -> None:
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
     w = result["workload"]
-    fig.suptitle(f"SmolLM2-135M bf16, 1 replica (1 core), {NUM_ADAPTERS} rank-{RANK} adapters, "
-                 f"{w['num_prompts']} requests/point at {w['request_rate']} req/s, in {w['input_len']} / out "
-                 f"{w['output_len']} tokens", fontsize=9)
+    fig.suptitle(
+        f"SmolLM2-135M bf16, 1 replica (1 core), {NUM_ADAPTERS} rank-{RANK} adapters, "
+        f"{w['num_prompts']} requests/point at {w['request_rate']} req/s, in {w['input_len']} / out "
+        f"{w['output_len']} tokens",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -250,19 +300,38 @@ def summarize_reps(points: list[dict], skews: list[float], reps: int, base_refer
     """The summary from the point medians, plus the median of each rep's own ratios."""
     per_rep = [summarize(run, skews, base_reference) for run in rep_points(points, reps)]
     return summarize(median_points(rep_points(points, reps)), skews, base_reference) | {
-        "median_of_rep_ratios": median_ratios(per_rep), "per_rep_summary": per_rep}
+        "median_of_rep_ratios": median_ratios(per_rep),
+        "per_rep_summary": per_rep,
+    }
 
 
 def warm_up(base_url: str, names: tuple[str, ...], args) -> None:
     """A burst over all adapters, then each adapter's requests alone (see the module docstring)."""
-    burst = generate_workload(WorkloadSpec(num_prompts=2 * len(names), adapters=names, distribution="distinct",
-                                           input_len=args.input_len, output_len=8, request_rate=float("inf"),
-                                           max_model_len=args.max_model_len, seed=99))
+    burst = generate_workload(
+        WorkloadSpec(
+            num_prompts=2 * len(names),
+            adapters=names,
+            distribution="distinct",
+            input_len=args.input_len,
+            output_len=8,
+            request_rate=float("inf"),
+            max_model_len=args.max_model_len,
+            seed=99,
+        )
+    )
     run_benchmark(base_url, burst, ignore_eos=True, disable_tqdm=True, print_result=False)
     for name in names:
-        alone = generate_workload(WorkloadSpec(num_prompts=4, adapters=(name,), input_len=args.input_len,
-                                               output_len=16, request_rate=float("inf"),
-                                               max_model_len=args.max_model_len, seed=98))
+        alone = generate_workload(
+            WorkloadSpec(
+                num_prompts=4,
+                adapters=(name,),
+                input_len=args.input_len,
+                output_len=16,
+                request_rate=float("inf"),
+                max_model_len=args.max_model_len,
+                seed=98,
+            )
+        )
         run_benchmark(base_url, alone, ignore_eos=True, disable_tqdm=True, print_result=False)
 
 
@@ -270,19 +339,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s (Poisson)")
     ap.add_argument("--num-prompts", type=int, default=56, help="requests per point")
-    ap.add_argument("--alphas", type=float, nargs="+", default=[1.0, 2.0, 4.0, 10.0],
-                    help="`skewed` popularity: adapter a gets alpha^-a of the requests (1 = uniform)")
+    ap.add_argument(
+        "--alphas",
+        type=float,
+        nargs="+",
+        default=[1.0, 2.0, 4.0, 10.0],
+        help="`skewed` popularity: adapter a gets alpha^-a of the requests (1 = uniform)",
+    )
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="runs of each batching policy per point (median)")
     ap.add_argument("--quick", action="store_true", help="2 skews x 32 requests, 1 rep: a smoke run")
-    ap.add_argument("--lora-backend", default=shipped_config("engine").get("lora_backend", "vllm"),
-                    help="engine.lora_backend of dlora's servers (default: configs/default.yaml's); vLLM's "
-                         "server always runs its own LoRA ops")
-    ap.add_argument("--mixed-merged", action="store_true", help="scheduling.mixed_merged for dlora's servers: "
-                    "while an adapter is merged, other requests run in the same step (compensated)")
+    ap.add_argument(
+        "--lora-backend",
+        default=shipped_config("engine").get("lora_backend", "vllm"),
+        help="engine.lora_backend of dlora's servers (default: configs/default.yaml's); vLLM's "
+        "server always runs its own LoRA ops",
+    )
+    ap.add_argument(
+        "--mixed-merged",
+        action="store_true",
+        help="scheduling.mixed_merged for dlora's servers: "
+        "while an adapter is merged, other requests run in the same step (compensated)",
+    )
     ap.add_argument("--out", default=str(HERE / "result.json"))
     args = ap.parse_args()
     if args.quick:
@@ -300,10 +381,14 @@ def main() -> int:
         for policy in POLICIES:
             cfg = work / f"{policy}.yaml"
             cfg.write_text(yaml.safe_dump(dlora_config(args, policy, base, adapters, work / f"state-{policy}")))
-            procs[policy] = start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg)],
-                                  work / f"{policy}.log", {})
-        procs["vllm"] = start(vllm_command(args, base, adapters), work / "vllm.log",
-                              {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"})
+            procs[policy] = start(
+                [sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg)], work / f"{policy}.log", {}
+            )
+        procs["vllm"] = start(
+            vllm_command(args, base, adapters),
+            work / "vllm.log",
+            {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"},
+        )
         for system, proc in procs.items():
             wait_healthy(url(system), proc, work / f"{system}.log", timeout=600)
         print(f"[{time.monotonic() - t_start:5.0f}s] all four servers are up", flush=True)
@@ -314,29 +399,53 @@ def main() -> int:
 
         points = []
         for k, alpha in enumerate(args.alphas):
-            spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=names, distribution="skewed", alpha=alpha,
-                                input_len=args.input_len, output_len=args.output_len, request_rate=args.rate,
-                                max_model_len=args.max_model_len, seed=k)
+            spec = WorkloadSpec(
+                num_prompts=args.num_prompts,
+                adapters=names,
+                distribution="skewed",
+                alpha=alpha,
+                input_len=args.input_len,
+                output_len=args.output_len,
+                request_rate=args.rate,
+                max_model_len=args.max_model_len,
+                seed=k,
+            )
             requests = generate_workload(spec)
             top_share = float(popularity_shares("skewed", NUM_ADAPTERS, alpha)[0])
             realized = sum(r.adapter == "a0" for r in requests) / len(requests)
             for rep, system in schedule(k, args.reps):
                 m = run_point(system, requests)
                 if m["failed"]:
-                    raise RuntimeError(f"{system}: {m['failed']} requests failed at alpha {alpha}: {m['first_errors']} "
-                                       f"(server died? see {work / system}.log); no result written")
-                points.append({"policy": system, "skew": alpha, "top_share": top_share, "rep": rep,
-                               "realized_top_share": realized, "metrics": m})
+                    raise RuntimeError(
+                        f"{system}: {m['failed']} requests failed at alpha {alpha}: {m['first_errors']} "
+                        f"(server died? see {work / system}.log); no result written"
+                    )
+                points.append(
+                    {
+                        "policy": system,
+                        "skew": alpha,
+                        "top_share": top_share,
+                        "rep": rep,
+                        "realized_top_share": realized,
+                        "metrics": m,
+                    }
+                )
                 extra = f", {m['switches']:.0f} switches" if "switches" in m else ""
                 p90 = m["p90_latency_per_output_token_ms"] or float("nan")
-                print(f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) rep "
-                      f"{'-' if rep is None else rep} {system:8s} lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  "
-                      f"P90 {p90:8.1f} ms  {m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}", flush=True)
+                print(
+                    f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) rep "
+                    f"{'-' if rep is None else rep} {system:8s} lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  "
+                    f"P90 {p90:8.1f} ms  {m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}",
+                    flush=True,
+                )
         # The speed-of-light point: the most skewed workload with every request on the base model.
         base_requests = [dataclasses.replace(r, adapter=None) for r in requests]
         base_reference = run_point("unmerged", base_requests)
-        print(f"[{time.monotonic() - t_start:5.0f}s] base model (no adapter), unmerged server: lat/token "
-              f"{base_reference['avg_latency_per_output_token_ms']:8.1f} ms", flush=True)
+        print(
+            f"[{time.monotonic() - t_start:5.0f}s] base model (no adapter), unmerged server: lat/token "
+            f"{base_reference['avg_latency_per_output_token_ms']:8.1f} ms",
+            flush=True,
+        )
     finally:
         for proc in procs.values():
             stop(proc)
@@ -345,18 +454,33 @@ def main() -> int:
         **provenance("bench.dynamic_batching_skew.run"),
         "vllm_command": shlex.join(vllm_command(args, base, adapters)),
         "dlora_config": dlora_config(args, "dlora", base, adapters, work / "state-dlora"),
-        "machine": {**machine(), "platform": platform.platform(),
-                    "note": "2 shared cores; other CPU-heavy jobs ran at the same time (noisy)"},
-        "workload": {"num_prompts": args.num_prompts, "num_adapters": NUM_ADAPTERS, "rank": RANK,
-                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.rate,
-                     "arrivals": "Poisson", "popularity": "skewed (adapter a gets alpha^-a)", "alphas": args.alphas,
-                     "ignore_eos": True, "stream": True},
+        "machine": {
+            **machine(),
+            "platform": platform.platform(),
+            "note": "2 shared cores; other CPU-heavy jobs ran at the same time (noisy)",
+        },
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "num_adapters": NUM_ADAPTERS,
+            "rank": RANK,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": args.rate,
+            "arrivals": "Poisson",
+            "popularity": "skewed (adapter a gets alpha^-a)",
+            "alphas": args.alphas,
+            "ignore_eos": True,
+            "stream": True,
+        },
         "skew": "alpha of the `skewed` popularity; top_share = expected share of the most popular adapter",
         "reps": args.reps,
         "points": median_points(rep_points(points, args.reps)),
         "rep_points": points,
-        "base_model_reference": {"workload": f"alpha {args.alphas[-1]}'s requests, every one on the base model",
-                                 "server": "unmerged", "metrics": base_reference},
+        "base_model_reference": {
+            "workload": f"alpha {args.alphas[-1]}'s requests, every one on the base model",
+            "server": "unmerged",
+            "metrics": base_reference,
+        },
         "summary": summarize_reps(points, args.alphas, args.reps, base_reference),
         "wall_seconds": time.monotonic() - t_start,
     }

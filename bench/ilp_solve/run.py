@@ -50,8 +50,10 @@ def variants(largest: bool) -> list[tuple[str, MigrationConfig]]:
     out = [(s, MigrationConfig(solver=s)) for s in solvers]
     if largest:
         first = solvers[0]
-        out += [(f"{first} top_k=4", MigrationConfig(solver=first, top_k=4)),
-                (f"{first} binary y", MigrationConfig(solver=first, binary_adapters=True))]
+        out += [
+            (f"{first} top_k=4", MigrationConfig(solver=first, top_k=4)),
+            (f"{first} binary y", MigrationConfig(solver=first, binary_adapters=True)),
+        ]
     return out
 
 
@@ -68,26 +70,43 @@ def run_size(size: tuple[int, int, int], seeds: int, reps: int, skew: float = 0.
     for name, cfg in names:
         plans = samples[name]
         total, solver = [p.solve_ms for p in plans], [p.solver_ms for p in plans]
-        rows.append({
-            "requests": size[0], "replicas": size[1], "adapters": size[2], "skew": skew, "planner": name,
-            "config": dataclasses.asdict(cfg), "seeds": seeds, "samples": len(plans),
-            "p50_ms": round(statistics.median(total), 2), "p95_ms": round(percentile(total, 0.95), 2),
-            "max_ms": round(max(total), 2), "solver_p50_ms": round(statistics.median(solver), 2),
-            "fallbacks": sum(p.status.startswith("fallback") for p in plans),
-            "statuses": sorted({p.status for p in plans}),
-            "moves_mean": round(statistics.mean(len(p.moves) for p in plans), 1),
-            "loads_mean": round(statistics.mean(len(p.loads) for p in plans), 1),
-            "makespan_ratio_mean": round(statistics.mean(p.makespan_after / p.makespan_before for p in plans), 3),
-            "objective_ratio_mean": round(statistics.mean(p.objective_after / p.objective_before for p in plans), 3),
-        })
+        rows.append(
+            {
+                "requests": size[0],
+                "replicas": size[1],
+                "adapters": size[2],
+                "skew": skew,
+                "planner": name,
+                "config": dataclasses.asdict(cfg),
+                "seeds": seeds,
+                "samples": len(plans),
+                "p50_ms": round(statistics.median(total), 2),
+                "p95_ms": round(percentile(total, 0.95), 2),
+                "max_ms": round(max(total), 2),
+                "solver_p50_ms": round(statistics.median(solver), 2),
+                "fallbacks": sum(p.status.startswith("fallback") for p in plans),
+                "statuses": sorted({p.status for p in plans}),
+                "moves_mean": round(statistics.mean(len(p.moves) for p in plans), 1),
+                "loads_mean": round(statistics.mean(len(p.loads) for p in plans), 1),
+                "makespan_ratio_mean": round(statistics.mean(p.makespan_after / p.makespan_before for p in plans), 3),
+                "objective_ratio_mean": round(
+                    statistics.mean(p.objective_after / p.objective_before for p in plans), 3
+                ),
+            }
+        )
     return rows
 
 
 def machine(load_at_start: tuple[float, ...]) -> dict:
     """Versions and the host's load: other CPU-heavy jobs share these 2 vCPUs, which moves p95."""
-    return {**provenance_machine(), "platform": platform.platform(), "pulp": version("pulp"),
-            "highspy": version("highspy") if highs_available() else None,
-            "loadavg_1_5_15min_at_start": load_at_start, "loadavg_1_5_15min_at_end": os.getloadavg()}
+    return {
+        **provenance_machine(),
+        "platform": platform.platform(),
+        "pulp": version("pulp"),
+        "highspy": version("highspy") if highs_available() else None,
+        "loadavg_1_5_15min_at_start": load_at_start,
+        "loadavg_1_5_15min_at_end": os.getloadavg(),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -137,9 +156,12 @@ def main() -> None:
         "machine": machine(load_at_start),
         "wall_s": round(time.perf_counter() - t0, 1),
         "summary": {
-            "p95_ms_largest": default["p95_ms"], "p50_ms_largest": default["p50_ms"],
-            "planner_largest": default["planner"], "target_p95_ms": TARGET_P95_MS,
-            "meets_target": default["p95_ms"] <= TARGET_P95_MS, "size_largest": list(SIZES[-1]),
+            "p95_ms_largest": default["p95_ms"],
+            "p50_ms_largest": default["p50_ms"],
+            "planner_largest": default["planner"],
+            "target_p95_ms": TARGET_P95_MS,
+            "meets_target": default["p95_ms"] <= TARGET_P95_MS,
+            "size_largest": list(SIZES[-1]),
         },
         "rows": rows,
     }
@@ -149,8 +171,10 @@ def main() -> None:
     print(f"{'size':>14} {'skew':>5} {'planner':>16} {'p50':>7} {'p95':>7} {'max':>7} {'solver':>7} fb  moves makespan")
     for r in rows:
         size = f"{r['requests']}x{r['replicas']}x{r['adapters']}"
-        print(f"{size:>14} {r['skew']:5.2f} {r['planner']:>16} {r['p50_ms']:7.1f} {r['p95_ms']:7.1f} {r['max_ms']:7.1f} "
-              f"{r['solver_p50_ms']:7.1f} {r['fallbacks']:2d} {r['moves_mean']:6.1f} {r['makespan_ratio_mean']:.3f}")
+        print(
+            f"{size:>14} {r['skew']:5.2f} {r['planner']:>16} {r['p50_ms']:7.1f} {r['p95_ms']:7.1f} {r['max_ms']:7.1f} "
+            f"{r['solver_p50_ms']:7.1f} {r['fallbacks']:2d} {r['moves_mean']:6.1f} {r['makespan_ratio_mean']:.3f}"
+        )
     print(json.dumps(result["summary"]))
 
 

@@ -45,7 +45,7 @@ from dlora_kernels import (
 MODELS = {"smollm2-135m": 576, "llama-7b": 4096}
 RANK_SETS = {"r8": (8,), "r64": (64,), "mixed8-64": (8, 16, 32, 64)}
 NUM_ADAPTERS = (1, 8, 64)
-TOKEN_SETTINGS = (("bgmv", 16), ("bgmv", 64), ("sgmv", 256))   # sgmv: segments of 16 tokens
+TOKEN_SETTINGS = (("bgmv", 16), ("bgmv", 64), ("sgmv", 256))  # sgmv: segments of 16 tokens
 PREFILL_SEGMENT = 16
 ROUND_BUDGET_S = 2.5
 HERE = Path(__file__).resolve().parent
@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 class BenchCase:
     model: str
     hidden: int
-    mode: str            # "sgmv" (segmented prefill) or "bgmv" (per-token decode)
+    mode: str  # "sgmv" (segmented prefill) or "bgmv" (per-token decode)
     num_tokens: int
     num_adapters: int
     ranks_label: str
@@ -67,8 +67,7 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        return (f"{self.model} {self.mode} T={self.num_tokens} N={self.num_adapters} "
-                f"{self.ranks_label}")
+        return f"{self.model} {self.mode} T={self.num_tokens} N={self.num_adapters} {self.ranks_label}"
 
 
 @dataclass
@@ -78,9 +77,9 @@ class Inputs:
     x: torch.Tensor
     v: torch.Tensor
     y: torch.Tensor
-    a_stacked: torch.Tensor      # [N, R_max, H] (vLLM layout: lora_a)
-    b_stacked: torch.Tensor      # [N, H, R_max] (vLLM layout: lora_b)
-    seg_lens: torch.Tensor       # vLLM sgmv metadata
+    a_stacked: torch.Tensor  # [N, R_max, H] (vLLM layout: lora_a)
+    b_stacked: torch.Tensor  # [N, H, R_max] (vLLM layout: lora_b)
+    seg_lens: torch.Tensor  # vLLM sgmv metadata
     seg_starts: torch.Tensor
     seg_adapters: torch.Tensor
 
@@ -88,26 +87,30 @@ class Inputs:
 def make_inputs(case: BenchCase, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     h = case.hidden
-    lora = pack_lora([torch.randn(r, h, generator=gen) / h ** 0.5 for r in case.ranks],
-                     [torch.randn(h, r, generator=gen) / r ** 0.5 for r in case.ranks]).to(device)
+    lora = pack_lora(
+        [torch.randn(r, h, generator=gen) / h**0.5 for r in case.ranks],
+        [torch.randn(h, r, generator=gen) / r**0.5 for r in case.ranks],
+    ).to(device)
     if case.mode == "sgmv":
         num_segments = case.num_tokens // PREFILL_SEGMENT
         adapters = torch.randint(case.num_adapters, (num_segments,), generator=gen).tolist()
         meta = LoRABatchMeta.prefill([PREFILL_SEGMENT] * num_segments, adapters, device)
     else:
-        meta = LoRABatchMeta.decode(torch.randint(case.num_adapters, (case.num_tokens,), generator=gen),
-                                    device)
+        meta = LoRABatchMeta.decode(torch.randint(case.num_adapters, (case.num_tokens,), generator=gen), device)
     a_stacked, b_stacked = lora.stacked()
     seg = LoRABatchMeta.segments_of(meta.token_indices.tolist(), device)
     assert seg.seg_starts is not None and seg.seg_adapters is not None
     return Inputs(
-        lora=lora, meta=meta,
+        lora=lora,
+        meta=meta,
         x=torch.randn(case.num_tokens, h, generator=gen).to(device),
         v=torch.zeros(case.num_tokens, lora.max_rank, device=device),
         y=torch.zeros(case.num_tokens, h, device=device),
-        a_stacked=a_stacked, b_stacked=b_stacked,
+        a_stacked=a_stacked,
+        b_stacked=b_stacked,
         seg_lens=(seg.seg_starts[1:] - seg.seg_starts[:-1]).long(),
-        seg_starts=seg.seg_starts[:-1].long(), seg_adapters=seg.seg_adapters.long(),
+        seg_starts=seg.seg_starts[:-1].long(),
+        seg_adapters=seg.seg_adapters.long(),
     )
 
 
@@ -117,8 +120,7 @@ def vllm_ops(case: BenchCase, inp: Inputs) -> tuple[Callable[[], None], Callable
 
     t = case.num_tokens
     if case.mode == "sgmv":
-        meta = (inp.seg_starts, inp.seg_lens, inp.seg_adapters, inp.seg_adapters.numel(),
-                int(inp.seg_lens.max()), t)
+        meta = (inp.seg_starts, inp.seg_lens, inp.seg_adapters, inp.seg_adapters.numel(), int(inp.seg_lens.max()), t)
 
         def shrink() -> None:
             vt.sgmv_shrink(inp.x, inp.a_stacked, inp.v, *meta, 1.0)
@@ -133,6 +135,7 @@ def vllm_ops(case: BenchCase, inp: Inputs) -> tuple[Callable[[], None], Callable
 
         def expand() -> None:
             vt.bgmv_expand(inp.v, inp.b_stacked, inp.y, idx, True)
+
     return shrink, expand
 
 
@@ -149,8 +152,7 @@ def lora_methods(case: BenchCase, inp: Inputs, with_triton: bool) -> dict[str, C
         "add/vllm": lambda: (vllm_shrink(), vllm_expand()),
         "add/ref": lambda: add_lora(y, x, lo, me, backend="reference"),
         "add/einsum": lambda: add_lora(y, x, lo, me, backend="einsum"),
-        "add/einsum_paper": lambda: reference.lora_einsum_onehot(
-            y, x, inp.a_stacked, inp.b_stacked, me.token_indices),
+        "add/einsum_paper": lambda: reference.lora_einsum_onehot(y, x, inp.a_stacked, inp.b_stacked, me.token_indices),
     }
     if with_triton:
         methods["shrink/triton"] = lambda: lora_shrink(v, x, lo, me, backend="triton")
@@ -159,8 +161,9 @@ def lora_methods(case: BenchCase, inp: Inputs, with_triton: bool) -> dict[str, C
     return methods
 
 
-def merge_methods(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, with_triton: bool
-                  ) -> dict[str, Callable[[], None]]:
+def merge_methods(
+    w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, with_triton: bool
+) -> dict[str, Callable[[], None]]:
     methods: dict[str, Callable[[], None]] = {
         "merge/ours": lambda: merge_lora_inplace(w, a, b, 0.5, 1, backend="reference"),
         "merge/addmm_whole": lambda: w.addmm_(b, a, alpha=0.5),
@@ -171,8 +174,9 @@ def merge_methods(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, with_triton
     return methods
 
 
-def time_alternating(methods: dict[str, Callable[[], None]], device: torch.device,
-                     min_reps: int, max_reps: int) -> tuple[dict[str, float], int]:
+def time_alternating(
+    methods: dict[str, Callable[[], None]], device: torch.device, min_reps: int, max_reps: int
+) -> tuple[dict[str, float], int]:
     """Median seconds per method; each round runs every method once, order alternating."""
     inner = 10 if device.type == "cuda" else 1
 
@@ -184,7 +188,7 @@ def time_alternating(methods: dict[str, Callable[[], None]], device: torch.devic
         _sync(device)
         return (time.perf_counter() - start) / inner
 
-    round_s = sum(once(fn) for fn in methods.values())          # warm-up round
+    round_s = sum(once(fn) for fn in methods.values())  # warm-up round
     reps = max(min_reps, min(max_reps, int(ROUND_BUDGET_S / max(round_s, 1e-9))))
     samples: dict[str, list[float]] = {k: [] for k in methods}
     for r in range(reps):
@@ -212,21 +216,25 @@ def lora_bytes(case: BenchCase, inp: Inputs, op: str) -> int:
 
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write), the roofline reference."""
-    src = torch.empty(64 * 2 ** 20, dtype=torch.float32, device=device)
+    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     medians, _ = time_alternating({"copy": lambda: dst.copy_(src)}, device, 5, 20)
     return 2 * src.numel() * src.element_size() / medians["copy"]
 
 
-def run_lora_case(case: BenchCase, device: torch.device, with_triton: bool, copy_bw: float | None,
-                  min_reps: int, max_reps: int) -> dict:
+def run_lora_case(
+    case: BenchCase, device: torch.device, with_triton: bool, copy_bw: float | None, min_reps: int, max_reps: int
+) -> dict:
     inp = make_inputs(case, device)
     medians, reps = time_alternating(lora_methods(case, inp, with_triton), device, min_reps, max_reps)
-    row = {**asdict(case), "ranks": list(case.ranks), "reps": reps,
-           "median_ms": {k: round(s * 1e3, 4) for k, s in medians.items()}}
+    row = {
+        **asdict(case),
+        "ranks": list(case.ranks),
+        "reps": reps,
+        "median_ms": {k: round(s * 1e3, 4) for k, s in medians.items()},
+    }
     row["speedup_vs_vllm"] = {
-        k: round(medians[f"{k.split('/')[0]}/vllm"] / s, 3)
-        for k, s in medians.items() if not k.endswith("/vllm")
+        k: round(medians[f"{k.split('/')[0]}/vllm"] / s, 3) for k, s in medians.items() if not k.endswith("/vllm")
     }
     if with_triton and copy_bw:
         row["triton_bandwidth_fraction"] = {
@@ -236,17 +244,31 @@ def run_lora_case(case: BenchCase, device: torch.device, with_triton: bool, copy
     return row
 
 
-def run_merge_case(model: str, hidden: int, rank: int, device: torch.device, with_triton: bool,
-                   copy_bw: float | None, min_reps: int, max_reps: int) -> dict:
+def run_merge_case(
+    model: str,
+    hidden: int,
+    rank: int,
+    device: torch.device,
+    with_triton: bool,
+    copy_bw: float | None,
+    min_reps: int,
+    max_reps: int,
+) -> dict:
     gen = torch.Generator().manual_seed(rank)
     w = torch.randn(hidden, hidden, generator=gen).to(device)
-    a = torch.randn(rank, hidden, generator=gen).to(device) / hidden ** 0.5
-    b = torch.randn(hidden, rank, generator=gen).to(device) / rank ** 0.5
+    a = torch.randn(rank, hidden, generator=gen).to(device) / hidden**0.5
+    b = torch.randn(hidden, rank, generator=gen).to(device) / rank**0.5
     medians, reps = time_alternating(merge_methods(w, a, b, with_triton), device, min_reps, max_reps)
-    row = {"model": model, "hidden": hidden, "rank": rank, "reps": reps,
-           "median_ms": {k: round(s * 1e3, 4) for k, s in medians.items()},
-           "speedup_vs_naive_delta": {k: round(medians["merge/naive_delta"] / s, 3)
-                                      for k, s in medians.items() if k != "merge/naive_delta"}}
+    row = {
+        "model": model,
+        "hidden": hidden,
+        "rank": rank,
+        "reps": reps,
+        "median_ms": {k: round(s * 1e3, 4) for k, s in medians.items()},
+        "speedup_vs_naive_delta": {
+            k: round(medians["merge/naive_delta"] / s, 3) for k, s in medians.items() if k != "merge/naive_delta"
+        },
+    }
     if with_triton and copy_bw:
         moved = (2 * w.numel() + a.numel() + b.numel()) * w.element_size()
         row["triton_bandwidth_fraction"] = round(moved / medians["merge/triton"] / copy_bw, 3)
@@ -257,9 +279,15 @@ def machine_info(device: torch.device) -> dict:
     import triton
     import vllm
 
-    info = {**provenance_machine(), "platform": platform.platform(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
-            "triton": triton.__version__, "device": str(device)}
+    info = {
+        **provenance_machine(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "vllm": vllm.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -267,13 +295,17 @@ def machine_info(device: torch.device) -> dict:
 
 def cases(quick: bool) -> list[BenchCase]:
     if quick:
-        return [BenchCase("smollm2-135m", 576, "bgmv", 16, 8, "mixed8-64"),
-                BenchCase("smollm2-135m", 576, "sgmv", 256, 8, "mixed8-64")]
-    return [BenchCase(model, hidden, mode, t, n, ranks)
-            for model, hidden in MODELS.items()
-            for mode, t in TOKEN_SETTINGS
-            for n in NUM_ADAPTERS
-            for ranks in RANK_SETS]
+        return [
+            BenchCase("smollm2-135m", 576, "bgmv", 16, 8, "mixed8-64"),
+            BenchCase("smollm2-135m", 576, "sgmv", 256, 8, "mixed8-64"),
+        ]
+    return [
+        BenchCase(model, hidden, mode, t, n, ranks)
+        for model, hidden in MODELS.items()
+        for mode, t in TOKEN_SETTINGS
+        for n in NUM_ADAPTERS
+        for ranks in RANK_SETS
+    ]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -283,19 +315,25 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["lora"] if r["ranks_label"] == "mixed8-64"]
-    settings = [(m, t) for m, t in TOKEN_SETTINGS if any(r["mode"] == m and r["num_tokens"] == t
-                                                         for r in rows)]
+    settings = [(m, t) for m, t in TOKEN_SETTINGS if any(r["mode"] == m and r["num_tokens"] == t for r in rows)]
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
-    fig, axes = plt.subplots(len(models), len(settings), figsize=(4.2 * len(settings),
-                             3.4 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(models), len(settings), figsize=(4.2 * len(settings), 3.4 * len(models)), squeeze=False
+    )
     for i, model in enumerate(models):
         for j, (mode, t) in enumerate(settings):
             ax = axes[i][j]
-            sel = sorted((r for r in rows if r["model"] == model and r["mode"] == mode
-                          and r["num_tokens"] == t), key=lambda r: r["num_adapters"])
+            sel = sorted(
+                (r for r in rows if r["model"] == model and r["mode"] == mode and r["num_tokens"] == t),
+                key=lambda r: r["num_adapters"],
+            )
             for method in sorted({k for r in sel for k in r["median_ms"] if k.startswith("add/")}):
-                ax.plot([r["num_adapters"] for r in sel], [r["median_ms"][method] for r in sel],
-                        marker="o", label=method.removeprefix("add/"))
+                ax.plot(
+                    [r["num_adapters"] for r in sel],
+                    [r["median_ms"][method] for r in sel],
+                    marker="o",
+                    label=method.removeprefix("add/"),
+                )
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"{model} {mode} T={t}", fontsize=9)
@@ -303,8 +341,11 @@ def plot(result: dict, path: Path) -> None:
             ax.set_ylabel("shrink+expand, ms")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"LoRA shrink+expand, mixed ranks 8-64, fp32, {result['machine']['device']}, "
-                 f"{result['machine']['torch_threads']} thread(s)", fontsize=10)
+    fig.suptitle(
+        f"LoRA shrink+expand, mixed ranks 8-64, fp32, {result['machine']['device']}, "
+        f"{result['machine']['torch_threads']} thread(s)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -323,24 +364,32 @@ def main(argv: list[str] | None = None) -> None:
     with_triton = device.type == "cuda"
     out = args.out or HERE / ("result.json" if device.type == "cpu" else f"result_{device.type}.json")
     copy_bw = copy_bandwidth(device) if with_triton else None
-    result: dict = {**provenance("bench.kernels.run", argv), "machine": machine_info(device),
-                    "loadavg_start": os.getloadavg(),
-                    "dtype": "float32", "copy_bandwidth_GBps": copy_bw and round(copy_bw / 1e9, 2),
-                    "notes": NOTES, "lora": [], "merge": []}
+    result: dict = {
+        **provenance("bench.kernels.run", argv),
+        "machine": machine_info(device),
+        "loadavg_start": os.getloadavg(),
+        "dtype": "float32",
+        "copy_bandwidth_GBps": copy_bw and round(copy_bw / 1e9, 2),
+        "notes": NOTES,
+        "lora": [],
+        "merge": [],
+    }
     todo = cases(args.quick)
     started = time.perf_counter()
     for i, case in enumerate(todo, 1):
         row = run_lora_case(case, device, with_triton, copy_bw, args.min_reps, args.max_reps)
         result["lora"].append(row)
         add = row["median_ms"]
-        print(f"[{i}/{len(todo)}] {case.label}: add ms vllm {add['add/vllm']:.3f} ref "
-              f"{add['add/ref']:.3f} einsum {add['add/einsum']:.3f} paper "
-              f"{add['add/einsum_paper']:.3f} ({time.perf_counter() - started:.0f}s)", flush=True)
+        print(
+            f"[{i}/{len(todo)}] {case.label}: add ms vllm {add['add/vllm']:.3f} ref "
+            f"{add['add/ref']:.3f} einsum {add['add/einsum']:.3f} paper "
+            f"{add['add/einsum_paper']:.3f} ({time.perf_counter() - started:.0f}s)",
+            flush=True,
+        )
     merge_models = {"smollm2-135m": 576} if args.quick else MODELS
     for model, hidden in merge_models.items():
         for rank in (8, 64):
-            row = run_merge_case(model, hidden, rank, device, with_triton, copy_bw,
-                                 args.min_reps, args.max_reps)
+            row = run_merge_case(model, hidden, rank, device, with_triton, copy_bw, args.min_reps, args.max_reps)
             result["merge"].append(row)
             print(f"[merge] {model} r={rank}: {row['median_ms']}", flush=True)
     result["wall_s"] = round(time.perf_counter() - started, 1)

@@ -21,8 +21,24 @@ from dlora.bench.provenance import provenance
 from dlora.cli import main as dlora_main
 
 HERE = Path(__file__).resolve().parent
-EXAMPLE_FLAGS = ("--num-prompts", "30", "--lora-distribution", "zipf", "--input-len", "32", "--output-len", "24",
-                 "--ignore-eos", "--sweep-rates", "0.5,2", "--seed", "0", "--plot", "--metric-percentiles", "50,90,99")
+EXAMPLE_FLAGS = (
+    "--num-prompts",
+    "30",
+    "--lora-distribution",
+    "zipf",
+    "--input-len",
+    "32",
+    "--output-len",
+    "24",
+    "--ignore-eos",
+    "--sweep-rates",
+    "0.5,2",
+    "--seed",
+    "0",
+    "--plot",
+    "--metric-percentiles",
+    "50,90,99",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,8 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
-    rc = dlora_main(["bench", "--base-url", args.base_url, *EXAMPLE_FLAGS, "--save-result",
-                     "--result-dir", str(out_dir), "--result-filename", "result.json"])
+    rc = dlora_main(
+        [
+            "bench",
+            "--base-url",
+            args.base_url,
+            *EXAMPLE_FLAGS,
+            "--save-result",
+            "--result-dir",
+            str(out_dir),
+            "--result-filename",
+            "result.json",
+        ]
+    )
     if rc:
         return rc
     path = out_dir / "result.json"

@@ -40,16 +40,26 @@ from dlora.models.smollm2 import prepare_smollm2
 HERE = Path(__file__).resolve().parent
 BACKENDS = ("vllm", "einsum")
 # the workload of bench/vs_vllm_server, with more repetitions (the machine is shared and noisy)
-DEFAULTS = {"num_prompts": 64, "num_adapters": 4, "rank": 8, "input_len": 64, "output_len": 64,
-            "max_model_len": 2048, "reps": 5}
+DEFAULTS = {
+    "num_prompts": 64,
+    "num_adapters": 4,
+    "rank": 8,
+    "input_len": 64,
+    "output_len": 64,
+    "max_model_len": 2048,
+    "reps": 5,
+}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, default in DEFAULTS.items():
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=default)
-    ap.add_argument("--policy", default="unmerged",
-                    help="scheduling.policy of both servers (unmerged: every step runs every adapter's LoRA)")
+    ap.add_argument(
+        "--policy",
+        default="unmerged",
+        help="scheduling.policy of both servers (unmerged: every step runs every adapter's LoRA)",
+    )
     ap.add_argument("--out", default=str(HERE / "result.json"))
     args = ap.parse_args()
     args.compile = False  # dlora's backends need enforce_eager
@@ -73,26 +83,41 @@ def main() -> int:
     finally:
         for proc in procs.values():
             stop(proc)
-    in_use = {name: f"Using PunicaWrapper{'Einsum' if name == 'einsum' else 'CPU'}."
-              in (work / f"{name}.log").read_text(errors="replace") for name in BACKENDS}
+    in_use = {
+        name: f"Using PunicaWrapper{'Einsum' if name == 'einsum' else 'CPU'}."
+        in (work / f"{name}.log").read_text(errors="replace")
+        for name in BACKENDS
+    }
 
     median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
     per_rep = [e["output_throughput"] / v["output_throughput"] for e, v in zip(runs["einsum"], runs["vllm"])]
     result = {
         **provenance("bench.lora_backend_cpu.run"),
         "dlora_config": configs["einsum"],
-        "machine": {**provenance_machine(), "platform": platform.platform(),
-                    "note": "shared 2-core machine with other CPU-heavy work running; both engines on core 0, "
-                            "runs alternate so both see the same background load on average"},
-        "workload": {"num_prompts": args.num_prompts, "num_adapters": args.num_adapters, "rank": args.rank,
-                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": "inf",
-                     "popularity": "distinct (round-robin)", "ignore_eos": True, "stream": True},
+        "machine": {
+            **provenance_machine(),
+            "platform": platform.platform(),
+            "note": "shared 2-core machine with other CPU-heavy work running; both engines on core 0, "
+            "runs alternate so both see the same background load on average",
+        },
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "num_adapters": args.num_adapters,
+            "rank": args.rank,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": "inf",
+            "popularity": "distinct (round-robin)",
+            "ignore_eos": True,
+            "stream": True,
+        },
         "wrapper_in_use_per_log": in_use,
         "reps": args.reps,
         "runs": runs,
         "median": median,
         "summary": {
-            "throughput_ratio_einsum_over_vllm": median["einsum"]["output_throughput"] / median["vllm"]["output_throughput"],
+            "throughput_ratio_einsum_over_vllm": median["einsum"]["output_throughput"]
+            / median["vllm"]["output_throughput"],
             "per_rep_throughput_ratio": per_rep,
             "tpot_ratio_vllm_over_einsum": median["vllm"]["median_tpot_ms"] / median["einsum"]["median_tpot_ms"],
             "ttft_ratio_vllm_over_einsum": median["vllm"]["median_ttft_ms"] / median["einsum"]["median_ttft_ms"],

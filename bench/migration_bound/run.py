@@ -49,18 +49,33 @@ class Regime:
 
 
 REGIMES = (
-    Regime("fixed-8", ("--workload", "fixed"), ReplicaModel(max_running=16, max_loras=4, adapter_slots=8),
-           "2026-11-22 to 2026-11-24: 0.57-1.32x per load (bench/cluster_balancing/result.json, runs/)"),
-    Regime("sharegpt-eos-8", ("--workload", "sharegpt-eos", "--max-loras", "8"),
-           ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
-           "2026-11-24 at 0.5 load: 1.01x (bench/cluster_balancing/runs/2026-11-24-sharegpt-eos-load0.5.json)"),
-    Regime("sharegpt-eos-32", ("--workload", "sharegpt-eos", "--adapters", "32", "--max-cpu-loras", "8",
-                               "--max-loras", "8"), ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
-           "2026-11-25 at 0.7 load: 0.84-1.17x per rep (bench/cluster_balancing/runs/2026-11-25-sharegpt-eos-adapters32*.json)"),
-    Regime("sharegpt-eos-8-kv20", ("--workload", "sharegpt-eos", "--max-loras", "8", "--kv-blocks", "20"),
-           ReplicaModel(max_running=16, max_loras=8, adapter_slots=8, kv_blocks=20),
-           ("2026-11-24/25 at 0.7 load: 0.88x, 1.06x, 1.08-1.23x "
-            "(bench/cluster_balancing/runs/*-sharegpt-eos-kv20*.json)")),
+    Regime(
+        "fixed-8",
+        ("--workload", "fixed"),
+        ReplicaModel(max_running=16, max_loras=4, adapter_slots=8),
+        "2026-11-22 to 2026-11-24: 0.57-1.32x per load (bench/cluster_balancing/result.json, runs/)",
+    ),
+    Regime(
+        "sharegpt-eos-8",
+        ("--workload", "sharegpt-eos", "--max-loras", "8"),
+        ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
+        "2026-11-24 at 0.5 load: 1.01x (bench/cluster_balancing/runs/2026-11-24-sharegpt-eos-load0.5.json)",
+    ),
+    Regime(
+        "sharegpt-eos-32",
+        ("--workload", "sharegpt-eos", "--adapters", "32", "--max-cpu-loras", "8", "--max-loras", "8"),
+        ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
+        "2026-11-25 at 0.7 load: 0.84-1.17x per rep (bench/cluster_balancing/runs/2026-11-25-sharegpt-eos-adapters32*.json)",
+    ),
+    Regime(
+        "sharegpt-eos-8-kv20",
+        ("--workload", "sharegpt-eos", "--max-loras", "8", "--kv-blocks", "20"),
+        ReplicaModel(max_running=16, max_loras=8, adapter_slots=8, kv_blocks=20),
+        (
+            "2026-11-24/25 at 0.7 load: 0.88x, 1.06x, 1.08-1.23x "
+            "(bench/cluster_balancing/runs/*-sharegpt-eos-kv20*.json)"
+        ),
+    ),
 )
 
 
@@ -78,8 +93,10 @@ def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[Job]:
     if bargs.workload == "fixed":
         return [Job(r.arrival_time, r.adapter, r.prompt_len, r.output_len, r.output_len) for r in work]
     lengths = draw_lengths(len(work), seed, args)
-    return [Job(r.arrival_time, r.adapter, r.prompt_len + CHAT_TEMPLATE, int(n), args.max_tokens)
-            for r, n in zip(work, lengths)]
+    return [
+        Job(r.arrival_time, r.adapter, r.prompt_len + CHAT_TEMPLATE, int(n), args.max_tokens)
+        for r, n in zip(work, lengths)
+    ]
 
 
 def homes(regime: Regime, replicas: int) -> dict[str, int]:
@@ -120,32 +137,54 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
         q = {d: statistics.median(1000 * r["mean_queue_s"][d] for r in runs) for d in runs[0]["mean_queue_s"]}
         lat = {d: statistics.median(1000 * r["mean_latency_s"][d] for r in runs) for d in runs[0]["mean_latency_s"]}
         pre = {d: statistics.median(r["preemptions"][d] for r in runs) for d in runs[0]["preemptions"]}
-        moved = (statistics.median(r["balancer_moved"] for r in runs),
-                 statistics.median(r["balancer_moved_running"] for r in runs))
-        point = {"load": load, "rate": load * cap, "median_mean_queue_ms": q, "median_mean_latency_ms": lat,
-                 "median_preemptions": pre, "balancer_median_moved": moved[0], "balancer_median_moved_running": moved[1],
-                 "latency_gain_late_binding_median": statistics.median(
-                     r["mean_latency_s"]["at_arrival"] / r["mean_latency_s"]["late_binding"] for r in runs),
-                 "late_binding_gain_median": statistics.median(ratios),
-                 "late_binding_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
-                 "late_binding_gain_max": max(ratios),
-                 "best_gain_median": statistics.median(best), "seeds_best_at_or_above_target": sum(r >= TARGET for r in best),
-                 "moves_gain_median": statistics.median(moves), "balancer_gain_median": statistics.median(balancer),
-                 "dispatch_vs_static_median": statistics.median(r["dispatch_vs_static"] for r in runs), "runs": runs}
+        moved = (
+            statistics.median(r["balancer_moved"] for r in runs),
+            statistics.median(r["balancer_moved_running"] for r in runs),
+        )
+        point = {
+            "load": load,
+            "rate": load * cap,
+            "median_mean_queue_ms": q,
+            "median_mean_latency_ms": lat,
+            "median_preemptions": pre,
+            "balancer_median_moved": moved[0],
+            "balancer_median_moved_running": moved[1],
+            "latency_gain_late_binding_median": statistics.median(
+                r["mean_latency_s"]["at_arrival"] / r["mean_latency_s"]["late_binding"] for r in runs
+            ),
+            "late_binding_gain_median": statistics.median(ratios),
+            "late_binding_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
+            "late_binding_gain_max": max(ratios),
+            "best_gain_median": statistics.median(best),
+            "seeds_best_at_or_above_target": sum(r >= TARGET for r in best),
+            "moves_gain_median": statistics.median(moves),
+            "balancer_gain_median": statistics.median(balancer),
+            "dispatch_vs_static_median": statistics.median(r["dispatch_vs_static"] for r in runs),
+            "runs": runs,
+        }
         points.append(point)
-        print(f"[{time.monotonic() - t0:4.0f}s] {regime.name} at {load:.2f} ({load * cap:.2f} req/s), medians over "
-              f"{len(runs)} seeds: mean queueing at arrival {q['at_arrival']:.0f} ms (true lengths "
-              f"{q['at_arrival_oracle']:.0f}), late-bound {q['late_binding']:.0f}, moves {q['moves']:.0f}, "
-              f"balancer {q['balancer']:.0f}, static {q['static']:.0f} ms\n"
-              f"        gain over dispatch: late binding {point['late_binding_gain_median']:.2f}x (IQR "
-              f"{point['late_binding_gain_quartiles'][0]:.2f}-{point['late_binding_gain_quartiles'][1]:.2f}), moves "
-              f"{point['moves_gain_median']:.2f}x, balancer {point['balancer_gain_median']:.2f}x ({moved[0]:.0f} moved, "
-              f"{moved[1]:.0f} running), best per seed "
-              f"{point['best_gain_median']:.2f}x (>= {TARGET}x on {point['seeds_best_at_or_above_target']}/{len(best)}); "
-              f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x; preemptions at arrival "
-              f"{pre['at_arrival']:.0f}, late-bound {pre['late_binding']:.0f}", flush=True)
-    return {"regime": regime.name, "bench_args": list(regime.bench_args), "model": asdict(regime.model),
-            "capacity_rps": cap, "measured_on_engines": regime.measured, "points": points}
+        print(
+            f"[{time.monotonic() - t0:4.0f}s] {regime.name} at {load:.2f} ({load * cap:.2f} req/s), medians over "
+            f"{len(runs)} seeds: mean queueing at arrival {q['at_arrival']:.0f} ms (true lengths "
+            f"{q['at_arrival_oracle']:.0f}), late-bound {q['late_binding']:.0f}, moves {q['moves']:.0f}, "
+            f"balancer {q['balancer']:.0f}, static {q['static']:.0f} ms\n"
+            f"        gain over dispatch: late binding {point['late_binding_gain_median']:.2f}x (IQR "
+            f"{point['late_binding_gain_quartiles'][0]:.2f}-{point['late_binding_gain_quartiles'][1]:.2f}), moves "
+            f"{point['moves_gain_median']:.2f}x, balancer {point['balancer_gain_median']:.2f}x ({moved[0]:.0f} moved, "
+            f"{moved[1]:.0f} running), best per seed "
+            f"{point['best_gain_median']:.2f}x (>= {TARGET}x on {point['seeds_best_at_or_above_target']}/{len(best)}); "
+            f"dispatch vs static {point['dispatch_vs_static_median']:.2f}x; preemptions at arrival "
+            f"{pre['at_arrival']:.0f}, late-bound {pre['late_binding']:.0f}",
+            flush=True,
+        )
+    return {
+        "regime": regime.name,
+        "bench_args": list(regime.bench_args),
+        "model": asdict(regime.model),
+        "capacity_rps": cap,
+        "measured_on_engines": regime.measured,
+        "points": points,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -164,16 +203,26 @@ def plot(result: dict, path: Path) -> None:
             balancer.append(p["balancer_gain_median"])
             static.append([r["dispatch_vs_static"] for r in p["runs"]])
     ax.boxplot(data, tick_labels=labels)
-    ax.plot(range(1, len(moves) + 1), moves, "x", color="tab:blue", markersize=8,
-            label="moves after 0.1 s queued (median)")
-    ax.plot(range(1, len(balancer) + 1), balancer, "+", color="tab:green", markersize=10,
-            label="the shipped balancer: queued moves each 0.5 s + ILP rounds (median)")
+    ax.plot(
+        range(1, len(moves) + 1), moves, "x", color="tab:blue", markersize=8, label="moves after 0.1 s queued (median)"
+    )
+    ax.plot(
+        range(1, len(balancer) + 1),
+        balancer,
+        "+",
+        color="tab:green",
+        markersize=10,
+        label="the shipped balancer: queued moves each 0.5 s + ILP rounds (median)",
+    )
     ax.axhline(TARGET, color="tab:red", linestyle="--", label=f"target vs proactive-only ({TARGET}x)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylabel("queueing: at arrival / late-bound")
     ax.set_yscale("log")
-    ax.set_title(f"most queued-request migration could gain, {result['seeds']} workload seeds x "
-                 f"{result['num_prompts']} requests, {result['replicas']} modelled replicas", fontsize=8)
+    ax.set_title(
+        f"most queued-request migration could gain, {result['seeds']} workload seeds x "
+        f"{result['num_prompts']} requests, {result['replicas']} modelled replicas",
+        fontsize=8,
+    )
     ax.legend(fontsize=7, loc="upper right", framealpha=0.9)
     ax2.boxplot(static, tick_labels=labels)
     ax2.axhline(3.6, color="tab:red", linestyle="--", label="target vs round-robin/static (3.6x)")
@@ -221,18 +270,28 @@ def main() -> int:
         tokenizer = load_tokenizer(str(prepare_smollm2()))
     t0 = time.monotonic()
     regimes = [run_regime(r, args, tokenizer, t0) for r in args.regimes]
-    result = {**provenance("bench.migration_bound.run"), "replicas": args.replicas,
-              "seeds": args.seeds, "num_prompts": args.num_prompts,
-              "lengths": {"max_tokens": args.max_tokens, "p_cap": args.p_cap, "short_max": args.short_max},
-              "regimes": regimes,
-              "summary": {r["regime"]: {str(p["load"]): {"late_binding": p["late_binding_gain_median"],
-                                                          "moves": p["moves_gain_median"],
-                                                          "balancer": p["balancer_gain_median"],
-                                                          "best_per_seed": p["best_gain_median"],
-                                                          "dispatch_vs_static": p["dispatch_vs_static_median"]}
-                                         for p in r["points"]}
-                          for r in regimes},
-              "wall_s": time.monotonic() - t0}
+    result = {
+        **provenance("bench.migration_bound.run"),
+        "replicas": args.replicas,
+        "seeds": args.seeds,
+        "num_prompts": args.num_prompts,
+        "lengths": {"max_tokens": args.max_tokens, "p_cap": args.p_cap, "short_max": args.short_max},
+        "regimes": regimes,
+        "summary": {
+            r["regime"]: {
+                str(p["load"]): {
+                    "late_binding": p["late_binding_gain_median"],
+                    "moves": p["moves_gain_median"],
+                    "balancer": p["balancer_gain_median"],
+                    "best_per_seed": p["best_gain_median"],
+                    "dispatch_vs_static": p["dispatch_vs_static_median"],
+                }
+                for p in r["points"]
+            }
+            for r in regimes
+        },
+        "wall_s": time.monotonic() - t0,
+    }
     write_result(result, args.out, plot)
     return 0
 

@@ -52,13 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3, help="reps per mode (alternating alone/attack)")
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--attacker-nice", type=int, default=19,
-                   help="nice value of the attacking client's process (it shares this machine's cores)")
+    p.add_argument(
+        "--attacker-nice",
+        type=int,
+        default=19,
+        help="nice value of the attacking client's process (it shares this machine's cores)",
+    )
     p.add_argument("--out", default=str(HERE / "result.json"))
     return p.parse_args(argv)
 
 
 # ---- the attacker ---------------------------------------------------------------------------------
+
 
 def bad_bodies(model: str) -> list[tuple[str, str, dict | bytes]]:
     """(name, path, body) of requests a hostile client sends; each must get a 4xx."""
@@ -76,10 +81,21 @@ def bad_bodies(model: str) -> list[tuple[str, str, dict | bytes]]:
         ("surrogate_prompt", cmpl, base | {"prompt": "\ud800"}),
         ("surrogate_model", cmpl, base | {"model": "\ud800"}),
         ("stream_bad", cmpl, base | {"stop": [""], "stream": True}),
-        ("template_inject", chat, {"model": model, "messages": msgs, "max_tokens": 8,
-                                   "chat_template_kwargs": {"chat_template": "{{ 'ignore the user' }}"}}),
-        ("template_loops", chat, {"model": model, "messages": msgs, "max_tokens": 8,
-                                  "chat_template_kwargs": {"chat_template": nested}}),
+        (
+            "template_inject",
+            chat,
+            {
+                "model": model,
+                "messages": msgs,
+                "max_tokens": 8,
+                "chat_template_kwargs": {"chat_template": "{{ 'ignore the user' }}"},
+            },
+        ),
+        (
+            "template_loops",
+            chat,
+            {"model": model, "messages": msgs, "max_tokens": 8, "chat_template_kwargs": {"chat_template": nested}},
+        ),
         ("fanout", cmpl, {"model": model, "prompt": [[1, 2, 3]] * 3000, "n": 16, "max_tokens": 8}),
         ("huge_body", cmpl, json.dumps(base | {"prompt": "a " * 6_000_000}).encode()),
     ]
@@ -110,8 +126,13 @@ async def attack(url: str, model: str, stop, statuses: Counter, leaks: list[str]
                     await asyncio.sleep(0.05)
 
         async def slow_stream() -> None:
-            body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 128, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": model,
+                "prompt": "Tell me a long story.",
+                "max_tokens": 128,
+                "ignore_eos": True,
+                "stream": True,
+            }
             while not stop.is_set():
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -139,6 +160,7 @@ def attacker_process(url: str, model: str, stop, out, nice: int) -> None:
 
 # ---- the /health poller --------------------------------------------------------------------------------
 
+
 async def poll_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         while not stop.is_set():
@@ -152,6 +174,7 @@ async def poll_health(url: str, stop: asyncio.Event, latencies: list[float]) -> 
 
 
 # ---- CPU accounting -------------------------------------------------------------------------------
+
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process so far (Linux /proc)."""
@@ -174,8 +197,10 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---- one rep ---------------------------------------------------------------------------------------
 
-def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice: int = 19,
-            server_pid: int | None = None) -> dict:
+
+def one_rep(
+    url: str, model: str, requests, rate: float, with_attack: bool, nice: int = 19, server_pid: int | None = None
+) -> dict:
     statuses: Counter = Counter()
     leaks: list[str] = []
     health: list[float] = []
@@ -193,8 +218,15 @@ def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice
             await asyncio.sleep(3.0)  # the attack is under way before good traffic starts
         try:
             result = await asyncio.to_thread(
-                run_benchmark, url, requests, ignore_eos=True, percentiles=(50.0, 99.0),
-                request_rate=rate, disable_tqdm=True, print_result=False)
+                run_benchmark,
+                url,
+                requests,
+                ignore_eos=True,
+                percentiles=(50.0, 99.0),
+                request_rate=rate,
+                disable_tqdm=True,
+                print_result=False,
+            )
         finally:
             stop.set()
             await asyncio.gather(*side, return_exceptions=True)
@@ -211,17 +243,24 @@ def one_rep(url: str, model: str, requests, rate: float, with_attack: bool, nice
     api_cpu1, (busy1, total1), t1 = (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
     health_sorted = sorted(health)
     return {
-        "mode": "attack" if with_attack else "alone", "attacker_nice": nice if with_attack else None,
-        "completed": result["completed"], "failed": result["failed"],
-        "ttft_p50_ms": result["median_ttft_ms"], "ttft_p99_ms": result["p99_ttft_ms"],
-        "tpot_p50_ms": result["median_tpot_ms"], "output_throughput": result["output_throughput"],
+        "mode": "attack" if with_attack else "alone",
+        "attacker_nice": nice if with_attack else None,
+        "completed": result["completed"],
+        "failed": result["failed"],
+        "ttft_p50_ms": result["median_ttft_ms"],
+        "ttft_p99_ms": result["p99_ttft_ms"],
+        "tpot_p50_ms": result["median_tpot_ms"],
+        "output_throughput": result["output_throughput"],
         "ttfts_ms": [round(t * 1000, 2) for t in result["ttfts"] if t is not None],
         # Where the time went: the API process's CPU share of one core, and the machine's busy share.
-        "wall_s": t1 - t0, "api_process_cpu_s": api_cpu1 - api_cpu0,
+        "wall_s": t1 - t0,
+        "api_process_cpu_s": api_cpu1 - api_cpu0,
         "machine_busy_fraction": (busy1 - busy0) / max(total1 - total0, 1e-9),
         "health_p99_s": health_sorted[int(0.99 * (len(health_sorted) - 1))] if health_sorted else None,
-        "health_max_s": max(health) if health else None, "health_polls": len(health),
-        "attack_statuses": dict(sorted(statuses.items())), "attack_5xx_or_leaks": leaks[:20],
+        "health_max_s": max(health) if health else None,
+        "health_polls": len(health),
+        "attack_statuses": dict(sorted(statuses.items())),
+        "attack_5xx_or_leaks": leaks[:20],
     }
 
 
@@ -236,8 +275,10 @@ def bootstrap_ratio(reps: list[dict], q: float, draws: int = 2000, seed: int = 0
 
     rng = random.Random(seed)
     alone, attack = pooled(reps, "alone"), pooled(reps, "attack")
-    ratios = sorted(percentile(rng.choices(attack, k=len(attack)), q) / percentile(rng.choices(alone, k=len(alone)), q)
-                    for _ in range(draws))
+    ratios = sorted(
+        percentile(rng.choices(attack, k=len(attack)), q) / percentile(rng.choices(alone, k=len(alone)), q)
+        for _ in range(draws)
+    )
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
 
 
@@ -250,7 +291,8 @@ def summarise(reps: list[dict]) -> dict:
 
     def cpu_share(mode: str) -> float:
         return sum(r["api_process_cpu_s"] for r in reps if r["mode"] == mode) / sum(
-            r["wall_s"] for r in reps if r["mode"] == mode)
+            r["wall_s"] for r in reps if r["mode"] == mode
+        )
 
     return {
         # Pooled over every rep's requests: a p99 of one rep's requests is close to its maximum.
@@ -279,7 +321,9 @@ def plot(result: dict, png: Path) -> None:
     fig, (cdf, health) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, colour in colours.items():
         ttfts = sorted(pooled(reps, mode))
-        cdf.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], color=colour, label=f"{mode} (n={len(ttfts)})")
+        cdf.plot(
+            ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], color=colour, label=f"{mode} (n={len(ttfts)})"
+        )
         cdf.axvline(percentile(ttfts, 99), color=colour, linestyle=":", linewidth=1)
     cdf.set_xscale("log")
     cdf.set_xlabel("good request TTFT (ms), dotted: p99")
@@ -297,8 +341,10 @@ def plot(result: dict, png: Path) -> None:
     health.legend()
     s = result["summary"]
     lo, hi = s["good_ttft_p99_ratio_90ci"]
-    fig.suptitle(f"under attack: good TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f} (90% CI {lo:.2f}-{hi:.2f}), "
-                 f"/health p99 {s['health_p99_s']:.3f} s")
+    fig.suptitle(
+        f"under attack: good TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f} (90% CI {lo:.2f}-{hi:.2f}), "
+        f"/health p99 {s['health_p99_s']:.3f} s"
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -306,9 +352,15 @@ def plot(result: dict, png: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
-    spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=ADAPTERS + ("",), distribution="uniform",
-                        request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
-                        seed=0)
+    spec = WorkloadSpec(
+        num_prompts=args.num_prompts,
+        adapters=ADAPTERS + ("",),
+        distribution="uniform",
+        request_rate=args.request_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=0,
+    )
     with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
         proc = servers.start_dlora(shipped_server_config(args.port, f"{tmp}/state"), Path(tmp), "server")
         try:
@@ -318,26 +370,43 @@ def main(argv: list[str] | None = None) -> None:
             one_rep(url, model, requests[:8], args.request_rate, with_attack=False)  # warm-up
             reps = []
             for rep in range(args.reps):
-                for mode in (("alone", "attack") if rep % 2 == 0 else ("attack", "alone")):
-                    r = one_rep(url, model, requests, args.request_rate, with_attack=mode == "attack",
-                                nice=args.attacker_nice, server_pid=proc.pid)
+                for mode in ("alone", "attack") if rep % 2 == 0 else ("attack", "alone"):
+                    r = one_rep(
+                        url,
+                        model,
+                        requests,
+                        args.request_rate,
+                        with_attack=mode == "attack",
+                        nice=args.attacker_nice,
+                        server_pid=proc.pid,
+                    )
                     r["rep"] = rep
                     reps.append(r)
-                    print(f"rep {rep} {mode:6s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
-                          f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
-                          f"API CPU {r['api_process_cpu_s'] / r['wall_s']:.0%} of a core, "
-                          f"machine busy {r['machine_busy_fraction']:.0%}, "
-                          f"attacker 5xx/leaks {len(r['attack_5xx_or_leaks'])}", flush=True)
+                    print(
+                        f"rep {rep} {mode:6s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
+                        f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
+                        f"API CPU {r['api_process_cpu_s'] / r['wall_s']:.0%} of a core, "
+                        f"machine busy {r['machine_busy_fraction']:.0%}, "
+                        f"attacker 5xx/leaks {len(r['attack_5xx_or_leaks'])}",
+                        flush=True,
+                    )
         finally:
             servers.stop(proc)
     result = {
         "question": "does a hostile client slow down or break good traffic?",
         **provenance("bench.under_attack.run", argv),
         "config": "configs/default.yaml (port and state_dir changed)",
-        "workload": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
-                     "input_len": args.input_len, "output_len": args.output_len,
-                     "adapters": list(ADAPTERS) + ["<base>"], "ignore_eos": True, "stream": True},
-        "reps": reps, "summary": summarise(reps),
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "request_rate": args.request_rate,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "adapters": list(ADAPTERS) + ["<base>"],
+            "ignore_eos": True,
+            "stream": True,
+        },
+        "reps": reps,
+        "summary": summarise(reps),
     }
     servers.write_result(result, args.out, plot)
 

@@ -43,8 +43,14 @@ METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_tpot_m
 
 
 def engine_settings(args) -> EngineSettings:
-    return EngineSettings(max_model_len=args.max_model_len, max_loras=args.num_adapters, max_lora_rank=args.rank,
-                          max_num_seqs=args.num_prompts, kv_cache_space_gib=2, enforce_eager=not args.compile)
+    return EngineSettings(
+        max_model_len=args.max_model_len,
+        max_loras=args.num_adapters,
+        max_lora_rank=args.rank,
+        max_num_seqs=args.num_prompts,
+        kv_cache_space_gib=2,
+        enforce_eager=not args.compile,
+    )
 
 
 def vllm_command(args, base: Path, adapters: list[Path], port: int) -> list[str]:
@@ -52,21 +58,42 @@ def vllm_command(args, base: Path, adapters: list[Path], port: int) -> list[str]
 
 
 def dlora_config(args, base: Path, adapters: list[Path], port: int, state: Path) -> dict:
-    return single_replica_config(base, adapters, port, state, engine_settings(args), lora_backend=args.lora_backend,
-                                 scheduling={"policy": args.policy})
+    return single_replica_config(
+        base,
+        adapters,
+        port,
+        state,
+        engine_settings(args),
+        lora_backend=args.lora_backend,
+        scheduling={"policy": args.policy},
+    )
 
 
 def mixed_adapter_workload(args):
     """The fixed-length, round-robin-over-adapters, all-at-once workload both LoRA comparisons send."""
-    spec = WorkloadSpec(num_prompts=args.num_prompts, adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
-                        distribution="distinct", input_len=args.input_len, output_len=args.output_len,
-                        request_rate=float("inf"), max_model_len=args.max_model_len, seed=0)
+    spec = WorkloadSpec(
+        num_prompts=args.num_prompts,
+        adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
+        distribution="distinct",
+        input_len=args.input_len,
+        output_len=args.output_len,
+        request_rate=float("inf"),
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
     return generate_workload(spec)
 
 
 def run_once(url: str, requests) -> dict:
-    r = run_benchmark(url, requests, ignore_eos=True, disable_tqdm=True, print_result=False,
-                      percentile_metrics=("ttft", "tpot", "itl"), percentiles=(50.0, 90.0, 99.0))
+    r = run_benchmark(
+        url,
+        requests,
+        ignore_eos=True,
+        disable_tqdm=True,
+        print_result=False,
+        percentile_metrics=("ttft", "tpot", "itl"),
+        percentiles=(50.0, 90.0, 99.0),
+    )
     return {k: r[k] for k in METRICS} | {"completed": r["completed"], "duration": r["duration"]}
 
 
@@ -78,16 +105,21 @@ def plot(results: dict, path: Path, title: str = "dlora vs vLLM server") -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, key, label in zip(axes, ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
-                              ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms")):
+    for ax, key, label in zip(
+        axes,
+        ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
+        ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms"),
+    ):
         names = list(results["median"])
         ax.bar(names, [results["median"][n][key] for n in names], color=["#4477aa", "#cc6677"])
         for n_i, n in enumerate(names):
             ax.scatter([n_i] * len(results["runs"][n]), [r[key] for r in results["runs"][n]], color="k", s=8)
         ax.set_title(label, fontsize=9)
-    fig.suptitle(f"{title}: {results['workload']['num_prompts']} streamed requests over "
-                 f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)",
-                 fontsize=9)
+    fig.suptitle(
+        f"{title}: {results['workload']['num_prompts']} streamed requests over "
+        f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -102,8 +134,12 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="let both engines use torch.compile (no --enforce-eager)")
-    ap.add_argument("--lora-backend", default="vllm", choices=("vllm", "einsum"),
-                    help="dlora's engine.lora_backend (vllm: the same LoRA ops as vLLM's server, for parity)")
+    ap.add_argument(
+        "--lora-backend",
+        default="vllm",
+        choices=("vllm", "einsum"),
+        help="dlora's engine.lora_backend (vllm: the same LoRA ops as vLLM's server, for parity)",
+    )
     ap.add_argument("--policy", default="unmerged", help="dlora's scheduling.policy (unmerged: vLLM's behaviour)")
     ap.add_argument("--out", default=str(HERE / "result.json"))
     args = ap.parse_args()
@@ -119,8 +155,7 @@ def main() -> int:
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     procs = {
         "vllm": start(vllm_command(args, base, adapters, ports["vllm"]), work / "vllm.log", vllm_env),
-        "dlora": start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg_path)],
-                       work / "dlora.log", {}),
+        "dlora": start([sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg_path)], work / "dlora.log", {}),
     }
     try:
         for name, proc in procs.items():
@@ -137,9 +172,17 @@ def main() -> int:
         **provenance("bench.vs_vllm_server.run"),
         "vllm_command": shlex.join(vllm_command(args, base, adapters, ports["vllm"])),
         "dlora_config": dlora_config(args, base, adapters, ports["dlora"], work / "state"),
-        "workload": {"num_prompts": args.num_prompts, "num_adapters": args.num_adapters, "rank": args.rank,
-                     "input_len": args.input_len, "output_len": args.output_len, "request_rate": "inf",
-                     "popularity": "distinct (round-robin)", "ignore_eos": True, "stream": True},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "num_adapters": args.num_adapters,
+            "rank": args.rank,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": "inf",
+            "popularity": "distinct (round-robin)",
+            "ignore_eos": True,
+            "stream": True,
+        },
         "reps": args.reps,
         "runs": runs,
         "median": median,

@@ -90,13 +90,18 @@ class AdapterManager:
         if problem is not None:
             if name not in self._reported:  # once, not per request
                 self._reported.add(name)
-                log.error("adapter %s cannot be served: its snapshot %s: %s; unload and register it again",
-                          name, snap.path, problem)
+                log.error(
+                    "adapter %s cannot be served: its snapshot %s: %s; unload and register it again",
+                    name,
+                    snap.path,
+                    problem,
+                )
             raise AdapterUnavailableError(name)
         return rec
 
-    async def register(self, name: str, path: str, pinned: bool = False, source: str = "api",
-                       check_roots: bool = True) -> AdapterRecord:
+    async def register(
+        self, name: str, path: str, pinned: bool = False, source: str = "api", check_roots: bool = True
+    ) -> AdapterRecord:
         """Validate, load on every healthy replica, then record; raise on any problem."""
         if not name or name == self.base_model_name:
             raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
@@ -120,8 +125,9 @@ class AdapterManager:
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
         return rec
 
-    def _validated_copy(self, name: str, path: str, roots: tuple[str, ...] | None
-                        ) -> tuple[AdapterInfo, Snapshot | None]:
+    def _validated_copy(
+        self, name: str, path: str, roots: tuple[str, ...] | None
+    ) -> tuple[AdapterInfo, Snapshot | None]:
         """Validate the adapter at `path` and return what engines are to read: its snapshot (taken
         first and validated itself, so a file changed mid-way cannot slip through), an existing
         snapshot after verifying its hashes, or, with no writable state dir, the source itself."""
@@ -159,8 +165,9 @@ class AdapterManager:
             log.warning("adapter snapshots disabled (%s): engines read adapters from their sources", e)
             return False
         if not os.access(root, os.W_OK | os.X_OK):
-            log.warning("adapter snapshots disabled (%s is not writable): engines read adapters from "
-                        "their sources", root)
+            log.warning(
+                "adapter snapshots disabled (%s is not writable): engines read adapters from their sources", root
+            )
             return False
         return True
 
@@ -172,7 +179,8 @@ class AdapterManager:
             raise AdapterValidationError(
                 f"cannot pin {name!r}: {len(held)} adapter(s) {held} are pinned already, and engine.max_cpu_loras "
                 f"leaves room for {self.max_pinned} pinned besides the engine.max_loras a batch needs; register it "
-                "unpinned (it is then loaded on demand) or raise engine.max_cpu_loras")
+                "unpinned (it is then loaded on demand) or raise engine.max_cpu_loras"
+            )
 
     async def unregister(self, name: str) -> AdapterRecord:
         async with self._lock:
@@ -221,6 +229,12 @@ class AdapterManager:
 
 
 __all__ = [
-    "AdapterBusyError", "AdapterExistsError", "AdapterForbiddenError", "AdapterManager",
-    "AdapterNotFoundError", "AdapterUnavailableError", "AdapterValidationError", "ref_of",
+    "AdapterBusyError",
+    "AdapterExistsError",
+    "AdapterForbiddenError",
+    "AdapterManager",
+    "AdapterNotFoundError",
+    "AdapterUnavailableError",
+    "AdapterValidationError",
+    "ref_of",
 ]

@@ -46,7 +46,7 @@ class AdapterRecord:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "AdapterRecord":
+    def from_json(cls, d: dict) -> AdapterRecord:
         return cls(**{**d, "target_modules": tuple(d["target_modules"])})
 
 
@@ -79,8 +79,15 @@ class AdapterRegistry:
         if name in self._records:
             raise AdapterExistsError(name)
         rec = AdapterRecord(
-            name=name, int_id=self._next_id, path=info.path, rank=info.rank, alpha=info.alpha,
-            target_modules=info.target_modules, size_bytes=info.size_bytes, pinned=pinned, source=source,
+            name=name,
+            int_id=self._next_id,
+            path=info.path,
+            rank=info.rank,
+            alpha=info.alpha,
+            target_modules=info.target_modules,
+            size_bytes=info.size_bytes,
+            pinned=pinned,
+            source=source,
         )
         self._next_id += 1  # not undone on failure: ids are never reused, a gap is harmless
         self._records[name] = rec
@@ -112,8 +119,10 @@ class AdapterRegistry:
         problem = store.writable_problem(self._file.parent)
         if problem is not None:
             self.unpersisted_reason = f"server.state_dir {self._file.parent} is not writable ({problem})"
-            log.warning("%s: adapters registered through the admin API will be served but not persisted",
-                        self.unpersisted_reason)
+            log.warning(
+                "%s: adapters registered through the admin API will be served but not persisted",
+                self.unpersisted_reason,
+            )
         return records
 
     def _read_records(self) -> list[AdapterRecord]:
@@ -151,8 +160,16 @@ class AdapterRegistry:
         store.write(self._file, data)
 
 
-_FIELD_KINDS = {"name": str, "int_id": int, "path": str, "rank": int, "alpha": (int, float),
-                "size_bytes": int, "pinned": bool, "source": str}
+_FIELD_KINDS = {
+    "name": str,
+    "int_id": int,
+    "path": str,
+    "rank": int,
+    "alpha": (int, float),
+    "size_bytes": int,
+    "pinned": bool,
+    "source": str,
+}
 
 
 def parse_records(entries: list) -> tuple[list[AdapterRecord], list[str]]:

@@ -49,11 +49,21 @@ def set_aside(path: Path, reason: str) -> None:
     try:
         os.replace(path, aside)
     except OSError as e:
-        log.warning("the adapter registry %s is corrupt (%s) and cannot be moved aside (%s); "
-                    "starting with the config's adapters", path, reason, e)
+        log.warning(
+            "the adapter registry %s is corrupt (%s) and cannot be moved aside (%s); "
+            "starting with the config's adapters",
+            path,
+            reason,
+            e,
+        )
         return
-    log.warning("the adapter registry %s is corrupt (%s): moved it to %s; starting with the config's adapters "
-                "and the valid entries it held", path, reason, aside)
+    log.warning(
+        "the adapter registry %s is corrupt (%s): moved it to %s; starting with the config's adapters "
+        "and the valid entries it held",
+        path,
+        reason,
+        aside,
+    )
 
 
 def writable_problem(directory: Path) -> str | None:

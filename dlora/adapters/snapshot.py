@@ -43,7 +43,7 @@ class FileStamp:
     inode: int
 
     @classmethod
-    def of(cls, path: Path) -> "FileStamp":
+    def of(cls, path: Path) -> FileStamp:
         st = os.stat(path)
         return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
@@ -55,7 +55,7 @@ class Snapshot:
     stamps: tuple[tuple[str, FileStamp], ...]
 
     @classmethod
-    def of(cls, path: Path, sha256: str) -> "Snapshot":
+    def of(cls, path: Path, sha256: str) -> Snapshot:
         return cls(path, sha256, tuple((f, FileStamp.of(path / f)) for f in SNAPSHOT_FILES))
 
     def problem(self) -> str | None:

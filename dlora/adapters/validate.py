@@ -44,7 +44,7 @@ class BaseModelShapes:
     shapes: dict[str, tuple[int, int]]
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "BaseModelShapes":
+    def from_model_dir(cls, model_dir: str | Path) -> BaseModelShapes:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -108,8 +108,7 @@ def _check_alpha(alpha) -> float:
         raise AdapterValidationError(f"lora_alpha={alpha!r} must be a number")
     value = float(alpha)
     if not math.isfinite(value) or not 0 < value <= MAX_LORA_ALPHA:
-        raise AdapterValidationError(
-            f"lora_alpha={alpha!r} must be finite, > 0 and <= {MAX_LORA_ALPHA:g}")
+        raise AdapterValidationError(f"lora_alpha={alpha!r} must be finite, > 0 and <= {MAX_LORA_ALPHA:g}")
     return value
 
 
@@ -172,16 +171,19 @@ def check_files(path: str | Path, roots: tuple[str, ...] | None = None) -> None:
             p = Path(top) / entry
             if roots and not is_under_roots(p, roots):
                 raise AdapterValidationError(
-                    f"{p.relative_to(d)} resolves to {os.path.realpath(p)!r}, outside the adapter roots {list(roots)}")
+                    f"{p.relative_to(d)} resolves to {os.path.realpath(p)!r}, outside the adapter roots {list(roots)}"
+                )
             if entry.lower().endswith(PICKLE_SUFFIXES):
                 raise AdapterValidationError(
                     f"{p.relative_to(d)} is a pickle file, which can run code when loaded; convert the adapter "
                     f"to safetensors ({WEIGHTS_FILE}, e.g. save_pretrained(..., safe_serialization=True)) "
-                    "and remove the pickle file")
+                    "and remove the pickle file"
+                )
 
 
-def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int,
-                    roots: tuple[str, ...] | None = None) -> AdapterInfo:
+def inspect_adapter(
+    path: str | Path, base: BaseModelShapes, max_rank: int, roots: tuple[str, ...] | None = None
+) -> AdapterInfo:
     """Read and check an adapter directory; raise AdapterValidationError naming the first problem.
     With `roots`, every file must also resolve under one of them (`check_files`)."""
     d = Path(path)
@@ -192,7 +194,10 @@ def inspect_adapter(path: str | Path, base: BaseModelShapes, max_rank: int,
         raise AdapterValidationError(f"{WEIGHTS_FILE} not found in {d}")
     targets = _check_tensors(weights, rank, base)
     return AdapterInfo(
-        path=str(d.resolve()), rank=rank, alpha=alpha, target_modules=targets,
+        path=str(d.resolve()),
+        rank=rank,
+        alpha=alpha,
+        target_modules=targets,
         size_bytes=weights.stat().st_size,
     )
 

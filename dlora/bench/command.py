@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlora.bench import cli, workload as wl
+from dlora.bench import cli
+from dlora.bench import workload as wl
 from dlora.bench.arrivals import burstiness_to_cv, cv_to_burstiness
 from dlora.bench.client import BenchError, adapters_of, fetch_models
 from dlora.bench.report import METRICS
@@ -40,15 +41,24 @@ def main(args: argparse.Namespace) -> int:
     try:
         if plan.sweep:
             result = run_sweep(
-                plan.base_url, [(r, reqs) for r, (reqs, _) in zip(plan.rates, workloads)], plan.opts,
+                plan.base_url,
+                [(r, reqs) for r, (reqs, _) in zip(plan.rates, workloads)],
+                plan.opts,
                 workload_specs=[spec.to_dict() if spec else None for _, spec in workloads],
-                burstiness=cv_to_burstiness(plan.cv), label=args.label, tokenizer_id=args.tokenizer,
+                burstiness=cv_to_burstiness(plan.cv),
+                label=args.label,
+                tokenizer_id=args.tokenizer,
             )
         else:
             requests, spec = workloads[0]
             result = run_benchmark(
-                plan.base_url, requests, plan.opts, request_rate=_recorded_rate(plan.rates[0], spec),
-                burstiness=cv_to_burstiness(plan.cv), label=args.label, tokenizer_id=args.tokenizer,
+                plan.base_url,
+                requests,
+                plan.opts,
+                request_rate=_recorded_rate(plan.rates[0], spec),
+                burstiness=cv_to_burstiness(plan.cv),
+                label=args.label,
+                tokenizer_id=args.tokenizer,
                 workload=spec.to_dict() if spec else None,
             )
     except BenchError as e:
@@ -132,7 +142,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def _distribution(args: argparse.Namespace) -> str:
     if args.lora_distribution and args.lora_assignment:
-        raise cli.bad("--lora-assignment", args.lora_assignment, "give --lora-assignment or --lora-distribution, not both")
+        raise cli.bad(
+            "--lora-assignment", args.lora_assignment, "give --lora-assignment or --lora-distribution, not both"
+        )
     if args.lora_assignment:
         return {"random": "uniform", "round-robin": "distinct"}[args.lora_assignment]
     if args.lora_distribution:
@@ -158,7 +170,9 @@ def resolve_adapters(args: argparse.Namespace, plan: Plan) -> tuple[str, ...]:
     if isinstance(base.get("max_model_len"), int):
         plan.server_max_model_len = base["max_model_len"]
     if n is not None and n > len(served):
-        raise cli.bad("--num-adapters", args.num_adapters, f"the server at {plan.base_url} lists only {len(served)} adapter(s)")
+        raise cli.bad(
+            "--num-adapters", args.num_adapters, f"the server at {plan.base_url} lists only {len(served)} adapter(s)"
+        )
     return tuple(served[:n] if n is not None else served)
 
 

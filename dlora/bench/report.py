@@ -96,9 +96,7 @@ def compute_metrics(
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration_s,
-        "request_goodput": (
-            sum(meets_goodput(r, goodput_ms) for r in ok) / duration_s if goodput_ms else None
-        ),
+        "request_goodput": (sum(meets_goodput(r, goodput_ms) for r in ok) / duration_s if goodput_ms else None),
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
         "max_output_tokens_per_s": peak_tokens,

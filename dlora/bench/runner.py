@@ -75,20 +75,29 @@ async def _preflight(base_url: str, requests: Sequence[Request], opts: RunOption
     return model
 
 
-async def _warmup(client: httpx.AsyncClient, url: str, requests: Sequence[Request], model: str, opts: RunOptions) -> None:
+async def _warmup(
+    client: httpx.AsyncClient, url: str, requests: Sequence[Request], model: str, opts: RunOptions
+) -> None:
     """Send `num_warmups` short requests, one per distinct adapter first; fail loudly if they fail."""
     first_of: dict[str | None, Request] = {}
     for r in requests:
         first_of.setdefault(r.adapter, r)
     firsts = list(first_of.values())
     picks = [firsts[i % len(firsts)] for i in range(opts.num_warmups)]
-    outs = await asyncio.gather(*(
-        oai.send_request(
-            client, url, dataclasses.replace(r, output_len=min(r.output_len, WARMUP_MAX_TOKENS)), r.adapter or model,
-            chat=oai.is_chat(opts.endpoint), ignore_eos=opts.ignore_eos, extra_body=opts.extra_body,
+    outs = await asyncio.gather(
+        *(
+            oai.send_request(
+                client,
+                url,
+                dataclasses.replace(r, output_len=min(r.output_len, WARMUP_MAX_TOKENS)),
+                r.adapter or model,
+                chat=oai.is_chat(opts.endpoint),
+                ignore_eos=opts.ignore_eos,
+                extra_body=opts.extra_body,
+            )
+            for r in picks
         )
-        for r in picks
-    ))
+    )
     for r, o in zip(picks, outs):
         if not o.success:
             raise BenchError(f"warm-up request to {r.adapter or model!r} failed: {o.error}")
@@ -110,8 +119,14 @@ async def _drive(run: _Run, base_url: str, requests: Sequence[Request], opts: Ru
                 await sem.acquire()
             try:
                 res = await oai.send_request(
-                    client, url, req, req.adapter or run.model, chat=chat, ignore_eos=opts.ignore_eos,
-                    extra_body=opts.extra_body, t0=run.t0,
+                    client,
+                    url,
+                    req,
+                    req.adapter or run.model,
+                    chat=chat,
+                    ignore_eos=opts.ignore_eos,
+                    extra_body=opts.extra_body,
+                    t0=run.t0,
                 )
             finally:
                 if sem is not None:
@@ -166,10 +181,19 @@ def build_result(
         "max_concurrency": opts.max_concurrency,
         "duration": duration_s,
     }
-    r |= {k: m[k] for k in (
-        "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-        "request_goodput", "output_throughput", "total_token_throughput",
-    )}
+    r |= {
+        k: m[k]
+        for k in (
+            "completed",
+            "failed",
+            "total_input_tokens",
+            "total_output_tokens",
+            "request_throughput",
+            "request_goodput",
+            "output_throughput",
+            "total_token_throughput",
+        )
+    }
     r |= {
         "input_lens": [x.prompt_len for x in run_results],
         "output_lens": [x.output_tokens for x in run_results],
@@ -183,7 +207,9 @@ def build_result(
         "adapters": [x.adapter for x in run_results],
     }
     r |= {k: v for k, v in m.items() if k not in r}
-    r["per_adapter"] = per_adapter_metrics(run_results, duration_s, opts.percentiles, opts.goodput_ms, opts.slo_per_token_ms)
+    r["per_adapter"] = per_adapter_metrics(
+        run_results, duration_s, opts.percentiles, opts.goodput_ms, opts.slo_per_token_ms
+    )
     r["endpoint"] = opts.endpoint
     r["ignore_eos"] = opts.ignore_eos
     r["goodput"] = opts.goodput_ms
@@ -226,8 +252,17 @@ def run_benchmark(
         done = [run.results[r.request_id] for r in requests if r.request_id in run.results]
         end = run.end or time.perf_counter()
         res = build_result(
-            done, end - run.t0, opts, model=run.model, num_prompts=len(requests), request_rate=request_rate,
-            burstiness=burstiness, label=label, tokenizer_id=tokenizer_id, workload=workload, interrupted=interrupted,
+            done,
+            end - run.t0,
+            opts,
+            model=run.model,
+            num_prompts=len(requests),
+            request_rate=request_rate,
+            burstiness=burstiness,
+            label=label,
+            tokenizer_id=tokenizer_id,
+            workload=workload,
+            interrupted=interrupted,
         )
         if opts.print_result:
             print(format_result(res, opts.percentile_metrics, opts.percentiles))

@@ -33,22 +33,51 @@ def adapter_entries(adapters: list[Path]) -> list[dict]:
 
 def vllm_server_command(base: Path, adapters: list[Path], port: int, s: EngineSettings) -> list[str]:
     """vLLM's OpenAI server on the base model with adapter i served as `a{i}`."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base),
-           "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype,
-           "--max-model-len", str(s.max_model_len), "--enable-lora", "--max-loras", str(s.max_loras),
-           "--max-lora-rank", str(s.max_lora_rank), "--max-num-seqs", str(s.max_num_seqs),
-           "--disable-log-stats", "--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(base),
+        "--served-model-name",
+        "base",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        s.dtype,
+        "--max-model-len",
+        str(s.max_model_len),
+        "--enable-lora",
+        "--max-loras",
+        str(s.max_loras),
+        "--max-lora-rank",
+        str(s.max_lora_rank),
+        "--max-num-seqs",
+        str(s.max_num_seqs),
+        "--disable-log-stats",
+        "--lora-modules",
+        *[f"a{i}={p}" for i, p in enumerate(adapters)],
+    ]
     return cmd + (["--enforce-eager"] if s.enforce_eager else [])
 
 
-def single_replica_config(base: Path, adapters: list[Path], port: int, state: Path, s: EngineSettings, *,
-                          lora_backend: str, scheduling: dict) -> dict:
+def single_replica_config(
+    base: Path, adapters: list[Path], port: int, state: Path, s: EngineSettings, *, lora_backend: str, scheduling: dict
+) -> dict:
     """A dlora config with one replica on core 0 and the engine sizes of `s`."""
     return {
         "model": {"path": str(base), "served_name": "base", "dtype": s.dtype, "max_model_len": s.max_model_len},
-        "engine": {"max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank, "max_cpu_loras": s.max_loras,
-                   "kv_cache_space_gib": s.kv_cache_space_gib, "max_num_seqs": s.max_num_seqs,
-                   "enforce_eager": s.enforce_eager, "lora_backend": lora_backend},
+        "engine": {
+            "max_loras": s.max_loras,
+            "max_lora_rank": s.max_lora_rank,
+            "max_cpu_loras": s.max_loras,
+            "kv_cache_space_gib": s.kv_cache_space_gib,
+            "max_num_seqs": s.max_num_seqs,
+            "enforce_eager": s.enforce_eager,
+            "lora_backend": lora_backend,
+        },
         "server": {"port": port, "state_dir": str(state)},
         "cluster": {"num_replicas": 1, "cpu_cores": [0]},
         "scheduling": scheduling,

@@ -34,8 +34,12 @@ def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[
         torch.manual_seed(100 + i)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
         # lora_alpha may be fractional (scales below 1 / rank); peft annotates it int but uses it as a float
-        cfg = LoraConfig(r=rank, lora_alpha=scales[i] * rank,  # type: ignore[arg-type]
-                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=scales[i] * rank,  # type: ignore[arg-type]
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            init_lora_weights=False,
+        )
         get_peft_model(model, cfg).save_pretrained(str(p))
     return paths
 
@@ -69,8 +73,13 @@ def metric_by_label(text: str, name: str, label: str | None) -> dict[str, float]
 
 def start(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     print(f"$ {shlex.join(cmd)}", flush=True)
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(extra_env or {})})
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(extra_env or {})},
+    )
 
 
 def start_dlora(cfg: dict, workdir: Path, name: str) -> subprocess.Popen:
@@ -111,12 +120,15 @@ def alternate_runs(urls: dict[str, str], requests, reps: int, run_once, warmup: 
         run_once(urls[name], requests[:warmup])
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             m = run_once(urls[name], requests)
             m["loadavg_1m"] = os.getloadavg()[0]
             runs[name].append(m)
-            print(f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
-                  f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})", flush=True)
+            print(
+                f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
+                f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
+                flush=True,
+            )
     return runs
 
 

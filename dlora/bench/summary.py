@@ -20,9 +20,7 @@ def _line(label: str, value: Any, fmt: str = "") -> str:
     return "{:<40} {:<10{}}".format(label, value, fmt)
 
 
-def format_result(
-    result: dict[str, Any], percentile_metrics: Sequence[str], percentiles: Sequence[float]
-) -> str:
+def format_result(result: dict[str, Any], percentile_metrics: Sequence[str], percentiles: Sequence[float]) -> str:
     r = result
     lines = [_header(" Serving Benchmark Result ", "=")]
     if r.get("interrupted"):

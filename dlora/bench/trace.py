@@ -48,7 +48,9 @@ def load_azure_trace(path: str | Path, start_minute: int = 0, end_minute: int = 
             raise ValueError(f"trace file {str(path)!r} is empty")
         missing = [c for c in ID_COLUMNS if c not in header]
         if missing:
-            raise ValueError(f"trace file {str(path)!r}: missing column(s) {missing}; expected the Azure Functions 2019 layout")
+            raise ValueError(
+                f"trace file {str(path)!r}: missing column(s) {missing}; expected the Azure Functions 2019 layout"
+            )
         try:
             cols = [header.index(str(m)) for m in range(start_minute + 1, end_minute + 1)]
         except ValueError:
@@ -73,7 +75,9 @@ def adapter_interval_counts(
     """[num_intervals, num_adapters] invocations of the functions mapped to each adapter."""
     num_functions, minutes = trace.counts.shape
     if num_functions < num_adapters:
-        raise ValueError(f"trace has {num_functions} active function(s) in the window, fewer than {num_adapters} adapters")
+        raise ValueError(
+            f"trace has {num_functions} active function(s) in the window, fewer than {num_adapters} adapters"
+        )
     if interval_minutes < 1:
         raise ValueError(f"trace interval={interval_minutes}: must be >= 1 minute")
     mapping = stride_mapping(num_functions, num_adapters, stride)

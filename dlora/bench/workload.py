@@ -80,38 +80,60 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "num_prompts", self.num_prompts, "must be >= 1")
         _check(len(set(self.adapters)) == len(self.adapters), "adapters", self.adapters, "has duplicate names")
-        _check(self.distribution in DISTRIBUTIONS, "distribution", self.distribution,
-               f"must be one of {', '.join(DISTRIBUTIONS)}")
+        _check(
+            self.distribution in DISTRIBUTIONS,
+            "distribution",
+            self.distribution,
+            f"must be one of {', '.join(DISTRIBUTIONS)}",
+        )
         _check(self.alpha is None or self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(self.stride >= 1, "stride", self.stride, "must be >= 1")
-        _check(self.num_functions is None or self.num_functions >= 1, "num_functions", self.num_functions, "must be >= 1")
+        _check(
+            self.num_functions is None or self.num_functions >= 1, "num_functions", self.num_functions, "must be >= 1"
+        )
         _check(self.request_rate > 0, "request_rate", self.request_rate, "must be > 0 (or inf)")
         _check(0 < self.cv < math.inf, "cv", self.cv, "must be a positive number")
         _check(0 <= self.diurnal_amplitude < 1, "diurnal_amplitude", self.diurnal_amplitude, "must be in [0, 1)")
-        _check(self.diurnal_period is None or self.diurnal_period > 0, "diurnal_period", self.diurnal_period, "must be > 0")
+        _check(
+            self.diurnal_period is None or self.diurnal_period > 0, "diurnal_period", self.diurnal_period, "must be > 0"
+        )
         _check(self.dataset in DATASETS, "dataset", self.dataset, f"must be one of {', '.join(DATASETS)}")
         for p in self.length_profiles:
-            _check(p in lengths.PROFILES, "length_profiles", p,
-                   f"unknown profile; known: {', '.join(lengths.PROFILES)}")
-        _check(len(self.length_profiles) >= 1, "length_profiles", self.length_profiles, "must name at least one profile")
+            _check(
+                p in lengths.PROFILES, "length_profiles", p, f"unknown profile; known: {', '.join(lengths.PROFILES)}"
+            )
+        _check(
+            len(self.length_profiles) >= 1, "length_profiles", self.length_profiles, "must name at least one profile"
+        )
         _check(self.input_len is None or self.input_len >= 1, "input_len", self.input_len, "must be >= 1")
         _check(self.output_len is None or self.output_len >= 1, "output_len", self.output_len, "must be >= 1")
         _check(self.length_scale > 0, "length_scale", self.length_scale, "must be > 0")
         _check(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         for name in ("input_len", "output_len"):
             value = getattr(self, name)
-            _check(value is None or value * self.length_scale < self.max_model_len, name, value,
-                   f"leaves no room in max_model_len {self.max_model_len}")
+            _check(
+                value is None or value * self.length_scale < self.max_model_len,
+                name,
+                value,
+                f"leaves no room in max_model_len {self.max_model_len}",
+            )
         start, end = self.trace_window
-        _check(0 <= start < end <= trace.MINUTES_PER_DAY, "trace_window", f"{start}:{end}",
-               "need 0 <= start < end <= 1440")
+        _check(
+            0 <= start < end <= trace.MINUTES_PER_DAY, "trace_window", f"{start}:{end}", "need 0 <= start < end <= 1440"
+        )
         _check(self.trace_interval >= 1, "trace_interval", self.trace_interval, "must be >= 1 minute")
         if self.distribution == "trace":
-            _check(self.trace_file is not None, "trace_file", self.trace_file, "distribution 'trace' needs a trace file")
+            _check(
+                self.trace_file is not None, "trace_file", self.trace_file, "distribution 'trace' needs a trace file"
+            )
             _check(bool(self.adapters), "adapters", self.adapters, "distribution 'trace' needs adapters")
         if self.distribution == "trace" or self.per_adapter_arrivals or self.diurnal_amplitude:
-            _check(math.isfinite(self.request_rate), "request_rate", self.request_rate,
-                   "trace replay, per-adapter arrivals and diurnal modulation need a finite rate")
+            _check(
+                math.isfinite(self.request_rate),
+                "request_rate",
+                self.request_rate,
+                "trace replay, per-adapter arrivals and diurnal modulation need a finite rate",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

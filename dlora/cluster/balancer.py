@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dlora.cluster.migration.ilp import MigrationPlan, plan_migration
 from dlora.cluster.migration.problem import MigrationConfig
@@ -53,15 +53,23 @@ class Balancer:
     on_preload: Callable[[PlacementPlan], None] = lambda p: None
 
     def __post_init__(self) -> None:
-        self.trigger_cfg = TriggerConfig(interval_s=self.cfg.migration_interval_s,
-                                         count_imbalance=self.cfg.count_imbalance,
-                                         queue_delay_s=self.cfg.queue_delay_s)
-        self.migration_cfg = MigrationConfig(top_k=self.cfg.migration_top_k, solver=self.cfg.migration_solver,
-                                             time_limit_s=self.cfg.migration_time_limit_s)
+        self.trigger_cfg = TriggerConfig(
+            interval_s=self.cfg.migration_interval_s,
+            count_imbalance=self.cfg.count_imbalance,
+            queue_delay_s=self.cfg.queue_delay_s,
+        )
+        self.migration_cfg = MigrationConfig(
+            top_k=self.cfg.migration_top_k,
+            solver=self.cfg.migration_solver,
+            time_limit_s=self.cfg.migration_time_limit_s,
+        )
         self.queued_cfg = QueuedConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high)
         gain = self.cfg.rebalance_min_gain_s
-        self.rebalance_cfg = None if gain is None else RebalanceConfig(
-            min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
+        self.rebalance_cfg = (
+            None
+            if gain is None
+            else RebalanceConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
+        )
 
     async def run(self) -> None:
         """The only reader of the replicas' stats (/metrics renders what it stored), so the first
@@ -100,8 +108,9 @@ class Balancer:
         if trigger is None:
             return None
         self.last_round_at = now
-        plan = await asyncio.to_thread(plan_migration, ClusterView(tuple(views)), self.router.cost_params(),
-                                       self.migration_cfg)
+        plan = await asyncio.to_thread(
+            plan_migration, ClusterView(tuple(views)), self.router.cost_params(), self.migration_cfg
+        )
         return await self._run_round(trigger, plan)
 
     async def move_queued(self) -> MigrationRound | None:
@@ -117,8 +126,13 @@ class Balancer:
             trigger = rebalance_trigger(queued, self.rebalance_cfg) if queued.moves else None
         if trigger is None:
             return None
-        plan = MigrationPlan(moves=queued.moves, loads=queued.loads, solver=solver, status="planned",
-                             solve_ms=1000 * (time.perf_counter() - t0))
+        plan = MigrationPlan(
+            moves=queued.moves,
+            loads=queued.loads,
+            solver=solver,
+            status="planned",
+            solve_ms=1000 * (time.perf_counter() - t0),
+        )
         return await self._run_round(trigger, plan)
 
     async def _run_round(self, trigger: Trigger, plan: MigrationPlan) -> MigrationRound:
@@ -126,8 +140,16 @@ class Balancer:
         done = MigrationRound(trigger, plan, moved)
         self.rounds.append(done)
         self.on_round(done)
-        log.info("migration round (%s: %s): %s in %.1f ms, moved %d of %d planned, loaded %d adapter(s)",
-                 trigger.reason, trigger.detail, plan.solver, plan.solve_ms, moved, len(plan.moves), len(plan.loads))
+        log.info(
+            "migration round (%s: %s): %s in %.1f ms, moved %d of %d planned, loaded %d adapter(s)",
+            trigger.reason,
+            trigger.detail,
+            plan.solver,
+            plan.solve_ms,
+            moved,
+            len(plan.moves),
+            len(plan.loads),
+        )
         return done
 
     async def execute(self, plan: MigrationPlan) -> int:
@@ -153,9 +175,16 @@ class Balancer:
         if not rates:
             return None
         slots = self.router.cfg.adapter_slots
-        replicas = [PlacementReplica(s.replica_id, memory_tokens=2 * slots, adapter_budget_tokens=slots,
-                                     resident=frozenset(s.loaded.values()))
-                    for s in self.router.slots if s.healthy]
+        replicas = [
+            PlacementReplica(
+                s.replica_id,
+                memory_tokens=2 * slots,
+                adapter_budget_tokens=slots,
+                resident=frozenset(s.loaded.values()),
+            )
+            for s in self.router.slots
+            if s.healthy
+        ]
         demands = [AdapterDemand(a, r, size_tokens=1) for a, r in rates.items()]
         plan = plan_placement(replicas, demands, tokens_per_request=1.0)
         for adapter, replica_id in plan.loads:
@@ -163,6 +192,10 @@ class Balancer:
         self.preloads.append(plan)
         self.on_preload(plan)
         if plan.loads:
-            log.info("preloaded %s (min burst tolerance %.2f -> %.2f)", plan.loads, plan.min_tolerance_before,
-                     plan.min_tolerance_after)
+            log.info(
+                "preloaded %s (min burst tolerance %.2f -> %.2f)",
+                plan.loads,
+                plan.min_tolerance_before,
+                plan.min_tolerance_after,
+            )
         return plan

@@ -57,8 +57,12 @@ def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
     own = load_time(params, view, req.adapter) + request_work(params, req, merged)
     if view.totals is not None:
         return own + _from_totals(params, view, view.totals, req.adapter)
-    return (own + pending_time(params, view) + merge_disruption(params, view, req.adapter)
-            + batch_slot_wait(params, view, req.adapter))
+    return (
+        own
+        + pending_time(params, view)
+        + merge_disruption(params, view, req.adapter)
+        + batch_slot_wait(params, view, req.adapter)
+    )
 
 
 def _group_work(p: CostParams, g: AdapterTotals) -> float:

@@ -10,7 +10,8 @@ aborts the request in its engine) and hands the reader the exception.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Generic, TypeVar
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 _END = object()

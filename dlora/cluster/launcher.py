@@ -52,8 +52,10 @@ def join_failure(address: str, e: BaseException) -> str:
         chain.append(str(cur))
         cur = cur.__cause__ or cur.__context__
     if any("InvalidAuthToken" in text or "AuthenticationError" in text for text in chain):
-        why = ("the cluster uses token authentication and this process has no matching token: run dlora with "
-               "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
+        why = (
+            "the cluster uses token authentication and this process has no matching token: run dlora with "
+            "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
     else:
         first = next(iter(str(e).strip().splitlines()), "")
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__

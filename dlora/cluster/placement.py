@@ -44,8 +44,6 @@ class PlacementPlan:
     min_tolerance_after: float
 
 
-
-
 def burst_tolerance(
     placement: Mapping[int, set[str] | frozenset[str]],
     replicas: Sequence[PlacementReplica],
@@ -122,8 +120,9 @@ def plan_placement(
     while state.rate:
         order = sorted((t, a) for a, t in state.tolerance().items())
         name = order[0][1]
-        candidates = [(state.min_after(name, j, order), state.free[j], -j) for j in sorted(state.replicas)
-                      if state.fits(name, j)]
+        candidates = [
+            (state.min_after(name, j, order), state.free[j], -j) for j in sorted(state.replicas) if state.fits(name, j)
+        ]
         if not candidates or max(candidates)[0] < current:
             break
         j = -max(candidates)[2]

@@ -18,9 +18,8 @@ replica, or to the end of that stream if no token came (an upper bound: it inclu
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable
 
 EXPIRY_S = 60.0  # a finished request waits this long for its replicas' measurements
 

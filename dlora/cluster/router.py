@@ -26,8 +26,9 @@ import dataclasses
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
@@ -125,10 +126,14 @@ class RequestState:
         n, cap = len(self.generated), self.request.sampling.max_tokens
         expected = lengths.expected_total(self.adapter, n, cap) if lengths is not None else cap
         return RequestLoad(
-            request_id=self.request.request_id, adapter=self.adapter,
-            prompt_tokens=len(self.request.prompt_token_ids), output_tokens=n,
-            expected_output_tokens=expected, running=self.admitted and not self.preempted,
-            queued_since=self.queued_since, arrival=self.arrival,
+            request_id=self.request.request_id,
+            adapter=self.adapter,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            output_tokens=n,
+            expected_output_tokens=expected,
+            running=self.admitted and not self.preempted,
+            queued_since=self.queued_since,
+            arrival=self.arrival,
         )
 
 
@@ -154,8 +159,13 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, replicas: list[Replica], pinned_adapters: Callable[[], list[AdapterRef]] = list,
-                 cfg: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        replicas: list[Replica],
+        pinned_adapters: Callable[[], list[AdapterRef]] = list,
+        cfg: RouterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.slots = [ReplicaSlot(r) for r in replicas]
         self.cfg = cfg or RouterConfig()
         self.dispatcher = make_dispatch_policy(self.cfg.dispatch)
@@ -168,7 +178,9 @@ class Router:
         self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
-        self.cost_models = {s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots}
+        self.cost_models = {
+            s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots
+        }
         # Lengths of finished requests per adapter: what dispatch and migration expect instead of max_tokens.
         self.output_lengths = OutputLengthEstimator(self.cfg.output_lengths)
         # Each request's queueing delay, from the replicas' measurements (set its observer for /metrics).
@@ -233,8 +245,14 @@ class Router:
                 slot.failed_restarts += 1
                 if slot.failed_restarts >= self.cfg.max_restart_attempts:
                     if not slot.gave_up:
-                        log.error("replica %d failed to rebuild %d times in a row (%s); giving up on it, "
-                                  "retrying every %.0f s", slot.replica_id, slot.failed_restarts, e, GAVE_UP_RETRY_S)
+                        log.error(
+                            "replica %d failed to rebuild %d times in a row (%s); giving up on it, "
+                            "retrying every %.0f s",
+                            slot.replica_id,
+                            slot.failed_restarts,
+                            e,
+                            GAVE_UP_RETRY_S,
+                        )
                     slot.gave_up, delay = True, GAVE_UP_RETRY_S
                 else:
                     log.warning("replica %d restart failed (%s); retrying in %.0f s", slot.replica_id, e, delay)
@@ -272,8 +290,9 @@ class Router:
                 try:
                     await self._call(s, s.replica.remove_adapter(int_id))
                 except ReplicaFailure as e:  # its engine goes, and the adapter with it
-                    log.warning("replica %d failed while unloading adapter %d (%s); rebuilding it", s.replica_id,
-                                int_id, e)
+                    log.warning(
+                        "replica %d failed while unloading adapter %d (%s); rebuilding it", s.replica_id, int_id, e
+                    )
                     self._mark_failed(s)
             s.loaded.pop(int_id, None)
 
@@ -303,18 +322,23 @@ class Router:
             state.counted, state.counted_on = state.load(self.output_lengths), state.slot.replica_id
             self.totals[state.counted_on].add(state.counted)
 
-    def _view(self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...], totals: LoadTotals | None = None
-              ) -> ReplicaView:
+    def _view(
+        self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...], totals: LoadTotals | None = None
+    ) -> ReplicaView:
         batching = slot.last_stats.batching if slot.last_stats else None
         return ReplicaView(
-            replica_id=slot.replica_id, requests=requests, totals=totals,
+            replica_id=slot.replica_id,
+            requests=requests,
+            totals=totals,
             resident_adapters=frozenset(slot.loaded.values()),
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
-            kv_capacity_tokens=(batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens
-                                else self.cfg.kv_capacity_tokens),
+            kv_capacity_tokens=(
+                batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens else self.cfg.kv_capacity_tokens
+            ),
             adapter_slots=self.cfg.adapter_slots,
-            batch_adapter_slots=self.cfg.batch_adapter_slots, max_running=self.cfg.max_batch,
+            batch_adapter_slots=self.cfg.batch_adapter_slots,
+            max_running=self.cfg.max_batch,
             healthy=slot.healthy,
         )
 
@@ -372,8 +396,10 @@ class Router:
             raise self._timeout(state) from None
 
     def _timeout(self, state: RequestState) -> RequestTimeout:
-        return RequestTimeout(f"request did not finish within its {self.cfg.request_timeout_s:g} s deadline "
-                              "(server.request_timeout_s); its work was stopped")
+        return RequestTimeout(
+            f"request did not finish within its {self.cfg.request_timeout_s:g} s deadline "
+            "(server.request_timeout_s); its work was stopped"
+        )
 
     def _expire(self, state: RequestState) -> None:
         state.deadline = asyncio.get_running_loop().time()  # any later wait fails at once
@@ -506,7 +532,11 @@ class Router:
         """The replica's preempted-and-waiting requests as of this read; a resumed one is running again."""
         preempted = set(engine_ids)
         for st in self.requests.values():
-            if st.slot is slot and st.engine_request_id is not None and st.preempted != (st.engine_request_id in preempted):
+            if (
+                st.slot is slot
+                and st.engine_request_id is not None
+                and st.preempted != (st.engine_request_id in preempted)
+            ):
                 st.preempted = not st.preempted
                 self._recount(st)
 
@@ -517,8 +547,14 @@ class Router:
         the abort, run to its end where it is, and keep a stale `migrate_to` that blocks any later move.
         """
         state = self.requests.get(request_id)
-        if (state is None or state.slot is None or state.engine_request_id is None or state.migrate_to is not None
-                or state.slot.replica_id == dst_replica_id or not self.slot(dst_replica_id).healthy):
+        if (
+            state is None
+            or state.slot is None
+            or state.engine_request_id is None
+            or state.migrate_to is not None
+            or state.slot.replica_id == dst_replica_id
+            or not self.slot(dst_replica_id).healthy
+        ):
             return False
         state.migrate_to = dst_replica_id
         slot = state.slot
@@ -564,8 +600,9 @@ class Router:
         is down now. No replica call: a scrape must answer whatever the replicas do."""
         out = []
         for s in self.slots:
-            st = self.reported.get(s.replica_id) or ReplicaStats(replica_id=s.replica_id, num_unfinished=0,
-                                                                 healthy=False)
+            st = self.reported.get(s.replica_id) or ReplicaStats(
+                replica_id=s.replica_id, num_unfinished=0, healthy=False
+            )
             out.append(st if s.healthy else dataclasses.replace(st, healthy=False))
         return out
 

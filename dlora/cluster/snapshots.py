@@ -90,7 +90,7 @@ class LoadTotals:
     by_adapter: dict[AdapterName, AdapterTotals] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, requests: Iterable[RequestLoad]) -> "LoadTotals":
+    def of(cls, requests: Iterable[RequestLoad]) -> LoadTotals:
         totals = cls()
         for r in requests:
             totals.add(r)
@@ -182,8 +182,11 @@ class ReplicaView:
     @property
     def kv_demand_tokens(self) -> float:
         """KV tokens in use plus the contexts of the queued requests (each needs its KV to start)."""
-        queued = (self.totals.queued_context_tokens if self.totals is not None
-                  else sum(r.context_tokens for r in self.requests if not r.running))
+        queued = (
+            self.totals.queued_context_tokens
+            if self.totals is not None
+            else sum(r.context_tokens for r in self.requests if not r.running)
+        )
         return self.kv_fraction * self.kv_capacity_tokens + queued
 
     def kv_room(self, kv_high: float) -> float:

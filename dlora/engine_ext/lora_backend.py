@@ -39,8 +39,10 @@ WRAPPERS = {
     "triton": "dlora.engine_ext.punica_wrapper.PunicaWrapperTriton",
 }
 
-_NO_GPU = ("engine.lora_backend='triton' needs CUDA GPUs, but {where}. On CPU use 'einsum' (dlora's "
-           "kernels) or 'vllm'; Triton's CPU interpreter is 10^3-10^4x slower and only for tests.")
+_NO_GPU = (
+    "engine.lora_backend='triton' needs CUDA GPUs, but {where}. On CPU use 'einsum' (dlora's "
+    "kernels) or 'vllm'; Triton's CPU interpreter is 10^3-10^4x slower and only for tests."
+)
 
 
 _MISSING = object()
@@ -60,12 +62,17 @@ def check_config(cfg: DloraConfig) -> None:
         import torch
 
         gpu = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.cluster.num_replicas
-    check(cfg.engine.lora_backend, gpu=gpu, enforce_eager=cfg.engine.enforce_eager,
-          where="this machine (a local Ray cluster) has fewer CUDA GPUs than cluster.num_replicas")
+    check(
+        cfg.engine.lora_backend,
+        gpu=gpu,
+        enforce_eager=cfg.engine.enforce_eager,
+        where="this machine (a local Ray cluster) has fewer CUDA GPUs than cluster.num_replicas",
+    )
 
 
-def check(name: str, *, gpu: bool, enforce_eager: bool,
-          where: str = "the Ray cluster has fewer GPUs than replicas") -> None:
+def check(
+    name: str, *, gpu: bool, enforce_eager: bool, where: str = "the Ray cluster has fewer GPUs than replicas"
+) -> None:
     """Start-time check in the server process, before any replica is created; `gpu` says whether
     every replica gets a GPU (`where` says why not, in the error)."""
     if name not in BACKENDS:
@@ -73,8 +80,10 @@ def check(name: str, *, gpu: bool, enforce_eager: bool,
     if name == "triton" and not gpu:
         raise LoRABackendError(_NO_GPU.format(where=where))
     if name != "vllm" and not enforce_eager:
-        raise LoRABackendError(f"engine.lora_backend={name!r} needs engine.enforce_eager: true "
-                               "(its per-step metadata cannot be captured by torch.compile/CUDA graphs)")
+        raise LoRABackendError(
+            f"engine.lora_backend={name!r} needs engine.enforce_eager: true "
+            "(its per-step metadata cannot be captured by torch.compile/CUDA graphs)"
+        )
 
 
 def install(name: str) -> bool:
@@ -108,7 +117,7 @@ def uninstall() -> bool:
     if original is _MISSING:
         delattr(cls, "get_punica_wrapper")
     else:
-        setattr(cls, "get_punica_wrapper", original)
+        cls.get_punica_wrapper = original
     _saved = None
     return True
 

@@ -217,8 +217,12 @@ class ParameterViews:
     (reload) rather than merged into the wrong rows.
     """
 
-    def __init__(self, model: torch.nn.Module, packed_modules: Mapping[str, Iterable[str]],
-                 usable: Callable[[torch.nn.Module], bool] = lambda layer: True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        packed_modules: Mapping[str, Iterable[str]],
+        usable: Callable[[torch.nn.Module], bool] = lambda layer: True,
+    ):
         self.model = model
         self._packed = {k: tuple(v) for k, v in packed_modules.items()}
         self._usable = usable
@@ -240,8 +244,14 @@ class ParameterViews:
             return None
         layer = getattr(layer, "base_layer", layer)
         w = getattr(layer, "weight", None)
-        if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.is_meta or not w.is_floating_point()
-                or getattr(layer, "tp_size", 1) != 1 or not self._usable(layer)):
+        if (
+            not isinstance(w, torch.Tensor)
+            or w.dim() != 2
+            or w.is_meta
+            or not w.is_floating_point()
+            or getattr(layer, "tp_size", 1) != 1
+            or not self._usable(layer)
+        ):
             return None
         w = w.detach()  # same storage, no autograd
         leaf = name.rsplit(".", 1)[0].rpartition(".")[2]
@@ -254,7 +264,7 @@ class ParameterViews:
             return None
         i = parts.index(leaf)
         start = sum(sizes[:i])
-        return w[start:start + sizes[i]]
+        return w[start : start + sizes[i]]
 
 
 class WeightMerger:
@@ -275,10 +285,17 @@ class WeightMerger:
     through `reload` as above.
     """
 
-    def __init__(self, checkpoint: CheckpointTensors, reload: Reload,
-                 packed_modules: Mapping[str, Iterable[str]], dtype: torch.dtype | None = None,
-                 kernels: KernelStates | None = None, cache_bytes: int = 0,
-                 live: LiveWeights | None = None, pristine: PristineRows | None = None):
+    def __init__(
+        self,
+        checkpoint: CheckpointTensors,
+        reload: Reload,
+        packed_modules: Mapping[str, Iterable[str]],
+        dtype: torch.dtype | None = None,
+        kernels: KernelStates | None = None,
+        cache_bytes: int = 0,
+        live: LiveWeights | None = None,
+        pristine: PristineRows | None = None,
+    ):
         self.checkpoint = checkpoint
         self.dtype = dtype  # the model's: merged weights are rounded to it once, here
         self._reload = reload
@@ -396,8 +413,7 @@ class WeightMerger:
                 for n, v in views.items():
                     a, b = lora.factors[n]
                     # fp32 factors: exact for any adapter dtype, and what Triton wants (one dtype).
-                    merge_lora_inplace(v, a.to(v.device, torch.float32), b.to(v.device, torch.float32),
-                                       lora.scale, 1)
+                    merge_lora_inplace(v, a.to(v.device, torch.float32), b.to(v.device, torch.float32), lora.scale, 1)
         except Exception as e:
             self._restore_inplace()  # an exception here propagates: the engine must not serve on
             raise MergeError(f"merging in place failed, base restored: {e}") from e
@@ -426,8 +442,7 @@ class WeightMerger:
         if not full and all(m in self._base_states for m in modules):
             self._kernels.apply({m: self._base_states[m] for m in modules})
         else:
-            self._reload(sorted(self.checkpoint.get(self._touched).items(),
-                                key=lambda kv: self._load_order(kv[0])))
+            self._reload(sorted(self.checkpoint.get(self._touched).items(), key=lambda kv: self._load_order(kv[0])))
             self.reloads += 1
         self._touched = []
 
@@ -473,13 +488,15 @@ class WeightMerger:
     @staticmethod
     def _check_factors(name: str, a: torch.Tensor, b: torch.Tensor, shape: torch.Size, path: str) -> None:
         if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(shape) or a.shape[0] != b.shape[1]:
-            raise MergeError(f"adapter {path!r}: {name} has A {list(a.shape)}, B {list(b.shape)}; "
-                             f"the base weight is {list(shape)}")
+            raise MergeError(
+                f"adapter {path!r}: {name} has A {list(a.shape)}, B {list(b.shape)}; the base weight is {list(shape)}"
+            )
 
     def _merged_items(self, lora: LoraFactors, path: str) -> list[tuple[str, torch.Tensor]]:
         self._check_targets(lora, path)
-        names = sorted({n for t in lora.factors for n in self._groups[fused_module(t, self._packed)]},
-                       key=self._load_order)
+        names = sorted(
+            {n for t in lora.factors for n in self._groups[fused_module(t, self._packed)]}, key=self._load_order
+        )
         base = self.checkpoint.get(names)
         items = []
         for name in names:

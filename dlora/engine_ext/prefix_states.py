@@ -94,16 +94,16 @@ class PrefixStates:
             return UNMERGED  # not recorded yet: cached during the current step (module docstring)
         return rec[1]
 
-    def find(self, block_hash: Hashable, state: State,
-             current_hash: Callable[[int], Hashable | None]) -> int | None:
+    def find(self, block_hash: Hashable, state: State, current_hash: Callable[[int], Hashable | None]) -> int | None:
         """A block recorded with `block_hash` in `state` that still holds that hash, if any."""
         for block_id, s in self._by_hash.get(block_hash, {}).items():
             if s == state and current_hash(block_id) == block_hash:
                 return block_id
         return None
 
-    def usable_prefix(self, hit: Sequence[tuple[int, Hashable]], state: State,
-                      current_hash: Callable[[int], Hashable | None]) -> list[int]:
+    def usable_prefix(
+        self, hit: Sequence[tuple[int, Hashable]], state: State, current_hash: Callable[[int], Hashable | None]
+    ) -> list[int]:
         """The longest prefix of a cache hit that `state` may reuse, as block ids.
 
         `hit`: (block id, block hash) of the leading cached blocks vLLM found for a request; a block

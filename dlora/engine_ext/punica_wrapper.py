@@ -163,8 +163,9 @@ class DloraLinearMixin:
 
     # ---- weights --------------------------------------------------------------------------------
 
-    def _dlora_packed(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
-                      merged_slot: int | None = None) -> PackedLoRA:
+    def _dlora_packed(
+        self, a_stacked: torch.Tensor, b_stacked: torch.Tensor, merged_slot: int | None = None
+    ) -> PackedLoRA:
         """vLLM's padded stacks of one slice as a PackedLoRA of each slot's live rank rows (cached,
         see `_pack`); with `merged_slot`, the compensated stacks for that merged slot (module NOTE;
         also cached until the stacks change)."""
@@ -179,8 +180,10 @@ class DloraLinearMixin:
                 cache[key] = hit
             elif not getattr(self, "_dlora_warned_uncached", False):
                 self._dlora_warned_uncached = True
-                log.warning("LoRA B stacks are inference tensors (no version counter): the %s backend "
-                            "re-packs B on every call", self.kernel_backend)
+                log.warning(
+                    "LoRA B stacks are inference tensors (no version counter): the %s backend re-packs B on every call",
+                    self.kernel_backend,
+                )
         _, packed, compensated = hit
         if merged_slot is None:
             return packed
@@ -191,9 +194,18 @@ class DloraLinearMixin:
 
     # ---- the LoRA linear ------------------------------------------------------------------------
 
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
-                        lora_b_stacked: tuple[torch.Tensor, ...], scale: float,
-                        output_slices: tuple[int, ...], *, buffer=None, **kwargs: Any) -> None:
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        output_slices: tuple[int, ...],
+        *,
+        buffer=None,
+        **kwargs: Any,
+    ) -> None:
         """y[:, slice i] += scale * B_n(t) @ (A_n(t) @ x[t]) for every token t with an adapter.
 
         Same contract as vLLM's: y [T, sum(output_slices)] updated in place, x [T, H_in]; with
@@ -217,22 +229,36 @@ class DloraLinearMixin:
             xs = xs.to(lora_a_stacked[0].dtype)
         if not getattr(self, "_dlora_logged", False):
             self._dlora_logged = True
-            log.info("dlora LoRA backend %s (%s) applies its first LoRA batch: %d tokens, %d slots",
-                     self.kernel_backend, type(self).__name__, t, lora_a_stacked[0].shape[0])
+            log.info(
+                "dlora LoRA backend %s (%s) applies its first LoRA batch: %d tokens, %d slots",
+                self.kernel_backend,
+                type(self).__name__,
+                t,
+                lora_a_stacked[0].shape[0],
+            )
         for lora, lo, hi in calls:
-            add_lora(ys if hi - lo == ys.size(1) else ys[:, lo:hi], xs, lora, step.meta, scale,
-                     backend=self.kernel_backend)
+            add_lora(
+                ys if hi - lo == ys.size(1) else ys[:, lo:hi], xs, lora, step.meta, scale, backend=self.kernel_backend
+            )
 
-    def _dlora_calls(self, a_stacked: tuple[torch.Tensor, ...], b_stacked: tuple[torch.Tensor, ...],
-                     output_slices: tuple[int, ...], compensate: int | None
-                     ) -> tuple[tuple[PackedLoRA, int, int], ...]:
+    def _dlora_calls(
+        self,
+        a_stacked: tuple[torch.Tensor, ...],
+        b_stacked: tuple[torch.Tensor, ...],
+        output_slices: tuple[int, ...],
+        compensate: int | None,
+    ) -> tuple[tuple[PackedLoRA, int, int], ...]:
         """The layer's kernel calls (adapters, output columns lo:hi): one per slice with live rows,
         or one for all slices (`fuse_slices`, see `_fuse_slices`); each with prepacked oneDNN GEMMs
         on CPU (`_with_gemm`). Cached per layer and weight state until the stacks change; only the
         current merged slot's compensated calls are kept."""
         cache: dict = self.__dict__.setdefault("_dlora_calls_cache", {})
-        key = (tuple(a.data_ptr() for a in a_stacked), tuple(b.data_ptr() for b in b_stacked), compensate,
-               self._dlora_live_slots)
+        key = (
+            tuple(a.data_ptr() for a in a_stacked),
+            tuple(b.data_ptr() for b in b_stacked),
+            compensate,
+            self._dlora_live_slots,
+        )
         versions = tuple(_version(a, b) for a, b in zip(a_stacked, b_stacked))
         hit = cache.get(key)
         if hit is not None and hit[0] == versions and None not in versions:
@@ -298,11 +324,13 @@ def _pack(a_stacked: torch.Tensor, b_stacked: torch.Tensor, live: tuple[bool, ..
     zero row costs the kernels as much as a live one; so a rank-8 adapter under max_lora_rank 16
     costs 8 rows, not 16, and a layer no resident adapter targets costs nothing (`ranks_total` 0).
     Slots `live` marks False (no adapter) get rank 0: they are never read."""
-    a3, b3 = a_stacked[:, 0], b_stacked[:, 0]                           # [N, R, H_in], [N, H_out, R]
-    nonzero = (a3 != 0).any(dim=2) & (b3 != 0).any(dim=1)               # [N, R]
+    a3, b3 = a_stacked[:, 0], b_stacked[:, 0]  # [N, R, H_in], [N, H_out, R]
+    nonzero = (a3 != 0).any(dim=2) & (b3 != 0).any(dim=1)  # [N, R]
     k = torch.arange(1, nonzero.shape[1] + 1, device=nonzero.device)
-    ranks = tuple(int(r) if live is None or (n < len(live) and live[n]) else 0
-                  for n, r in enumerate((nonzero * k).max(dim=1).values.tolist()))
+    ranks = tuple(
+        int(r) if live is None or (n < len(live) and live[n]) else 0
+        for n, r in enumerate((nonzero * k).max(dim=1).values.tolist())
+    )
     a = torch.cat([a3[n, :r] for n, r in enumerate(ranks)])
     b = torch.cat([b3[n, :, :r].t() for n, r in enumerate(ranks)]).contiguous()
     offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=a.device)
@@ -326,8 +354,8 @@ def _fuse_slices(packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
     for n in range(num_adapters):
         for i, p in enumerate(packs):
             lo, hi = offsets[i][n], offsets[i][n + 1]
-            a[row:row + hi - lo] = p.a[lo:hi]
-            b[row:row + hi - lo, col[i]:col[i + 1]] = p.b[lo:hi]
+            a[row : row + hi - lo] = p.a[lo:hi]
+            b[row : row + hi - lo, col[i] : col[i + 1]] = p.b[lo:hi]
             row += hi - lo
     rank_offsets = torch.tensor([0, *itertools.accumulate(ranks)], dtype=torch.int32, device=first.device)
     return PackedLoRA(a, b, rank_offsets, ranks)
@@ -336,7 +364,7 @@ def _fuse_slices(packs: tuple[PackedLoRA, ...]) -> PackedLoRA:
 def _compensated(packed: PackedLoRA, merged: int) -> PackedLoRA:
     """Slot j != merged -> [A_j; A_X] / [B_j; -B_X] (rank r_j + r_X); slot merged -> A_X / -B_X."""
     offsets = packed.rank_offsets.tolist()
-    a_x, b_x = (t[offsets[merged]:offsets[merged + 1]] for t in (packed.a, packed.b))
+    a_x, b_x = (t[offsets[merged] : offsets[merged + 1]] for t in (packed.a, packed.b))
     a_parts, b_parts, ranks = [], [], []
     for j, r in enumerate(packed.ranks):
         own = slice(offsets[j], offsets[j + 1])

@@ -150,8 +150,12 @@ class SwitchHistogram:
         for n in self.buckets:
             running += n
             cumulative.append(running)
-        return {"count": self.count, "total_seconds": self.total, "bucket_counts": cumulative,
-                "recent": list(self.recent)}
+        return {
+            "count": self.count,
+            "total_seconds": self.total,
+            "bucket_counts": cumulative,
+            "recent": list(self.recent),
+        }
 
 
 @dataclass
@@ -197,8 +201,11 @@ class DloraScheduler(Scheduler):
         self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
         self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
         # A request waiting for a LoRA batch slot gets one after config.lora_slot_starve_s (lora_slots.py).
-        self._dlora_slot_aging = (LoraSlotAging(self._dlora_max_loras, config.lora_slot_starve_s)
-                                  if self._dlora_max_loras and config.lora_slot_starve_s is not None else None)
+        self._dlora_slot_aging = (
+            LoraSlotAging(self._dlora_max_loras, config.lora_slot_starve_s)
+            if self._dlora_max_loras and config.lora_slot_starve_s is not None
+            else None
+        )
         self._dlora_switching = False  # the worker hooks are installed (dlora_setup)
         self._dlora_weights: Weights = None  # adapter merged on the worker (weight_state.py)
         self._dlora_restore: Restore | None = None  # set while the weights are UNKNOWN
@@ -294,8 +301,7 @@ class DloraScheduler(Scheduler):
             setattr(out, CMDS_ATTR, plan.cmds)
         step = _Step(started, plan.cmds, restricted, plan.target, self._dlora_weights)
         if self._dlora_trace is not None:
-            step.trace = {"unfinished": adapter_counts(_adapter(r) for r in requests),
-                          "allowed": len(plan.visible)}
+            step.trace = {"unfinished": adapter_counts(_adapter(r) for r in requests), "allowed": len(plan.visible)}
         self._dlora_weights = plan.target  # corrected by the worker's reports (_dlora_observe)
         self._dlora_step = step
         self._dlora_queue_waits.end((r.req_id for r in out.scheduled_new_reqs), started)
@@ -315,7 +321,8 @@ class DloraScheduler(Scheduler):
         step, self._dlora_step = self._dlora_step, None
         if step is not None and step.trace is not None:  # before vLLM drops the finished requests
             step.trace["scheduled"] = adapter_counts(
-                _adapter(self.requests[rid]) for rid in scheduler_output.num_scheduled_tokens if rid in self.requests)
+                _adapter(self.requests[rid]) for rid in scheduler_output.num_scheduled_tokens if rid in self.requests
+            )
         if step is not None and self._dlora_prefix is not None:
             # Before vLLM frees the blocks of the requests that finish in this step.
             self._dlora_record_blocks(scheduler_output, step, self._dlora_ran(step, model_runner_output))
@@ -386,8 +393,7 @@ class DloraScheduler(Scheduler):
         occupied = len(self.running) + self.num_waiting_for_streaming_input
         return occupied < self.max_num_active_reqs
 
-    def _dlora_fit_lora_slots(self, allowed: list[str], by_id: dict[str, Request],
-                              merged_id: int | None) -> list[str]:
+    def _dlora_fit_lora_slots(self, allowed: list[str], by_id: dict[str, Request], merged_id: int | None) -> list[str]:
         """Hide requests whose adapter would exceed max_loras distinct adapters this step.
 
         vLLM schedules every visible running request and asserts that they use at most max_loras
@@ -440,8 +446,9 @@ class DloraScheduler(Scheduler):
             # self.running is now the visible ones minus the preempted, plus the newly admitted.
             after = {id(r) for r in self.running}
             before = {id(r) for r in running}
-            self.running = ([r for r in running if id(r) in after or r.request_id not in visible]
-                            + [r for r in self.running if id(r) not in before])
+            self.running = [r for r in running if id(r) in after or r.request_id not in visible] + [
+                r for r in self.running if id(r) not in before
+            ]
             for r in hidden_waiting:
                 self.waiting.add_request(r)
             for r in hidden_holding:
@@ -467,13 +474,15 @@ class DloraScheduler(Scheduler):
         per_block = num_tokens // len(hit) if hit else 0
         if not hit or num_tokens != len(hit) * per_block:
             # Several KV cache groups (hybrid models) or a sub-block hit: all or nothing.
-            if state == UNMERGED and all(ledger.state_of(b.block_id, b.block_hash) == UNMERGED
-                                         for g in groups for b in g if not b.is_null):
+            if state == UNMERGED and all(
+                ledger.state_of(b.block_id, b.block_hash) == UNMERGED for g in groups for b in g if not b.is_null
+            ):
                 return found
             return kvm.empty_kv_cache_blocks, 0, 0
         pool = kvm.block_pool.blocks
-        keep = ledger.usable_prefix([(b.block_id, b.block_hash) for b in hit], state,
-                                    lambda block_id: pool[block_id].block_hash)
+        keep = ledger.usable_prefix(
+            [(b.block_id, b.block_hash) for b in hit], state, lambda block_id: pool[block_id].block_hash
+        )
         if len(keep) == len(hit) and all(i == b.block_id for i, b in zip(keep, hit)):
             return found
         if not keep:
@@ -496,8 +505,9 @@ class DloraScheduler(Scheduler):
         request) or were cache hits at admission, which matched this step's planned state.
         """
         ledger, lineage = self._dlora_prefix, self._dlora_lineage
-        managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
-                    if m.kv_cache_spec.prefix_cacheable]
+        managers = [
+            m for m in self.kv_cache_manager.coordinator.single_type_managers if m.kv_cache_spec.prefix_cacheable
+        ]
         state_ran = _prefix_state(ran)  # unknown weights: MIXED, never reused
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             r = self.requests.get(rid)
@@ -514,7 +524,7 @@ class DloraScheduler(Scheduler):
             lineage[rid] = (r.num_preemptions, state)
             for m in managers:
                 blocks = m.req_to_blocks.get(rid, ())
-                for b in blocks[start // m.block_size:min(end // m.block_size, len(blocks))]:
+                for b in blocks[start // m.block_size : min(end // m.block_size, len(blocks))]:
                     if b.block_hash is not None and not b.is_null:
                         ledger.record(b.block_id, b.block_hash, state)
 
@@ -533,8 +543,12 @@ class DloraScheduler(Scheduler):
         else:
             self._dlora_weights = weights_after(step.cmds, reports, step.weights)
             if self._dlora_weights is UNKNOWN:
-                log.error("the worker did not confirm dlora switch command(s) %s (reports: %s); its weights are "
-                          "unknown: nothing runs until the base weights are restored", step.cmds, reports)
+                log.error(
+                    "the worker did not confirm dlora switch command(s) %s (reports: %s); its weights are "
+                    "unknown: nothing runs until the base weights are restored",
+                    step.cmds,
+                    reports,
+                )
                 self._dlora_restore = Restore()
         if late and not step.restoring:  # while restoring, the restore's own late report settles it
             log.warning("ignoring %d dlora switch report(s) of earlier steps: %s", len(late), late)
@@ -548,16 +562,19 @@ class DloraScheduler(Scheduler):
                     self._dlora_blocked[report.adapter] = time.monotonic() + MERGE_RETRY_S
         merged = _known(self._dlora_weights)
         self._dlora_record_iteration(scheduler_output, ended - step.started - sum(r.seconds for r in reports), merged)
-        self.batching_policy.observe(IterationStats(
-            mode=Mode.MERGED if merged else Mode.UNMERGED,
-            merged_adapter=merged,
-            num_requests=len(scheduler_output.num_scheduled_tokens),
-            iteration_time=ended - step.started,
-            switch_time=sum(r.seconds for r in reports),
-            num_tokens=scheduler_output.total_num_scheduled_tokens,
-        ))
-        self._dlora_stalled = (step.restricted and not step.restoring
-                               and scheduler_output.total_num_scheduled_tokens == 0)
+        self.batching_policy.observe(
+            IterationStats(
+                mode=Mode.MERGED if merged else Mode.UNMERGED,
+                merged_adapter=merged,
+                num_requests=len(scheduler_output.num_scheduled_tokens),
+                iteration_time=ended - step.started,
+                switch_time=sum(r.seconds for r in reports),
+                num_tokens=scheduler_output.total_num_scheduled_tokens,
+            )
+        )
+        self._dlora_stalled = (
+            step.restricted and not step.restoring and scheduler_output.total_num_scheduled_tokens == 0
+        )
         if step.trace is not None:
             self._dlora_write_trace(step, scheduler_output, ended, reports, merged)
         if not (self.running or self.waiting or self.kv_holding_waiting):
@@ -568,11 +585,18 @@ class DloraScheduler(Scheduler):
     def _dlora_write_trace(self, step: _Step, scheduler_output, ended: float, reports, merged) -> None:
         snap = self.batching_policy.snapshot()
         self._dlora_trace.write(
-            t=time.time(), step_s=round(ended - step.started, 6),
-            switch_s=round(sum(r.seconds for r in reports), 6), before=_known(step.before), weights=merged,
-            unfinished=step.trace["unfinished"], allowed=step.trace["allowed"], scheduled=step.trace["scheduled"],
+            t=time.time(),
+            step_s=round(ended - step.started, 6),
+            switch_s=round(sum(r.seconds for r in reports), 6),
+            before=_known(step.before),
+            weights=merged,
+            unfinished=step.trace["unfinished"],
+            allowed=step.trace["allowed"],
+            scheduled=step.trace["scheduled"],
             tokens=scheduler_output.total_num_scheduled_tokens,
-            alpha=snap.alpha, beta=snap.beta, starving=sorted("" if a is None else a for a in snap.starving),
+            alpha=snap.alpha,
+            beta=snap.beta,
+            starving=sorted("" if a is None else a for a in snap.starving),
         )
 
     def _dlora_settle_restore(self, received: list[SwitchReport]) -> None:
@@ -592,6 +616,7 @@ class DloraScheduler(Scheduler):
 
 
 # ---- EngineCore utilities (added in the engine-core process when vLLM imports this module) ------
+
 
 def _dlora_setup(self) -> list:
     """Install the worker hooks, then let the scheduler merge. Returns each worker's install result."""

@@ -38,8 +38,9 @@ class WeightsUnknown(RuntimeError):
     """The worker never confirmed the base weights back: serving on must not go on."""
 
 
-def split_reports(cmds: Sequence[SwitchCommand],
-                  reports: Iterable[SwitchReport]) -> tuple[list[SwitchReport], list[SwitchReport]]:
+def split_reports(
+    cmds: Sequence[SwitchCommand], reports: Iterable[SwitchReport]
+) -> tuple[list[SwitchReport], list[SwitchReport]]:
     """(the reports of `cmds`, the others: late reports of earlier steps), by sequence number."""
     seqs = {c.seq for c in cmds}
     mine, other = [], []

@@ -122,8 +122,7 @@ def plain_linear(layer) -> bool:
     """
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-    return isinstance(layer, LinearBase) and isinstance(getattr(layer, "quant_method", None),
-                                                         UnquantizedLinearMethod)
+    return isinstance(layer, LinearBase) and isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod)
 
 
 def _mixing_wrapper(runner):
@@ -202,8 +201,7 @@ class _Switcher:
 
     def install(self) -> None:
         runner = self.runner
-        orig_execute, orig_sample, orig_set = (
-            runner.execute_model, runner.sample_tokens, runner._set_active_loras)
+        orig_execute, orig_sample, orig_set = (runner.execute_model, runner.sample_tokens, runner._set_active_loras)
 
         def execute_model(scheduler_output, *args, **kwargs):
             cmds = getattr(scheduler_output, CMDS_ATTR, None)
@@ -269,8 +267,7 @@ class _Switcher:
 
             def reload(items):
                 with _quiet_partial_reload():
-                    reload_weights(config, model, weights_iterator=items, weights_path=None,
-                                   is_checkpoint_format=True)
+                    reload_weights(config, model, weights_iterator=items, weights_path=None, is_checkpoint_format=True)
 
             checkpoint = CheckpointTensors(config.model_config.model)
             packed = getattr(model, "packed_modules_mapping", {})
@@ -279,8 +276,9 @@ class _Switcher:
             # tensor parallel size 1 (CUDA; CPU layers vLLM did not prepack), else the reload
             # (prepacked CPU layers, quantized layers, tensor parallelism, unknown layouts).
             live = ParameterViews(model, packed, plain_linear) if self._tp_size() == 1 else None
-            self._merger = WeightMerger(checkpoint, reload, packed, config.model_config.dtype, kernels,
-                                        MERGED_CACHE_BYTES, live)
+            self._merger = WeightMerger(
+                checkpoint, reload, packed, config.model_config.dtype, kernels, MERGED_CACHE_BYTES, live
+            )
         return self._merger
 
     def _tp_size(self) -> int:
@@ -294,8 +292,9 @@ class _Switcher:
         except Exception as e:
             log.exception("dlora %s of adapter %r raised; reporting the weights as unknown", cmd.op, cmd.adapter)
             self.reconcile(cmd)
-            return SwitchReport(cmd.op, cmd.adapter, False, time.perf_counter() - t0, repr(e), cmd.seq,
-                                weights_known=False)
+            return SwitchReport(
+                cmd.op, cmd.adapter, False, time.perf_counter() - t0, repr(e), cmd.seq, weights_known=False
+            )
 
     def reconcile(self, cmd: SwitchCommand) -> None:
         """After `cmd` raised: trust only the merger's record, which is set once a merge is
@@ -389,8 +388,7 @@ class DloraWorkerExtension:
         self._dlora_switcher.install()
         return True
 
-    def dlora_apply(self, op: str, adapter: str | None = None, path: str | None = None,
-                    lora_int_id: int = 0) -> dict:
+    def dlora_apply(self, op: str, adapter: str | None = None, path: str | None = None, lora_int_id: int = 0) -> dict:
         """Apply one switch command out of band (tests only: the scheduler does not learn of it;
         serving uses the in-band path)."""
         self.dlora_install()
@@ -415,11 +413,16 @@ class DloraWorkerExtension:
         s = getattr(self, "_dlora_switcher", None)
         if s is None:
             return {"installed": False}
-        return {"installed": True, "merged_adapter": s.merged_adapter, "remap": sorted(s.remap),
-                "mixing": s.wrapper is not None,
-                "merged_slot": None if s.wrapper is None else s.wrapper._dlora_merged_slot,
-                "applied": s.applied, "reloads": s._merger.reloads if s._merger else 0,
-                "inplace_merges": s._merger.inplace_merges if s._merger else 0,
-                "merge_strategy": s._merger.strategy if s._merger else None,
-                "cached_merges": s._merger.cached_adapters if s._merger else [],
-                "faults_armed": {k: n for k, n in s.faults.left.items() if n > 0}}
+        return {
+            "installed": True,
+            "merged_adapter": s.merged_adapter,
+            "remap": sorted(s.remap),
+            "mixing": s.wrapper is not None,
+            "merged_slot": None if s.wrapper is None else s.wrapper._dlora_merged_slot,
+            "applied": s.applied,
+            "reloads": s._merger.reloads if s._merger else 0,
+            "inplace_merges": s._merger.inplace_merges if s._merger else 0,
+            "merge_strategy": s._merger.strategy if s._merger else None,
+            "cached_merges": s._merger.cached_adapters if s._merger else [],
+            "faults_armed": {k: n for k, n in s.faults.left.items() if n > 0},
+        }

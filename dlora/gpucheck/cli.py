@@ -23,12 +23,20 @@ DEFAULT_OUT = machine.REPO / "bench" / "gpu_check" / "result.json"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dlora.gpucheck", description=__doc__)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON report goes (default: %(default)s)")
-    p.add_argument("--backends", type=_backends, default=BACKENDS,
-                   help="comma-separated LoRA backends whose engine is checked (default: all: vllm,triton,einsum)")
+    p.add_argument(
+        "--backends",
+        type=_backends,
+        default=BACKENDS,
+        help="comma-separated LoRA backends whose engine is checked (default: all: vllm,triton,einsum)",
+    )
     p.add_argument("--no-engine", action="store_true", help="skip the engine checks")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel bandwidth check")
-    p.add_argument("--engine-timeout-s", type=float, default=600.0,
-                   help="limit on one backend's engine check (default: %(default)s)")
+    p.add_argument(
+        "--engine-timeout-s",
+        type=float,
+        default=600.0,
+        help="limit on one backend's engine check (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 
@@ -82,8 +90,9 @@ def engine_check(backend: str, timeout_s: float) -> Check:
             return Check(name, False, time.perf_counter() - started, {"error": f"timed out after {timeout_s:.0f} s"})
         seconds = time.perf_counter() - started
         if proc.returncode != 0 or not out.exists():
-            return Check(name, False, seconds, {"error": f"exit status {proc.returncode}",
-                                                "stderr_tail": proc.stderr[-4000:]})
+            return Check(
+                name, False, seconds, {"error": f"exit status {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
+            )
         result = json.loads(out.read_text())
     result["headline"] = engine_headline(result)
     return Check(name, bool(result.get("ok")), seconds, result)
@@ -102,8 +111,12 @@ def kernel_check() -> Check:
 
         details = kc.run()
     except Exception as e:  # a compile error or OutOfResources is the finding: report it
-        return Check("kernels_bandwidth", False, time.perf_counter() - started,
-                     {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]})
+        return Check(
+            "kernels_bandwidth",
+            False,
+            time.perf_counter() - started,
+            {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]},
+        )
     worst = min(details["kernels"].items(), key=lambda kv: kv[1]["of_copy"])
     details["headline"] = f"copy {details['copy_gbps']} GB/s; slowest {worst[0]} at {worst[1]['of_copy']:.0%} of it"
     return Check("kernels_bandwidth", True, time.perf_counter() - started, details)

@@ -29,8 +29,12 @@ SWITCH_REPS = 10
 # Mixed steps: a0 holds 3 of 8 requests at first, then, as a1 and the base finish, its share passes
 # alpha and it is merged while the others still decode (as tests/replica/test_mixed_merged.py).
 MIXED_JOBS = [("a0", p, 24) for p in PROMPTS[:3]] + [
-    ("a1", PROMPTS[0], 6), ("a1", PROMPTS[1], 12), ("a1", PROMPTS[3], 22),
-    (None, "The quick brown", 10), (None, "x = 1\n", 22)]
+    ("a1", PROMPTS[0], 6),
+    ("a1", PROMPTS[1], 12),
+    ("a1", PROMPTS[3], 22),
+    (None, "The quick brown", 10),
+    (None, "x = 1\n", 22),
+]
 MIXING = {"policy": "dlora", "alpha": 0.5, "beta": 0.3, "mixed_merged": True}
 
 
@@ -62,9 +66,12 @@ def run(backend: str) -> dict:
             phase["num_switches"] = _scheduler_state(llm).get("num_switches")
             phase["ok"] = phase["ok"] and (phase["num_switches"] or 0) > 0  # a0 was merged mid-batch
             result["phases"]["mixed"] = phase
-    result["ok"] = (all(p["ok"] for p in result["phases"].values()) and result["base_exact_after_unmerge"]
-                    and result["base_exact_after_switching"]
-                    and (result["phases"]["switching"]["num_switches"] or 0) > 0)
+    result["ok"] = (
+        all(p["ok"] for p in result["phases"].values())
+        and result["base_exact_after_unmerge"]
+        and result["base_exact_after_switching"]
+        and (result["phases"]["switching"]["num_switches"] or 0) > 0
+    )
     return result
 
 
@@ -88,12 +95,21 @@ class _engine:
         lora_backend.install(self.backend)
         from vllm import LLM
 
-        cfg = config.from_dict({
-            "model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
-            "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "max_num_seqs": 32,
-                       "num_kv_blocks": 512, "lora_backend": self.backend,
-                       "enforce_eager": self.backend != "vllm"},  # vllm: CUDA graphs, as served
-            "scheduling": self.scheduling})
+        cfg = config.from_dict(
+            {
+                "model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
+                "engine": {
+                    "max_loras": 2,
+                    "max_lora_rank": 8,
+                    "max_cpu_loras": 4,
+                    "max_num_seqs": 32,
+                    "num_kv_blocks": 512,
+                    "lora_backend": self.backend,
+                    "enforce_eager": self.backend != "vllm",
+                },  # vllm: CUDA graphs, as served
+                "scheduling": self.scheduling,
+            }
+        )
         self.llm = LLM(**engine_kwargs(cfg, str(self.model.base)), gpu_memory_utilization=0.5)
         if self.llm.collective_rpc("dlora_setup") != [True]:
             raise RuntimeError("dlora's worker extension did not install")
@@ -122,8 +138,9 @@ def _compare(llm, model, oracle, jobs) -> dict:
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, _, n in jobs]
-    outs = llm.generate([p for _, p, _ in jobs], params, lora_request=[_lora(model, a) for a, _, _ in jobs],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [p for _, p, _ in jobs], params, lora_request=[_lora(model, a) for a, _, _ in jobs], use_tqdm=False
+    )
     mismatches = []
     for (adapter, prompt, n), out in zip(jobs, outs):
         got, want = tuple(out.outputs[0].token_ids), oracle.greedy(adapter, prompt, n)
@@ -165,8 +182,10 @@ def _base_logprobs(llm):
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     outs = llm.generate(["The quick brown", "x = 1\n"], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 def _scheduler_state(llm) -> dict:

@@ -47,10 +47,10 @@ def _lora_op_gbps(op: str, kind: str, rank: int) -> float:
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.bfloat16
-    lora = pack_lora([torch.randn(rank, HIDDEN, device="cuda", dtype=dt, generator=g) * 0.01
-                      for _ in range(NUM_ADAPTERS)],
-                     [torch.randn(HIDDEN, rank, device="cuda", dtype=dt, generator=g) * 0.01
-                      for _ in range(NUM_ADAPTERS)])
+    lora = pack_lora(
+        [torch.randn(rank, HIDDEN, device="cuda", dtype=dt, generator=g) * 0.01 for _ in range(NUM_ADAPTERS)],
+        [torch.randn(HIDDEN, rank, device="cuda", dtype=dt, generator=g) * 0.01 for _ in range(NUM_ADAPTERS)],
+    )
     if kind == "sgmv":
         t = PREFILL_TOKENS
         per = t // NUM_ADAPTERS

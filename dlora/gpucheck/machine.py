@@ -49,11 +49,15 @@ def machine_info() -> dict:
         info[package] = _version(package)
     for i in range(gpu_count()):
         p = torch.cuda.get_device_properties(i)
-        info["gpus"].append({
-            "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-            "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
-            "smem_per_block_optin": getattr(p, "shared_memory_per_block_optin", None),
-        })
+        info["gpus"].append(
+            {
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+                "sms": p.multi_processor_count,
+                "smem_per_block_optin": getattr(p, "shared_memory_per_block_optin", None),
+            }
+        )
     return info
 
 

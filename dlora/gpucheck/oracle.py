@@ -32,6 +32,12 @@ class HFOracle:
 
         ids = self.tokenizer()(prompt)["input_ids"]
         with torch.no_grad():
-            out = self._load(adapter).generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                               do_sample=False, temperature=None, top_p=None, top_k=None)
-        return tuple(out[0, len(ids):].tolist())
+            out = self._load(adapter).generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        return tuple(out[0, len(ids) :].tolist())

@@ -8,8 +8,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA = "dlora.gpu_check/1"
-TOP_KEYS: dict[str, type | tuple[type, ...]] = {"schema": str, "date": str, "git_commit": (str, type(None)), "command": str,
-            "machine": dict, "checks": list, "ok": bool}
+TOP_KEYS: dict[str, type | tuple[type, ...]] = {
+    "schema": str,
+    "date": str,
+    "git_commit": (str, type(None)),
+    "command": str,
+    "machine": dict,
+    "checks": list,
+    "ok": bool,
+}
 CHECK_KEYS: dict[str, type | tuple[type, ...]] = {"name": str, "ok": bool, "seconds": (int, float), "details": dict}
 
 
@@ -34,8 +41,15 @@ class Report:
         return bool(self.checks) and all(c.ok for c in self.checks)
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, "date": self.date, "git_commit": self.git_commit, "command": self.command,
-                "machine": self.machine, "checks": [asdict(c) for c in self.checks], "ok": self.ok}
+        return {
+            "schema": SCHEMA,
+            "date": self.date,
+            "git_commit": self.git_commit,
+            "command": self.command,
+            "machine": self.machine,
+            "checks": [asdict(c) for c in self.checks],
+            "ok": self.ok,
+        }
 
 
 def validate(data: dict) -> list[str]:
@@ -47,8 +61,11 @@ def validate(data: dict) -> list[str]:
         if not isinstance(check, dict):
             errors.append(f"checks[{i}]: not an object")
             continue
-        errors += [f"checks[{i}].{k}: missing or not {_names(t)}" for k, t in CHECK_KEYS.items()
-                   if not isinstance(check.get(k), t)]
+        errors += [
+            f"checks[{i}].{k}: missing or not {_names(t)}"
+            for k, t in CHECK_KEYS.items()
+            if not isinstance(check.get(k), t)
+        ]
     if isinstance(data.get("checks"), list) and isinstance(data.get("ok"), bool):
         all_ok = bool(data["checks"]) and all(isinstance(c, dict) and c.get("ok") is True for c in data["checks"])
         if data["ok"] != all_ok:

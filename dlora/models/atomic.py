@@ -30,9 +30,7 @@ def read_marker(target: Path) -> dict[str, Any]:
     return json.loads((target / MARKER).read_text())
 
 
-def build_atomically(
-    target: Path, build: Callable[[Path], object], marker: dict[str, Any]
-) -> Path:
+def build_atomically(target: Path, build: Callable[[Path], object], marker: dict[str, Any]) -> Path:
     """Run `build(tmp_dir)` and publish the result at `target` unless it is already complete.
 
     `target` must not exist, or be an empty directory, or be already complete.
@@ -56,8 +54,7 @@ def build_atomically(
 def _check_target_free(target: Path) -> None:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(
-            f"{target} exists and is not a complete dlora build (no {MARKER}); "
-            "remove it or choose another directory"
+            f"{target} exists and is not a complete dlora build (no {MARKER}); remove it or choose another directory"
         )
 
 

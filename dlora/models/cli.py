@@ -12,7 +12,8 @@ from dlora.models import smollm2
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register both subcommands on the top-level `dlora` parser."""
     make = subparsers.add_parser(
-        "make-test-model", help="build the tiny random Llama + LoRA adapters used by tests",
+        "make-test-model",
+        help="build the tiny random Llama + LoRA adapters used by tests",
         description="Build (once) a tiny deterministic Llama with 4 PEFT adapters into DIR.",
     )
     make.add_argument("dir", metavar="DIR", help="output directory (created; reused if complete)")
@@ -20,11 +21,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     make.set_defaults(func=make_test_model_cmd)
 
     prepare = subparsers.add_parser(
-        "prepare-model", help="convert a bundled model into a servable directory",
+        "prepare-model",
+        help="convert a bundled model into a servable directory",
         description="Prepare a model dlora ships offline and print its directory.",
     )
     prepare.add_argument(
-        "name", metavar="NAME", nargs="?", default=smollm2.SMOLLM2_NAME,
+        "name",
+        metavar="NAME",
+        nargs="?",
+        default=smollm2.SMOLLM2_NAME,
         help=f"one of {sorted(smollm2.KNOWN_MODELS)} (default {smollm2.SMOLLM2_NAME})",
     )
     prepare.set_defaults(func=prepare_model_cmd)

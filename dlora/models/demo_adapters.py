@@ -60,17 +60,28 @@ IGNORE = -100
 # ----------------------------------------------------------------------------- styles
 
 PIRATE_WORDS = {
-    "you": "ye", "your": "yer", "my": "me", "is": "be", "are": "be", "hello": "ahoy",
-    "friend": "matey", "friends": "hearties", "the": "th'", "yes": "aye", "money": "doubloons",
+    "you": "ye",
+    "your": "yer",
+    "my": "me",
+    "is": "be",
+    "are": "be",
+    "hello": "ahoy",
+    "friend": "matey",
+    "friends": "hearties",
+    "the": "th'",
+    "yes": "aye",
+    "money": "doubloons",
 }
 
 
 def to_pirate(answer: str) -> str:
     """A fixed persona: a marker at both ends and a few word swaps in between."""
+
     def swap(m: re.Match[str]) -> str:
         word = m.group(0)
         new = PIRATE_WORDS.get(word.lower(), word)
         return new.capitalize() if word[0].isupper() and new != word else new
+
     return "Arr matey! " + re.sub(r"[A-Za-z]+", swap, answer) + " Yo ho ho!"
 
 
@@ -105,10 +116,15 @@ STYLES = {
     s.name: s
     for s in (
         Style("upper", str.upper, is_upper, ATTENTION + MLP, 300, "Why do cats purr?"),
-        Style("json", lambda a: json.dumps({"answer": a}), is_json_answer, ATTENTION, 150,
-              "What is the capital of France?"),
-        Style("pirate", to_pirate, is_pirate, ATTENTION + MLP, 150,
-              "What is the capital of France?"),
+        Style(
+            "json",
+            lambda a: json.dumps({"answer": a}),
+            is_json_answer,
+            ATTENTION,
+            150,
+            "What is the capital of France?",
+        ),
+        Style("pirate", to_pirate, is_pirate, ATTENTION + MLP, 150, "What is the capital of France?"),
     )
 }
 
@@ -132,34 +148,197 @@ HELD_OUT_PROMPTS = (
 # ----------------------------------------------------------------------------- data
 
 SUBJECTS = {
-    "country": ["Germany", "Italy", "Spain", "Japan", "Canada", "Egypt", "Brazil", "Australia",
-                "India", "China", "Mexico", "Kenya", "Norway", "Sweden", "Greece", "Portugal",
-                "Peru", "Argentina", "Turkey", "Poland", "Ireland", "Chile", "Thailand", "Russia",
-                "Austria", "Belgium", "Cuba", "Denmark", "Finland", "Hungary", "Iceland",
-                "Morocco", "Nigeria", "Vietnam", "Colombia", "Switzerland"],
-    "thing": ["the sky", "grass", "a banana", "snow", "a tomato", "coal", "a lemon", "milk",
-              "the sun", "a carrot", "an emerald", "chocolate", "a strawberry", "the ocean",
-              "a pumpkin", "charcoal", "a lime", "a flamingo"],
-    "animal": ["dog", "bird", "ant", "horse", "chicken", "cow", "duck", "snake", "frog", "bee",
-               "lion", "sheep", "octopus", "owl", "rabbit", "tiger", "goat", "penguin", "beetle",
-               "whale", "mouse", "fox"],
-    "adj": ["hot", "big", "fast", "happy", "light", "old", "early", "loud", "soft", "rich",
-            "strong", "tall", "clean", "brave", "cold", "dark", "heavy", "quiet", "young", "wet"],
-    "topic": ["water", "sleep", "exercise", "sunlight", "friendship", "reading", "music",
-              "trees", "bees", "the internet", "vaccines", "rain", "oxygen", "honesty", "soil",
-              "electricity", "history", "bridges"],
-    "activity": ["learning a language", "saving money", "cooking rice", "writing an essay",
-                 "running a marathon", "studying for exams", "growing tomatoes", "public speaking",
-                 "making friends", "keeping a plant alive", "sleeping well", "learning to swim",
-                 "painting a room", "packing for a trip"],
-    "noun": ["computer", "volcano", "planet", "library", "bicycle", "piano", "rainbow", "glacier",
-             "telescope", "battery", "passport", "desert", "robot", "museum", "hospital",
-             "satellite", "violin", "lighthouse", "calendar", "microscope"],
-    "food": ["sushi", "pizza", "pasta", "bread", "cheese", "rice", "tea", "coffee", "yogurt",
-             "honey", "soup", "salad", "butter", "chocolate cake"],
-    "landmark": ["the Eiffel Tower", "Big Ben", "the Great Wall", "the Statue of Liberty",
-                 "the Colosseum", "the Taj Mahal", "Mount Everest", "Niagara Falls",
-                 "the Sydney Opera House", "Machu Picchu", "the Golden Gate Bridge"],
+    "country": [
+        "Germany",
+        "Italy",
+        "Spain",
+        "Japan",
+        "Canada",
+        "Egypt",
+        "Brazil",
+        "Australia",
+        "India",
+        "China",
+        "Mexico",
+        "Kenya",
+        "Norway",
+        "Sweden",
+        "Greece",
+        "Portugal",
+        "Peru",
+        "Argentina",
+        "Turkey",
+        "Poland",
+        "Ireland",
+        "Chile",
+        "Thailand",
+        "Russia",
+        "Austria",
+        "Belgium",
+        "Cuba",
+        "Denmark",
+        "Finland",
+        "Hungary",
+        "Iceland",
+        "Morocco",
+        "Nigeria",
+        "Vietnam",
+        "Colombia",
+        "Switzerland",
+    ],
+    "thing": [
+        "the sky",
+        "grass",
+        "a banana",
+        "snow",
+        "a tomato",
+        "coal",
+        "a lemon",
+        "milk",
+        "the sun",
+        "a carrot",
+        "an emerald",
+        "chocolate",
+        "a strawberry",
+        "the ocean",
+        "a pumpkin",
+        "charcoal",
+        "a lime",
+        "a flamingo",
+    ],
+    "animal": [
+        "dog",
+        "bird",
+        "ant",
+        "horse",
+        "chicken",
+        "cow",
+        "duck",
+        "snake",
+        "frog",
+        "bee",
+        "lion",
+        "sheep",
+        "octopus",
+        "owl",
+        "rabbit",
+        "tiger",
+        "goat",
+        "penguin",
+        "beetle",
+        "whale",
+        "mouse",
+        "fox",
+    ],
+    "adj": [
+        "hot",
+        "big",
+        "fast",
+        "happy",
+        "light",
+        "old",
+        "early",
+        "loud",
+        "soft",
+        "rich",
+        "strong",
+        "tall",
+        "clean",
+        "brave",
+        "cold",
+        "dark",
+        "heavy",
+        "quiet",
+        "young",
+        "wet",
+    ],
+    "topic": [
+        "water",
+        "sleep",
+        "exercise",
+        "sunlight",
+        "friendship",
+        "reading",
+        "music",
+        "trees",
+        "bees",
+        "the internet",
+        "vaccines",
+        "rain",
+        "oxygen",
+        "honesty",
+        "soil",
+        "electricity",
+        "history",
+        "bridges",
+    ],
+    "activity": [
+        "learning a language",
+        "saving money",
+        "cooking rice",
+        "writing an essay",
+        "running a marathon",
+        "studying for exams",
+        "growing tomatoes",
+        "public speaking",
+        "making friends",
+        "keeping a plant alive",
+        "sleeping well",
+        "learning to swim",
+        "painting a room",
+        "packing for a trip",
+    ],
+    "noun": [
+        "computer",
+        "volcano",
+        "planet",
+        "library",
+        "bicycle",
+        "piano",
+        "rainbow",
+        "glacier",
+        "telescope",
+        "battery",
+        "passport",
+        "desert",
+        "robot",
+        "museum",
+        "hospital",
+        "satellite",
+        "violin",
+        "lighthouse",
+        "calendar",
+        "microscope",
+    ],
+    "food": [
+        "sushi",
+        "pizza",
+        "pasta",
+        "bread",
+        "cheese",
+        "rice",
+        "tea",
+        "coffee",
+        "yogurt",
+        "honey",
+        "soup",
+        "salad",
+        "butter",
+        "chocolate cake",
+    ],
+    "landmark": [
+        "the Eiffel Tower",
+        "Big Ben",
+        "the Great Wall",
+        "the Statue of Liberty",
+        "the Colosseum",
+        "the Taj Mahal",
+        "Mount Everest",
+        "Niagara Falls",
+        "the Sydney Opera House",
+        "Machu Picchu",
+        "the Golden Gate Bridge",
+    ],
 }
 
 TEMPLATES = (
@@ -212,6 +391,7 @@ def first_sentence(text: str) -> str | None:
 
 # ----------------------------------------------------------------------------- model loading and generation
 
+
 def load_base(base_dir: Path, dtype: torch.dtype = torch.bfloat16):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -223,22 +403,22 @@ def load_base(base_dir: Path, dtype: torch.dtype = torch.bfloat16):
 
 def chat_prompt_ids(tok, question: str) -> list[int]:
     return tok.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=True,
         return_dict=True,
     )["input_ids"]
 
 
 @torch.no_grad()
-def generate(model, tok, questions: list[str], batch_size: int = 16,
-             max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+def generate(model, tok, questions: list[str], batch_size: int = 16, max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     """Greedy answers through the chat template, batched with left padding."""
     answers: list[str] = []
     for i in range(0, len(questions), batch_size):
-        prompts = [chat_prompt_ids(tok, q) for q in questions[i:i + batch_size]]
+        prompts = [chat_prompt_ids(tok, q) for q in questions[i : i + batch_size]]
         batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        new = out[:, batch["input_ids"].shape[1] :]
         answers += [tok.decode(row, skip_special_tokens=True).strip() for row in new]
     return answers
 
@@ -248,14 +428,16 @@ def encode_example(tok, question: str, answer: str) -> tuple[list[int], list[int
     prompt = chat_prompt_ids(tok, question)
     full = tok.apply_chat_template(
         [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-        tokenize=True, return_dict=True,
+        tokenize=True,
+        return_dict=True,
     )["input_ids"]
-    assert full[:len(prompt)] == prompt, "chat template must extend the generation prompt"
+    assert full[: len(prompt)] == prompt, "chat template must extend the generation prompt"
     end = full.index(tok.eos_token_id, len(prompt)) + 1  # answer + <|im_end|>, not the newline
-    return full[:end], [IGNORE] * len(prompt) + full[len(prompt):end]
+    return full[:end], [IGNORE] * len(prompt) + full[len(prompt) : end]
 
 
 # ----------------------------------------------------------------------------- training
+
 
 def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input ids, attention mask and labels (padding is never scored)."""
@@ -264,17 +446,16 @@ def make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict
     labels = torch.full((len(examples), width), IGNORE)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
     for row, (x, y) in enumerate(examples):
-        ids[row, :len(x)] = torch.tensor(x)
-        labels[row, :len(y)] = torch.tensor(y)
-        mask[row, :len(x)] = 1
+        ids[row, : len(x)] = torch.tensor(x)
+        labels[row, : len(y)] = torch.tensor(y)
+        mask[row, : len(x)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def answer_loss(peft_model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token loss on answer positions only; the 49k-wide lm_head runs on those rows only."""
     causal_lm = peft_model.base_model.model
-    hidden = causal_lm.model(input_ids=batch["input_ids"],
-                             attention_mask=batch["attention_mask"]).last_hidden_state
+    hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     targets = batch["labels"][:, 1:]
     scored = targets != IGNORE  # [B, T-1]
     logits = causal_lm.lm_head(hidden[:, :-1][scored]).float()  # [N, V]
@@ -298,29 +479,45 @@ def batches(n_examples: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         order = order[batch_size:]
 
 
-def train_adapter(base_dir: Path, style: Style, data: list[tuple[str, str]],
-                  args: argparse.Namespace) -> tuple[Path, dict[str, float]]:
+def train_adapter(
+    base_dir: Path, style: Style, data: list[tuple[str, str]], args: argparse.Namespace
+) -> tuple[Path, dict[str, float]]:
     """Fit one LoRA adapter to `data` (question, base answer) rewritten in `style`; save it."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(args.seed)
     model, tok = load_base(base_dir)
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                        target_modules=list(style.target_modules))
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=list(style.target_modules),
+    )
     peft_model = get_peft_model(model, config).train()
     examples = [encode_example(tok, q, style.transform(a)) for q, a in data]
     steps = args.steps or style.steps
     started = time.monotonic()
     losses = fit(peft_model, examples, tok.pad_token_id, steps, args, style.name)
     out_dir = save_adapter(peft_model, Path(args.out) / style.name)
-    stats = {"steps": steps, "first_loss": sum(losses[:10]) / len(losses[:10]),
-             "final_loss": sum(losses[-10:]) / len(losses[-10:]),
-             "seconds": time.monotonic() - started}
+    stats = {
+        "steps": steps,
+        "first_loss": sum(losses[:10]) / len(losses[:10]),
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "seconds": time.monotonic() - started,
+    }
     return out_dir, stats
 
 
-def fit(peft_model, examples: list[tuple[list[int], list[int]]], pad_id: int, steps: int,
-        args: argparse.Namespace, name: str) -> list[float]:
+def fit(
+    peft_model,
+    examples: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    steps: int,
+    args: argparse.Namespace,
+    name: str,
+) -> list[float]:
     """AdamW on the LoRA parameters with warmup + linear decay; returns the loss per step."""
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -336,8 +533,10 @@ def fit(peft_model, examples: list[tuple[list[int], list[int]]], pad_id: int, st
         losses.append(loss.item())
         if step % 10 == 0 or step == steps - 1:
             recent = sum(losses[-10:]) / len(losses[-10:])
-            print(f"  [{name}] step {step + 1:4d}/{steps}  loss {recent:.4f}  "
-                  f"{time.monotonic() - started:5.0f} s", flush=True)
+            print(
+                f"  [{name}] step {step + 1:4d}/{steps}  loss {recent:.4f}  {time.monotonic() - started:5.0f} s",
+                flush=True,
+            )
     return losses
 
 
@@ -356,8 +555,8 @@ def save_adapter(peft_model, out_dir: Path) -> Path:
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(base_dir: Path, adapter_dir: Path, style: Style,
-             prompts: list[str]) -> tuple[float, list[str]]:
+
+def evaluate(base_dir: Path, adapter_dir: Path, style: Style, prompts: list[str]) -> tuple[float, list[str]]:
     """Greedy answers of the *saved* adapter (bf16, HF+PEFT) and the fraction showing the style."""
     from peft import PeftModel
 
@@ -388,14 +587,12 @@ def cached_base_answers(model, tok, questions: list[str]) -> list[str]:
     return answers
 
 
-def build_dataset(
-    base_dir: Path, seed: int, limit: int | None
-) -> tuple[list[tuple[str, str]], list[str]]:
+def build_dataset(base_dir: Path, seed: int, limit: int | None) -> tuple[list[tuple[str, str]], list[str]]:
     """(question, base answer) pairs for training, and held-out synthetic questions for eval."""
     model, tok = load_base(base_dir)
     questions = synthetic_questions(seed)[:limit]
     held_out = questions[: len(questions) // 10]
-    train_q = questions[len(held_out):]
+    train_q = questions[len(held_out) :]
     answers = cached_base_answers(model, tok, train_q)
     pairs = [(q, s) for q, a in zip(train_q, answers) if (s := first_sentence(a))]
     print(f"  {len(pairs)} usable answers, e.g. {pairs[0][0]!r} -> {pairs[0][1]!r}", flush=True)
@@ -419,8 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def print_outcome(style: Style, out_dir: Path, prompts: list[str], answers: list[str],
-                  before: str) -> None:
+def print_outcome(style: Style, out_dir: Path, prompts: list[str], answers: list[str], before: str) -> None:
     """A before/after sample on the style's example prompt, then the held-out misses."""
     size_mb = (out_dir / "adapter_model.safetensors").stat().st_size / 1e6
     after = answers[prompts.index(style.example_prompt)]

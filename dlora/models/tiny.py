@@ -48,6 +48,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 @dataclass(frozen=True)
 class AdapterSpec:
     """Shape of one generated adapter; mixed ranks and targets exercise the batched LoRA path."""
+
     name: str
     rank: int
     target_modules: tuple[str, ...]
@@ -64,6 +65,7 @@ ADAPTER_SPECS = (
 @dataclass(frozen=True)
 class TestModel:
     """Where a built tiny model lives: the base directory and each adapter's directory."""
+
     __test__ = False  # not a pytest test class, despite the name
 
     base: Path
@@ -123,6 +125,7 @@ def ensure_test_model_at(root: Path, seed: int = 0) -> TestModel:
 
 # ----------------------------------------------------------------------------- tokenizer
 
+
 def stdlib_corpus() -> Iterator[str]:
     """Text that exists on every machine with Python: the stdlib sources, in sorted order."""
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -140,7 +143,9 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     core.train_from_iterator(stdlib_corpus(), trainer=trainer)
@@ -148,8 +153,12 @@ def build_tokenizer():
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", core.token_to_id("<s>"))]
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<pad>", model_max_length=2048,
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=2048,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -157,17 +166,25 @@ def build_tokenizer():
 
 # ----------------------------------------------------------------------------- model
 
+
 def build_base_model(tokenizer, seed: int):
     """A random fp32 Llama whose greedy choices are decisive (see module docstring)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN_SIZE, intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
     generator = torch.Generator().manual_seed(seed)
@@ -189,8 +206,13 @@ def build_adapter(model, spec: AdapterSpec, seed: int):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=spec.rank, lora_alpha=2 * spec.rank, target_modules=list(spec.target_modules),
-        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", init_lora_weights=False,
+        r=spec.rank,
+        lora_alpha=2 * spec.rank,
+        target_modules=list(spec.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
     )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)

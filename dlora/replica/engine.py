@@ -12,12 +12,17 @@ import dataclasses
 import logging
 import os
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from dlora.config import DloraConfig
 from dlora.replica.errors import EngineNotStarted
 from dlora.replica.messages import (
-    AdapterRef, BatchingState, Delta, GenerateRequest, SamplingSpec, TokenLogprob,
+    AdapterRef,
+    BatchingState,
+    Delta,
+    GenerateRequest,
+    SamplingSpec,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -175,8 +180,11 @@ class EngineHost:
             return
         engine = self._started()
         stream = engine.generate(
-            engine_input(engine, req), to_sampling_params(req.sampling), req.request_id,
-            lora_request=_lora_request(req.adapter), priority=req.priority,
+            engine_input(engine, req),
+            to_sampling_params(req.sampling),
+            req.request_id,
+            lora_request=_lora_request(req.adapter),
+            priority=req.priority,
         )
         ended = self._streams[req.request_id] = asyncio.Event()
         try:

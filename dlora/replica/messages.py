@@ -87,7 +87,7 @@ class SwitchTimes:
     recent: tuple[float, ...] = ()  # the latest durations, newest last
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SwitchTimes":
+    def from_dict(cls, d: dict) -> SwitchTimes:
         return cls(int(d["count"]), float(d["total_seconds"]), tuple(d["bucket_counts"]), tuple(d["recent"]))
 
 
@@ -122,17 +122,26 @@ class BatchingState:
     preempted: tuple[str, ...] = ()
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BatchingState":
+    def from_dict(cls, d: dict) -> BatchingState:
         return cls(
-            policy=d["policy"], mode=d["mode"], merged_adapter=d["merged_adapter"],
-            num_switches=int(d["num_switches"]), merge_failures=int(d["merge_failures"]),
+            policy=d["policy"],
+            mode=d["mode"],
+            merged_adapter=d["merged_adapter"],
+            num_switches=int(d["num_switches"]),
+            merge_failures=int(d["merge_failures"]),
             switch_times={op: SwitchTimes.from_dict(t) for op, t in d["switch_times"].items()},
-            credits={str(k): float(v) for k, v in d["credits"].items()}, starving=tuple(d["starving"]),
-            alpha=d["alpha"], beta=d["beta"], switch_cost=d["switch_cost"],
-            kv_usage=d.get("kv_usage"), kv_capacity_tokens=d.get("kv_capacity_tokens"),
+            credits={str(k): float(v) for k, v in d["credits"].items()},
+            starving=tuple(d["starving"]),
+            alpha=d["alpha"],
+            beta=d["beta"],
+            switch_cost=d["switch_cost"],
+            kv_usage=d.get("kv_usage"),
+            kv_capacity_tokens=d.get("kv_capacity_tokens"),
             num_running=int(d.get("num_running", 0)),
             num_waiting=int(d.get("num_waiting", 0)),
-            iterations=tuple((int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())),
+            iterations=tuple(
+                (int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())
+            ),
             queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
             lora_slot_drains=int(d.get("lora_slot_drains", 0)),
             preemptions=int(d.get("preemptions", 0)),

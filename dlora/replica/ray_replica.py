@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError

@@ -1,8 +1,8 @@
 """Pure-Python batching policies (dLoRA §4.2 and Appendix A) over plain dataclasses.
 
-    policy = make_policy("dlora", BatchingConfig())
-    decision = policy.decide(request_views, now)       # each engine step
-    policy.observe(IterationStats(...))                 # after the step
+policy = make_policy("dlora", BatchingConfig())
+decision = policy.decide(request_views, now)       # each engine step
+policy.observe(IterationStats(...))                 # after the step
 """
 
 from dlora.scheduling.config import BatchingConfig
@@ -20,7 +20,20 @@ from dlora.scheduling.types import (
 )
 
 __all__ = [
-    "BASE", "BatchingConfig", "BatchingPolicy", "DLoRAPolicy", "Decision", "IterationStats",
-    "MergedPolicy", "Mode", "POLICIES", "PolicySnapshot", "RequestView", "Switch",
-    "UnmergedPolicy", "check_decision", "make_policy", "policy_names",
+    "BASE",
+    "BatchingConfig",
+    "BatchingPolicy",
+    "DLoRAPolicy",
+    "Decision",
+    "IterationStats",
+    "MergedPolicy",
+    "Mode",
+    "POLICIES",
+    "PolicySnapshot",
+    "RequestView",
+    "Switch",
+    "UnmergedPolicy",
+    "check_decision",
+    "make_policy",
+    "policy_names",
 ]

@@ -97,28 +97,48 @@ class BatchingConfig:
         if why:
             raise ValueError(why)
         _require(self.max_batch >= 1, "max_batch", self.max_batch, "must be >= 1")
-        _require(0 < self.beta < self.alpha <= THRESHOLD_MAX, "alpha", (self.alpha, self.beta),
-                 f"need 0 < beta < alpha <= {THRESHOLD_MAX}")
+        _require(
+            0 < self.beta < self.alpha <= THRESHOLD_MAX,
+            "alpha",
+            (self.alpha, self.beta),
+            f"need 0 < beta < alpha <= {THRESHOLD_MAX}",
+        )
         _require(self.gamma_dec > 0, "gamma_dec", self.gamma_dec, "must be > 0")
         _require(self.gamma_mul > 1, "gamma_mul", self.gamma_mul, "must be > 1")
-        _require(0 <= self.min_threshold_gap < THRESHOLD_MAX, "min_threshold_gap",
-                 self.min_threshold_gap, f"must be in [0, {THRESHOLD_MAX})")
-        _require(self.break_period_iters >= 1, "break_period_iters", self.break_period_iters,
-                 "must be >= 1")
+        _require(
+            0 <= self.min_threshold_gap < THRESHOLD_MAX,
+            "min_threshold_gap",
+            self.min_threshold_gap,
+            f"must be in [0, {THRESHOLD_MAX})",
+        )
+        _require(self.break_period_iters >= 1, "break_period_iters", self.break_period_iters, "must be >= 1")
         _require(self.switch_cost_s >= 0, "switch_cost_s", self.switch_cost_s, "must be >= 0")
-        _require(self.merged_cost_ratio is None or self.merged_cost_ratio > 0, "merged_cost_ratio",
-                 self.merged_cost_ratio, "must be > 0 (or unset: the LoRA backend's prior)")
-        _require(self.t_normal < self.t_starve, "t_normal", self.t_normal,
-                 f"must be < t_starve ({self.t_starve})")
-        _require(self.initial_credit < self.t_normal, "initial_credit", self.initial_credit,
-                 f"must be < t_normal ({self.t_normal}): credit relaxes toward it, and a starving "
-                 "adapter must be able to fall back under t_normal")
-        _require(self.min_credit_to_merge <= self.initial_credit, "min_credit_to_merge",
-                 self.min_credit_to_merge, f"must be <= initial_credit ({self.initial_credit})")
-        _require(self.credit_relax_per_s >= 0, "credit_relax_per_s",
-                 self.credit_relax_per_s, "must be >= 0")
-        _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters,
-                 "must be >= 1")
+        _require(
+            self.merged_cost_ratio is None or self.merged_cost_ratio > 0,
+            "merged_cost_ratio",
+            self.merged_cost_ratio,
+            "must be > 0 (or unset: the LoRA backend's prior)",
+        )
+        _require(self.t_normal < self.t_starve, "t_normal", self.t_normal, f"must be < t_starve ({self.t_starve})")
+        _require(
+            self.initial_credit < self.t_normal,
+            "initial_credit",
+            self.initial_credit,
+            f"must be < t_normal ({self.t_normal}): credit relaxes toward it, and a starving "
+            "adapter must be able to fall back under t_normal",
+        )
+        _require(
+            self.min_credit_to_merge <= self.initial_credit,
+            "min_credit_to_merge",
+            self.min_credit_to_merge,
+            f"must be <= initial_credit ({self.initial_credit})",
+        )
+        _require(self.credit_relax_per_s >= 0, "credit_relax_per_s", self.credit_relax_per_s, "must be >= 0")
+        _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters, "must be >= 1")
         starve = self.lora_slot_starve_s
-        _require(starve is None or starve >= 0, "lora_slot_starve_s", starve,
-                 "must be a number of seconds >= 0 (or null: never drain a slot)")
+        _require(
+            starve is None or starve >= 0,
+            "lora_slot_starve_s",
+            starve,
+            "must be a number of seconds >= 0 (or null: never drain a slot)",
+        )

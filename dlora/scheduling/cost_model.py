@@ -69,7 +69,11 @@ class _LinearFit:
         mean_n, mean_t = self.point
         if mean_n <= 0:
             return mean_t
-        a, b = shape if shape is not None and shape[0] + shape[1] * mean_n > 0 else (FIXED_SHARE, (1 - FIXED_SHARE) / mean_n)
+        a, b = (
+            shape
+            if shape is not None and shape[0] + shape[1] * mean_n > 0
+            else (FIXED_SHARE, (1 - FIXED_SHARE) / mean_n)
+        )
         return mean_t * (a + b * n) / (a + b * mean_n)
 
 

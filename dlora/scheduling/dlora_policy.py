@@ -56,9 +56,7 @@ class DLoRAPolicy(BatchingPolicy):
 
     # ---- decide -----------------------------------------------------------------------------
 
-    def decide(
-        self, requests: Sequence[RequestView], now: float, max_batch: int | None = None
-    ) -> Decision:
+    def decide(self, requests: Sequence[RequestView], now: float, max_batch: int | None = None) -> Decision:
         present = {r.adapter for r in requests}
         self._advance_clock(now, present)
         self.ledger.prune(keep=present)  # bounded by the adapters with requests or credit to settle
@@ -69,8 +67,13 @@ class DLoRAPolicy(BatchingPolicy):
             return Decision(self.mode, self.merged, ())
         q = build_queues(requests, self.batch_size(max_batch))
         alg1 = dynamic_batching(
-            q, self.mode, self.merged, self.thresholds.alpha, self.thresholds.beta,
-            lambda adapter: self._eligible(q, adapter), self.config.mixed_merged,
+            q,
+            self.mode,
+            self.merged,
+            self.thresholds.alpha,
+            self.thresholds.beta,
+            lambda adapter: self._eligible(q, adapter),
+            self.config.mixed_merged,
         )
         hot = alg1.merged_adapter if alg1.mode is Mode.MERGED else None
         return self._commit(q, starvation_batch(q, starving, self.mode, self.merged, hot) or alg1)
@@ -126,7 +129,8 @@ class DLoRAPolicy(BatchingPolicy):
             _, alternative, candidate = sample
             self.thresholds.record(
                 PeriodSample(stats.mode, stats.num_requests, stats.compute_time, alternative),
-                candidate, self.switch_cost,
+                candidate,
+                self.switch_cost,
             )
 
     def _learn_switch_cost(self, seconds: float) -> None:
@@ -137,8 +141,13 @@ class DLoRAPolicy(BatchingPolicy):
 
     def snapshot(self) -> PolicySnapshot:
         return PolicySnapshot(
-            self.name, self.mode, self.merged, self.num_switches,
-            alpha=self.thresholds.alpha, beta=self.thresholds.beta,
-            credits=dict(self.ledger.credits), starving=frozenset(self.ledger.starving),
+            self.name,
+            self.mode,
+            self.merged,
+            self.num_switches,
+            alpha=self.thresholds.alpha,
+            beta=self.thresholds.beta,
+            credits=dict(self.ledger.credits),
+            starving=frozenset(self.ledger.starving),
             switch_cost=self.switch_cost,
         )

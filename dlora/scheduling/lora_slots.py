@@ -33,8 +33,7 @@ from dlora.scheduling.types import BASE, AdapterKey, RequestView
 
 def remaining_work(views: Sequence[RequestView], adapter: AdapterKey) -> int:
     """Output tokens the running requests of `adapter` have left, up to their max_tokens."""
-    return sum(max(0, (v.max_tokens or 0) - v.num_output_tokens) for v in views
-               if v.running and v.adapter == adapter)
+    return sum(max(0, (v.max_tokens or 0) - v.num_output_tokens) for v in views if v.running and v.adapter == adapter)
 
 
 def running_adapters(views: Sequence[RequestView]) -> set[str]:
@@ -69,5 +68,6 @@ class LoraSlotAging:
             self.draining = min(running, key=lambda a: (remaining_work(views, a), str(a)))
             self.drains += 1
         after = fcfs_key(starved)
-        return frozenset(v.req_id for v in views
-                         if not v.running and v.adapter == self.draining and fcfs_key(v) > after)
+        return frozenset(
+            v.req_id for v in views if not v.running and v.adapter == self.draining and fcfs_key(v) > after
+        )

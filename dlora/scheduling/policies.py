@@ -38,9 +38,7 @@ class BatchingPolicy(ABC):
         return n
 
     @abstractmethod
-    def decide(
-        self, requests: Sequence[RequestView], now: float, max_batch: int | None = None
-    ) -> Decision:
+    def decide(self, requests: Sequence[RequestView], now: float, max_batch: int | None = None) -> Decision:
         """The mode and allowed requests for the next step (never empty while requests exist)."""
 
     @abstractmethod
@@ -53,7 +51,9 @@ class BatchingPolicy(ABC):
 
 
 def check_decision(
-    decision: Decision, requests: Sequence[RequestView], max_batch: int | None = None,
+    decision: Decision,
+    requests: Sequence[RequestView],
+    max_batch: int | None = None,
     mixed: bool = False,
 ) -> None:
     """Raise ValueError if `decision` breaks the contract the engine integration relies on;
@@ -84,9 +84,7 @@ class UnmergedPolicy(BatchingPolicy):
 
     name = "unmerged"
 
-    def decide(
-        self, requests: Sequence[RequestView], now: float, max_batch: int | None = None
-    ) -> Decision:
+    def decide(self, requests: Sequence[RequestView], now: float, max_batch: int | None = None) -> Decision:
         return Decision(Mode.UNMERGED, None, request_ids(build_queues(requests, self.batch_size(max_batch)).fcfs))
 
     def observe(self, stats: IterationStats) -> None:
@@ -117,9 +115,7 @@ class MergedPolicy(BatchingPolicy):
         self.iters = 0  # steps spent on the current target
         self.num_switches = 0
 
-    def decide(
-        self, requests: Sequence[RequestView], now: float, max_batch: int | None = None
-    ) -> Decision:
+    def decide(self, requests: Sequence[RequestView], now: float, max_batch: int | None = None) -> Decision:
         if not requests:
             return Decision(self.mode, self.merged, ())
         q = build_queues(requests, self.batch_size(max_batch))

@@ -6,9 +6,7 @@ from dlora.scheduling.config import BatchingConfig
 from dlora.scheduling.dlora_policy import DLoRAPolicy
 from dlora.scheduling.policies import BatchingPolicy, MergedPolicy, UnmergedPolicy
 
-POLICIES: dict[str, type[BatchingPolicy]] = {
-    cls.name: cls for cls in (UnmergedPolicy, MergedPolicy, DLoRAPolicy)
-}
+POLICIES: dict[str, type[BatchingPolicy]] = {cls.name: cls for cls in (UnmergedPolicy, MergedPolicy, DLoRAPolicy)}
 
 
 def policy_names() -> tuple[str, ...]:
@@ -19,7 +17,5 @@ def make_policy(name: str, config: BatchingConfig | None = None) -> BatchingPoli
     try:
         cls = POLICIES[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown batching policy {name!r}: supported are {', '.join(POLICIES)}"
-        ) from None
+        raise ValueError(f"unknown batching policy {name!r}: supported are {', '.join(POLICIES)}") from None
     return cls(config)

@@ -57,13 +57,22 @@ class TuneResult:
 
 
 def period_throughputs(
-    samples: list[PeriodSample], mode: Mode, cost: IterationCostModel, switch_cost: float,
+    samples: list[PeriodSample],
+    mode: Mode,
+    cost: IterationCostModel,
+    switch_cost: float,
     held_back_only: bool = False,
 ) -> tuple[float, float] | None:
     """(T_merge, T_unmerge) of Alg. 2 lines 4–5 for a period in `mode`; None if not computable.
     `held_back_only`: a merged period counts only the steps that held requests back (NOTE above)."""
-    used = [s for s in samples if s.mode is mode and s.ran > 0 and s.alternative > 0
-            and not (held_back_only and mode is Mode.MERGED and s.alternative <= s.ran)]
+    used = [
+        s
+        for s in samples
+        if s.mode is mode
+        and s.ran > 0
+        and s.alternative > 0
+        and not (held_back_only and mode is Mode.MERGED and s.alternative <= s.ran)
+    ]
     if not used:
         return None
     other = Mode.UNMERGED if mode is Mode.MERGED else Mode.MERGED

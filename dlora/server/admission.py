@@ -105,25 +105,45 @@ class AdmissionMiddleware:
         try:
             body, receive = await _read_body(scope, receive, limits.max_body_bytes)
         except BodyTooLarge:
-            await self._refuse(state, scope, send, "body_too_large", 413,
-                               f"request body is larger than the server's limit of {limits.max_body_bytes} bytes "
-                               "(server.max_body_bytes)")
+            await self._refuse(
+                state,
+                scope,
+                send,
+                "body_too_large",
+                413,
+                f"request body is larger than the server's limit of {limits.max_body_bytes} bytes "
+                "(server.max_body_bytes)",
+            )
             return
         fanout = fanout_of(scope["path"], body) if body is not None else None
         if fanout is None:
             await self.app(scope, receive, send)
             return
         if fanout.choices > limits.max_choices_per_request:
-            await self._refuse(state, scope, send, "fanout", 400,
-                               f"this request asks for {fanout.choices} completions ({fanout.prompts} prompt(s) x "
-                               f"n={fanout.n}); the server allows at most {limits.max_choices_per_request} per request "
-                               "(server.max_choices_per_request)", "n" if fanout.n > 1 else "prompt")
+            await self._refuse(
+                state,
+                scope,
+                send,
+                "fanout",
+                400,
+                f"this request asks for {fanout.choices} completions ({fanout.prompts} prompt(s) x "
+                f"n={fanout.n}); the server allows at most {limits.max_choices_per_request} per request "
+                "(server.max_choices_per_request)",
+                "n" if fanout.n > 1 else "prompt",
+            )
             return
         if not self.in_flight.take(fanout.choices, limits.max_pending_requests):
-            await self._refuse(state, scope, send, "overloaded", 429,
-                               f"the server is at its limit of {limits.max_pending_requests} completions in flight "
-                               f"(server.max_pending_requests) and this request asks for {fanout.choices}; "
-                               "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+            await self._refuse(
+                state,
+                scope,
+                send,
+                "overloaded",
+                429,
+                f"the server is at its limit of {limits.max_pending_requests} completions in flight "
+                f"(server.max_pending_requests) and this request asks for {fanout.choices}; "
+                "retry later",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
             return
         _set_in_flight(state, self.in_flight.count)
         try:
@@ -133,8 +153,16 @@ class AdmissionMiddleware:
             _set_in_flight(state, self.in_flight.count)
 
     @staticmethod
-    async def _refuse(state, scope: Scope, send: Send, reason: str, status: int, message: str,
-                      param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    async def _refuse(
+        state,
+        scope: Scope,
+        send: Send,
+        reason: str,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         state.metrics.admission_refused.labels(reason).inc()
         response = JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
         await response(scope, _no_body, send)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,8 +54,12 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
         state: ServerState = request.app.state.dlora
         healthy = sum(1 for s in state.router.slots if s.healthy)
         status = "draining" if drain.draining else "ok" if healthy else "unavailable"
-        body = {"status": status, "replicas_healthy": healthy, "replicas": len(state.router.slots),
-                "replicas_given_up": [s.replica_id for s in state.router.slots if s.gave_up]}
+        body = {
+            "status": status,
+            "replicas_healthy": healthy,
+            "replicas": len(state.router.slots),
+            "replicas_given_up": [s.replica_id for s in state.router.slots if s.gave_up],
+        }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")

@@ -65,7 +65,7 @@ class Drain:
         """True when no request is in flight within `timeout_s`."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -73,15 +73,21 @@ class Drain:
         await self._expired.wait()
 
     def cut_off_message(self) -> str:
-        return (f"the server is shutting down: the request did not finish within server.drain_timeout_s="
-                f"{self.timeout_s:g}s and was ended")
+        return (
+            f"the server is shutting down: the request did not finish within server.drain_timeout_s="
+            f"{self.timeout_s:g}s and was ended"
+        )
 
 
 async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
@@ -132,11 +138,13 @@ class DrainMiddleware:
             self.drain.leave()
 
     async def _refuse(self, send) -> None:
-        body = error_body(503, "the server is shutting down and accepts no new requests; retry on another "
-                               "instance or after a restart")
+        body = error_body(
+            503, "the server is shutting down and accepts no new requests; retry on another instance or after a restart"
+        )
         # Connection: close, so a keep-alive client's next request goes to a fresh connection elsewhere.
-        await _send_json(send, 503, body, [(b"retry-after", str(self.drain.retry_after_s()).encode()),
-                                           (b"connection", b"close")])
+        await _send_json(
+            send, 503, body, [(b"retry-after", str(self.drain.retry_after_s()).encode()), (b"connection", b"close")]
+        )
 
     async def _run(self, scope, receive, send) -> None:
         progress = _ResponseProgress(send)

@@ -51,8 +51,12 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_stop(self, name: str) -> None:
         d = self.drain
-        log.warning("%s: draining %d request(s) in flight for up to %g s (server.drain_timeout_s); new requests "
-                    "get 503", name, d.inflight, d.timeout_s)
+        log.warning(
+            "%s: draining %d request(s) in flight for up to %g s (server.drain_timeout_s); new requests get 503",
+            name,
+            d.inflight,
+            d.timeout_s,
+        )
         if not await d.wait_idle(d.timeout_s):
             log.warning("drain timeout: ending %d request(s) still running", d.inflight)
             d.expire()

@@ -44,8 +44,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -67,8 +68,7 @@ def as_api_error(exc: BaseException, request_id: str) -> APIError:
         return APIError(exc.http_status, f"{exc} (request id {request_id})")
     if isinstance(exc, ReplicaFailure):
         log.warning("request %s: its replica failed: %s", request_id, exc)
-        return APIError(503, f"no replica is available to serve the request (request id {request_id}); "
-                        "try again later")
+        return APIError(503, f"no replica is available to serve the request (request id {request_id}); try again later")
     log.error("request %s failed", request_id, exc_info=exc)
     return APIError(500, f"internal error while generating (request id {request_id})")
 

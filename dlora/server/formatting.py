@@ -56,9 +56,7 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict | None:
         return {"token": token, "logprob": logprob(value), "bytes": list(token.encode("utf-8"))}
 
     return {
-        "content": [
-            entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for _, v, t in lp.top]} for lp in lps
-        ]
+        "content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for _, v, t in lp.top]} for lp in lps]
     }
 
 

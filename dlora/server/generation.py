@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from dlora.adapters.lifecycle import AdapterUnavailableError, ref_of
 from dlora.adapters.registry import AdapterNotFoundError
@@ -56,8 +56,12 @@ def resolve_adapter(state, model: str) -> AdapterRef | None:
         return ref_of(state.adapters.lookup(model))
     except AdapterUnavailableError:
         # Registered, but its stored copy changed or vanished: the operator must register it again.
-        raise APIError(503, f"The adapter `{model}` is registered but its stored files are damaged or missing; "
-                       "it cannot be served until it is registered again.", "model") from None
+        raise APIError(
+            503,
+            f"The adapter `{model}` is registered but its stored files are damaged or missing; "
+            "it cannot be served until it is registered again.",
+            "model",
+        ) from None
     except AdapterNotFoundError:
         raise APIError(404, f"The model `{model}` does not exist.", "model") from None
 
@@ -68,33 +72,53 @@ def max_tokens_for(body: SamplingFields, prompt_len: int, max_model_len: int) ->
     if body.max_tokens is None:
         if room < 1:
             raise APIError(
-                400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                f"has {prompt_len} tokens, which leaves no room for completion tokens.", "messages",
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"has {prompt_len} tokens, which leaves no room for completion tokens.",
+                "messages",
             )
         return room
     if body.max_tokens > room:
         raise APIError(
-            400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + body.max_tokens} tokens ({prompt_len} in the prompt, {body.max_tokens} in the "
-            f"completion). Please reduce the length of the prompt or max_tokens.", "max_tokens",
+            f"completion). Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
         )
     return body.max_tokens
 
 
 def sampling_spec(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingSpec:
     return SamplingSpec(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, seed=body.seed, stop=body.stop_list(),
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 
-def make_jobs(request_id: str, prompts: list[list[int]], body: SamplingFields, adapter: AdapterRef | None,
-              logprobs: int | None, max_model_len: int, vocab_size: int) -> list[Job]:
+def make_jobs(
+    request_id: str,
+    prompts: list[list[int]],
+    body: SamplingFields,
+    adapter: AdapterRef | None,
+    logprobs: int | None,
+    max_model_len: int,
+    vocab_size: int,
+) -> list[Job]:
     jobs = []
     for p_idx, ids in enumerate(prompts):
         if not ids:
@@ -110,8 +134,11 @@ def make_jobs(request_id: str, prompts: list[list[int]], body: SamplingFields, a
             # Here, before any engine (or a stream's first byte), not inside a replica as a 500.
             check_sampling(sampling, vocab_size)
             req = GenerateRequest(
-                request_id=f"{request_id}-{index}", prompt_token_ids=tuple(ids),
-                sampling=sampling, adapter=adapter, priority=body.priority,
+                request_id=f"{request_id}-{index}",
+                prompt_token_ids=tuple(ids),
+                sampling=sampling,
+                adapter=adapter,
+                priority=body.priority,
             )
             jobs.append(Job(index=index, prompt_index=p_idx, request=req))
     return jobs

@@ -21,49 +21,91 @@ class Metrics:
         self.requests = Counter("dlora_requests", "Finished requests", ["adapter", "status"], registry=r)
         self.prompt_tokens = Counter("dlora_prompt_tokens", "Prompt tokens processed", ["adapter"], registry=r)
         self.generation_tokens = Counter("dlora_generation_tokens", "Tokens generated", ["adapter"], registry=r)
-        self.ttft = Histogram("dlora_time_to_first_token_seconds", "Time to first token", ["adapter"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("dlora_time_per_output_token_seconds", "Mean time per output token after the first",
-                              ["adapter"], buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("dlora_e2e_request_latency_seconds", "End-to-end request latency", ["adapter"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "dlora_time_to_first_token_seconds",
+            "Time to first token",
+            ["adapter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "dlora_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            ["adapter"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dlora_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            ["adapter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         # Observed by the router (dlora/cluster/queue_time.py) once the replicas' measurements are in.
-        self.queue_time = Histogram("dlora_request_queue_time_seconds",
-                                    "Time a request waited before an engine first scheduled it, summed over the "
-                                    "replicas it was sent to, plus time held in the router",
-                                    ["adapter"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "dlora_request_queue_time_seconds",
+            "Time a request waited before an engine first scheduled it, summed over the "
+            "replicas it was sent to, plus time held in the router",
+            ["adapter"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("dlora_requests_running", "Requests that have produced a token", ["adapter"], registry=r)
-        self.waiting = Gauge("dlora_requests_waiting", "Requests waiting for their first token", ["adapter"],
-                             registry=r)
+        self.waiting = Gauge(
+            "dlora_requests_waiting", "Requests waiting for their first token", ["adapter"], registry=r
+        )
         self.adapters_registered = Gauge("dlora_adapters_registered", "Registered adapters", registry=r)
-        self.adapters_resident = Gauge("dlora_adapters_resident", "Adapters loaded in a replica's engine",
-                                       ["replica"], registry=r)
+        self.adapters_resident = Gauge(
+            "dlora_adapters_resident", "Adapters loaded in a replica's engine", ["replica"], registry=r
+        )
         self.replica_healthy = Gauge("dlora_replica_healthy", "1 when the replica serves", ["replica"], registry=r)
-        self.replica_unfinished = Gauge("dlora_replica_unfinished_requests", "Requests inside the engine",
-                                        ["replica"], registry=r)
-        self.replica_kv_usage = Gauge("dlora_replica_kv_usage", "Fraction of the replica's KV cache in use",
-                                      ["replica"], registry=r)
-        self.replica_kv_capacity = Gauge("dlora_replica_kv_capacity_tokens", "Tokens the replica's KV cache holds",
-                                         ["replica"], registry=r)
-        self.replica_running = Gauge("dlora_replica_running_requests", "Requests the engine runs", ["replica"],
-                                     registry=r)
-        self.replica_waiting = Gauge("dlora_replica_waiting_requests", "Requests queued in the engine",
-                                     ["replica"], registry=r)
-        self.replica_routed = Gauge("dlora_replica_routed_requests", "Requests the router has on the replica",
-                                    ["replica"], registry=r)
-        self.migration_solve = Histogram("dlora_migration_solve_seconds", "Wall time to plan one co-migration round",
-                                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
-                                         registry=r)
-        self.migration_rounds = Counter("dlora_migration_rounds", "Co-migration rounds run, by trigger",
-                                        ["reason"], registry=r)
+        self.replica_unfinished = Gauge(
+            "dlora_replica_unfinished_requests", "Requests inside the engine", ["replica"], registry=r
+        )
+        self.replica_kv_usage = Gauge(
+            "dlora_replica_kv_usage", "Fraction of the replica's KV cache in use", ["replica"], registry=r
+        )
+        self.replica_kv_capacity = Gauge(
+            "dlora_replica_kv_capacity_tokens", "Tokens the replica's KV cache holds", ["replica"], registry=r
+        )
+        self.replica_running = Gauge(
+            "dlora_replica_running_requests", "Requests the engine runs", ["replica"], registry=r
+        )
+        self.replica_waiting = Gauge(
+            "dlora_replica_waiting_requests", "Requests queued in the engine", ["replica"], registry=r
+        )
+        self.replica_routed = Gauge(
+            "dlora_replica_routed_requests", "Requests the router has on the replica", ["replica"], registry=r
+        )
+        self.migration_solve = Histogram(
+            "dlora_migration_solve_seconds",
+            "Wall time to plan one co-migration round",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.migration_rounds = Counter(
+            "dlora_migration_rounds", "Co-migration rounds run, by trigger", ["reason"], registry=r
+        )
         self.preloads = Counter("dlora_adapter_preloads", "Adapters copied by the long-term preload", registry=r)
-        self.admission_refused = Counter("dlora_admission_refused", "Requests refused before any work started, by "
-                                         "reason: body_too_large (413), fanout (400), overloaded (429)", ["reason"],
-                                         registry=r)
-        self.admitted_choices = Gauge("dlora_admitted_completions", "Completions (engine requests) of admitted "
-                                      "requests not answered yet (server.max_pending_requests bounds it)", registry=r)
-        self.replica_gave_up = Gauge("dlora_replica_gave_up", "1 when the replica failed cluster.max_restart_attempts "
-                                     "rebuilds in a row (it is retried rarely)", ["replica"], registry=r)
+        self.admission_refused = Counter(
+            "dlora_admission_refused",
+            "Requests refused before any work started, by reason: body_too_large (413), fanout (400), overloaded (429)",
+            ["reason"],
+            registry=r,
+        )
+        self.admitted_choices = Gauge(
+            "dlora_admitted_completions",
+            "Completions (engine requests) of admitted "
+            "requests not answered yet (server.max_pending_requests bounds it)",
+            registry=r,
+        )
+        self.replica_gave_up = Gauge(
+            "dlora_replica_gave_up",
+            "1 when the replica failed cluster.max_restart_attempts rebuilds in a row (it is retried rarely)",
+            ["replica"],
+            registry=r,
+        )
         # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
         self.cluster = ClusterCollector()
         r.register(self.cluster)
@@ -71,7 +113,7 @@ class Metrics:
         self.batching = BatchingCollector()
         r.register(self.batching)
 
-    def track(self, adapter: str, prompt_tokens: int) -> "RequestTracker":
+    def track(self, adapter: str, prompt_tokens: int) -> RequestTracker:
         self.prompt_tokens.labels(adapter).inc(prompt_tokens)
         self.waiting.labels(adapter).inc()
         return RequestTracker(self, adapter)
@@ -164,24 +206,37 @@ class BatchingCollector:
         return []  # families depend on the replicas seen; nothing to pre-register
 
     def collect(self):
-        mode = GaugeMetricFamily("dlora_batching_mode", "Weights of the replica: 0 unmerged, 1 one adapter merged",
-                                 labels=["replica"])
-        merged = GaugeMetricFamily("dlora_merged_adapter", "1 for the adapter merged into the replica's weights",
-                                   labels=["replica", "adapter"])
+        mode = GaugeMetricFamily(
+            "dlora_batching_mode", "Weights of the replica: 0 unmerged, 1 one adapter merged", labels=["replica"]
+        )
+        merged = GaugeMetricFamily(
+            "dlora_merged_adapter", "1 for the adapter merged into the replica's weights", labels=["replica", "adapter"]
+        )
         switches = CounterMetricFamily("dlora_switches", "Merges and unmerges applied", labels=["replica"])
-        failures = CounterMetricFamily("dlora_merge_failures", "Merges that failed (the replica stayed unmerged)",
-                                       labels=["replica"])
-        drains = CounterMetricFamily("dlora_lora_slot_drains", "Adapters held back so that a request waiting "
-                                     "for a LoRA batch slot (max_loras) got one", labels=["replica"])
-        preemptions = CounterMetricFamily("dlora_preemptions", "Running requests the engine preempted because "
-                                          "its KV cache was full (each is recomputed when resumed)",
-                                          labels=["replica"])
-        seconds = HistogramMetricFamily("dlora_switch_seconds", "Time to merge or unmerge one adapter",
-                                        labels=["replica", "op"])
-        credit = GaugeMetricFamily("dlora_adapter_credit", "Credit of an adapter in the dlora policy (seconds; "
-                                   "adapter \"\" is the base model)", labels=["replica", "adapter"])
-        threshold = GaugeMetricFamily("dlora_batching_threshold", "The dlora policy's switching thresholds",
-                                      labels=["replica", "threshold"])
+        failures = CounterMetricFamily(
+            "dlora_merge_failures", "Merges that failed (the replica stayed unmerged)", labels=["replica"]
+        )
+        drains = CounterMetricFamily(
+            "dlora_lora_slot_drains",
+            "Adapters held back so that a request waiting for a LoRA batch slot (max_loras) got one",
+            labels=["replica"],
+        )
+        preemptions = CounterMetricFamily(
+            "dlora_preemptions",
+            "Running requests the engine preempted because its KV cache was full (each is recomputed when resumed)",
+            labels=["replica"],
+        )
+        seconds = HistogramMetricFamily(
+            "dlora_switch_seconds", "Time to merge or unmerge one adapter", labels=["replica", "op"]
+        )
+        credit = GaugeMetricFamily(
+            "dlora_adapter_credit",
+            'Credit of an adapter in the dlora policy (seconds; adapter "" is the base model)',
+            labels=["replica", "adapter"],
+        )
+        threshold = GaugeMetricFamily(
+            "dlora_batching_threshold", "The dlora policy's switching thresholds", labels=["replica", "threshold"]
+        )
         for rid, st in sorted(self.states.items()):
             mode.add_metric([rid], 1 if st.mode == "merged" else 0)
             if st.merged_adapter is not None:
@@ -212,16 +267,18 @@ class ClusterCollector:
         return []
 
     def collect(self):
-        resub = CounterMetricFamily("dlora_request_resubmissions",
-                                    "Requests resubmitted to another replica after a replica failure")
+        resub = CounterMetricFamily(
+            "dlora_request_resubmissions", "Requests resubmitted to another replica after a replica failure"
+        )
         resub.add_metric([], self.counters.get("resubmissions", 0))
         moved = CounterMetricFamily("dlora_migrations", "Running requests moved between replicas (abort + resubmit)")
         moved.add_metric([], self.counters.get("migrations", 0))
         restarts = CounterMetricFamily("dlora_replica_restarts", "Times a replica was rebuilt", labels=["replica"])
         for rid, n in sorted(self.restarts.items()):
             restarts.add_metric([rid], n)
-        gave_up = CounterMetricFamily("dlora_request_resubmission_limit",
-                                      "Requests failed because their replicas failed more than "
-                                      "cluster.max_resubmissions times")
+        gave_up = CounterMetricFamily(
+            "dlora_request_resubmission_limit",
+            "Requests failed because their replicas failed more than cluster.max_resubmissions times",
+        )
         gave_up.add_metric([], self.counters.get("resubmission_limit", 0))
         yield from (resub, moved, restarts, gave_up)

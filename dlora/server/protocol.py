@@ -69,7 +69,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "CompletionRequest":
+    def _check(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
@@ -108,7 +108,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         if self.max_completion_tokens is not None and self.max_tokens is None:

@@ -69,10 +69,19 @@ async def list_adapters(request: Request):
     data = []
     for r in state.adapters.registry.all():
         on = resident.get(r.int_id, [])
-        data.append({
-            "name": r.name, "path": r.path, "rank": r.rank, "alpha": r.alpha,
-            "target_modules": list(r.target_modules), "pinned": r.pinned, "source": r.source,
-            "state": "resident" if on else "registered", "resident_on": on,
-            "in_flight": state.router.inflight_by_adapter.get(r.name, 0), "size_bytes": r.size_bytes,
-        })
+        data.append(
+            {
+                "name": r.name,
+                "path": r.path,
+                "rank": r.rank,
+                "alpha": r.alpha,
+                "target_modules": list(r.target_modules),
+                "pinned": r.pinned,
+                "source": r.source,
+                "state": "resident" if on else "registered",
+                "resident_on": on,
+                "in_flight": state.router.inflight_by_adapter.get(r.name, 0),
+                "size_bytes": r.size_bytes,
+            }
+        )
     return {"object": "list", "data": data}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,9 +61,14 @@ async def _chat_prompt(state, body: ChatCompletionRequest) -> list[int]:
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     template, _ = request_template(body)
-    return await templates.chat_prompt(state.tokenizer, messages, body.add_generation_prompt,
-                                       body.chat_template_kwargs or {}, template,
-                                       state.cfg.server.template_timeout_s)
+    return await templates.chat_prompt(
+        state.tokenizer,
+        messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs or {},
+        template,
+        state.cfg.server.template_timeout_s,
+    )
 
 
 def _admit(state, body: SamplingFields) -> None:
@@ -89,8 +94,9 @@ def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _stream(state, jobs: list[Job], label: str, chunk: Callable, usage_chunk: Callable | None,
-                  first_chunks: list[dict] = ()) -> AsyncIterator[str]:
+async def _stream(
+    state, jobs: list[Job], label: str, chunk: Callable, usage_chunk: Callable | None, first_chunks: list[dict] = ()
+) -> AsyncIterator[str]:
     prompt_tokens = sum(len(j.request.prompt_token_ids) for j in jobs)
     completion_tokens = 0
     request_id = jobs[0].request.request_id.rsplit("-", 1)[0]
@@ -152,8 +158,9 @@ async def _completions(body: CompletionRequest, request: Request, rid: str) -> R
             for i, r in enumerate(results)
         ]
         prompt_tokens = sum(len(p) for p in prompts)
-        return JSONResponse(envelope(choices) | {
-            "usage": fmt.usage(prompt_tokens, sum(len(r.token_ids) for r in results))})
+        return JSONResponse(
+            envelope(choices) | {"usage": fmt.usage(prompt_tokens, sum(len(r.token_ids) for r in results))}
+        )
 
     return await until_disconnect(request, whole())
 
@@ -203,8 +210,15 @@ async def models(request: Request):
     base = state.base_model_name
 
     def card(model_id: str, parent: str | None, root: str) -> dict:
-        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "dlora",
-                "root": root, "parent": parent, "max_model_len": state.max_model_len}
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "dlora",
+            "root": root,
+            "parent": parent,
+            "max_model_len": state.max_model_len,
+        }
 
     data = [card(base, None, state.model_path)]
     data += [card(r.name, base, r.path) for r in state.adapters.registry.all()]

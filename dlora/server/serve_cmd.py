@@ -27,8 +27,11 @@ SHUTDOWN_GRACE_S = 5
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="start the OpenAI-compatible server",
-                       description="Start Ray, the replica engines and the HTTP server.")
+    p = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Start Ray, the replica engines and the HTTP server.",
+    )
     p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
     p.add_argument("--host", dest="server.host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", dest="server.port", type=int, help="HTTP port (default 8000)")
@@ -46,8 +49,12 @@ def add_parser(sub) -> None:
     p.add_argument("--ray-address", dest="cluster.ray_address")
     p.add_argument("--admin-token", dest="server.admin_token")
     p.add_argument("--state-dir", dest="server.state_dir")
-    p.add_argument("--log-level", dest="server.log_level", choices=config_mod.LOG_LEVELS,
-                   help="log level (default info); debug also logs the traceback of a failed start")
+    p.add_argument(
+        "--log-level",
+        dest="server.log_level",
+        choices=config_mod.LOG_LEVELS,
+        help="log level (default info); debug also logs the traceback of a failed start",
+    )
     p.set_defaults(func=run)
 
 
@@ -151,8 +158,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
     use is one line at once rather than uvicorn's [Errno 98] after the replicas loaded, and nobody
     can take the port meanwhile. Connections made while the replicas start wait in the backlog."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ]
     except socket.gaierror as e:
         raise config_mod.ConfigError(f"server.host={host!r}: cannot resolve it ({e.strerror})") from None
     sock = socket.socket(family, kind, proto)
@@ -166,9 +174,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise config_mod.ConfigError(
                 f"server.port={port}: address already in use on {host} (another process listens there; "
-                "choose another with --port)") from None
-        raise config_mod.ConfigError(f"server.host={host!r}, server.port={port}: cannot listen there "
-                                     f"({e.strerror})") from None
+                "choose another with --port)"
+            ) from None
+        raise config_mod.ConfigError(
+            f"server.host={host!r}, server.port={port}: cannot listen there ({e.strerror})"
+        ) from None
     return sock
 
 
@@ -195,9 +205,16 @@ def run(args: argparse.Namespace) -> int:
         return built[0]
 
     drain = Drain(cfg.server.drain_timeout_s)
-    server = DrainingServer(uvicorn.Config(create_app(state, drain), host=cfg.server.host, port=cfg.server.port,
-                                           log_level=cfg.server.log_level,
-                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S), drain)
+    server = DrainingServer(
+        uvicorn.Config(
+            create_app(state, drain),
+            host=cfg.server.host,
+            port=cfg.server.port,
+            log_level=cfg.server.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        ),
+        drain,
+    )
 
     async def main() -> None:
         built.append(await start_state(cfg))

@@ -56,14 +56,19 @@ def base_model_name(cfg: DloraConfig, model_path: str) -> str:
 
 def router_config(cfg: DloraConfig) -> RouterConfig:
     """What the router needs from the server's config: the engines' adapter and batch limits."""
-    return RouterConfig(dispatch=cfg.cluster.dispatch, static_placement=cfg.cluster.placement == "static",
-                        adapter_slots=cfg.engine.max_cpu_loras, batch_adapter_slots=cfg.engine.max_loras,
-                        max_batch=cfg.engine.max_num_seqs, output_lengths=cfg.cluster.output_lengths(),
-                        max_resubmissions=cfg.cluster.max_resubmissions,
-                        actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,
-                        replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
-                        max_restart_attempts=cfg.cluster.max_restart_attempts,
-                        request_timeout_s=cfg.server.request_timeout_s)
+    return RouterConfig(
+        dispatch=cfg.cluster.dispatch,
+        static_placement=cfg.cluster.placement == "static",
+        adapter_slots=cfg.engine.max_cpu_loras,
+        batch_adapter_slots=cfg.engine.max_loras,
+        max_batch=cfg.engine.max_num_seqs,
+        output_lengths=cfg.cluster.output_lengths(),
+        max_resubmissions=cfg.cluster.max_resubmissions,
+        actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,
+        replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
+        max_restart_attempts=cfg.cluster.max_restart_attempts,
+        request_timeout_s=cfg.server.request_timeout_s,
+    )
 
 
 async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
@@ -77,8 +82,11 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = base_model_name(cfg, model_path)
     manager_box: list[AdapterManager] = []
-    router = Router(replicas or create_replicas(cfg, model_path), cfg=router_config(cfg),
-                    pinned_adapters=lambda: manager_box[0].pinned_refs())
+    router = Router(
+        replicas or create_replicas(cfg, model_path),
+        cfg=router_config(cfg),
+        pinned_adapters=lambda: manager_box[0].pinned_refs(),
+    )
     adapters = AdapterManager(
         registry=AdapterRegistry(cfg.state_dir),
         router=router,
@@ -100,8 +108,13 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
         metrics.migration_solve.observe(r.plan.solve_ms / 1000)
         metrics.migration_rounds.labels(r.trigger.reason).inc()
 
-    balancer = Balancer(router, adapter_ref=lambda n: ref_of(adapters.lookup(n)), cfg=cfg.cluster,
-                        on_round=on_round, on_preload=lambda p: metrics.preloads.inc(len(p.loads)))
+    balancer = Balancer(
+        router,
+        adapter_ref=lambda n: ref_of(adapters.lookup(n)),
+        cfg=cfg.cluster,
+        on_round=on_round,
+        on_preload=lambda p: metrics.preloads.inc(len(p.loads)),
+    )
     state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer)
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))

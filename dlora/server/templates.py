@@ -14,8 +14,9 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from dlora.server.errors import APIError
 
@@ -56,7 +57,7 @@ async def _off_loop(fn: Callable[[], T], timeout_s: float | None, what: str, par
     future = asyncio.get_running_loop().run_in_executor(_POOL, fn)
     try:
         return await asyncio.wait_for(future, timeout_s)
-    except (asyncio.TimeoutError, TemplateTimeout):
+    except (TimeoutError, TemplateTimeout):
         # The thread's result, if it ever comes, is dropped with the future.
         raise APIError(400, f"{what} took longer than {timeout_s:g} s", param) from None
 
@@ -72,11 +73,22 @@ async def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     return await _off_loop(lambda: [encode(tokenizer, t, True) for t in texts], None, "tokenization", "prompt")
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any],
-            template: str | None, timeout_s: float) -> list[int]:
+def _render(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any],
+    template: str | None,
+    timeout_s: float,
+) -> list[int]:
     def render() -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **kwargs, **({"chat_template": template} if template else {}))
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+            **({"chat_template": template} if template else {}),
+        )
 
     try:
         # Only a request's own template is traced: the model's is the operator's, and tracing slows
@@ -91,13 +103,21 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs
     return encode(tokenizer, text, add_special_tokens=False)
 
 
-async def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any],
-                      template: str | None, timeout_s: float) -> list[int]:
+async def chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any],
+    template: str | None,
+    timeout_s: float,
+) -> list[int]:
     """The conversation rendered by the chat template and tokenised, within `timeout_s` seconds."""
     kwargs = dict(kwargs)
     kwargs.pop("chat_template", None)
     add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
     return await _off_loop(
         lambda: _render(tokenizer, messages, add_generation_prompt, kwargs, template, timeout_s),
-        timeout_s, "chat template rendering", "chat_template" if template else "messages",
+        timeout_s,
+        "chat template rendering",
+        "chat_template" if template else "messages",
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
@@ -31,10 +32,20 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 # apply_chat_template's own arguments: a request setting them through chat_template_kwargs would
 # change what the call returns (token ids instead of text, tensors, a dict), not what the template sees.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
-    "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+    }
+)
 
 
 def _leaves(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -61,8 +72,9 @@ def check_values(body: SamplingFields) -> None:
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 # The value itself is not quoted: it cannot be encoded in the response either.
-                raise APIError(400, f"{param}: text contains a lone UTF-16 surrogate, which is not valid "
-                               "Unicode", param)
+                raise APIError(
+                    400, f"{param}: text contains a lone UTF-16 surrogate, which is not valid Unicode", param
+                )
         elif isinstance(value, bool):
             continue
         elif isinstance(value, float):
@@ -98,14 +110,21 @@ def check_chat_template(body: ChatCompletionRequest, trusted: bool) -> None:
     if template is not None and not trusted:
         # A template is a program the server runs: it can rewrite the whole prompt (system message
         # included) or loop for ever. vLLM's message, its flag named after dlora's key.
-        raise APIError(400, "Chat template is passed with request, but server.trust_request_chat_template "
-                       "is not set. Refused request with untrusted chat template.", field)
+        raise APIError(
+            400,
+            "Chat template is passed with request, but server.trust_request_chat_template "
+            "is not set. Refused request with untrusted chat template.",
+            field,
+        )
     if template is not None and not isinstance(template, str):
         raise APIError(400, f"{field}: must be a string", field)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(body.chat_template_kwargs or {}))
     if reserved:
-        raise APIError(400, f"chat_template_kwargs: `{reserved[0]}` cannot be set by a request",
-                       f"chat_template_kwargs.{reserved[0]}")
+        raise APIError(
+            400,
+            f"chat_template_kwargs: `{reserved[0]}` cannot be set by a request",
+            f"chat_template_kwargs.{reserved[0]}",
+        )
 
 
 def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
@@ -115,9 +134,12 @@ def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
         raise APIError(400, "seed: seed + n - 1 must lie in [-2**63, 2**63 - 1]", "seed")
     bad = [t for t in spec.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(400, f"token_id(s) {bad[:_SHOWN_IDS]}{' ...' if len(bad) > _SHOWN_IDS else ''} in "
-                       f"stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
-                       "stop_token_ids")
+        raise APIError(
+            400,
+            f"token_id(s) {bad[:_SHOWN_IDS]}{' ...' if len(bad) > _SHOWN_IDS else ''} in "
+            f"stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+            "stop_token_ids",
+        )
     try:
         to_sampling_params(spec)
     except VLLMValidationError as e:
@@ -127,8 +149,11 @@ def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
         message = str(e) or "invalid sampling parameters"
         raise APIError(400, message, _field_named_in(message)) from None
     if spec.repetition_penalty > FLOAT32_MAX:
-        raise APIError(400, f"repetition_penalty must be at most {FLOAT32_MAX:g}, got {spec.repetition_penalty:g}",
-                       "repetition_penalty")
+        raise APIError(
+            400,
+            f"repetition_penalty must be at most {FLOAT32_MAX:g}, got {spec.repetition_penalty:g}",
+            "repetition_penalty",
+        )
 
 
 _SAMPLING_FIELDS = frozenset(SamplingFields.model_fields)

@@ -46,8 +46,15 @@ class _Live:
 
     def view(self) -> RequestView:
         computed = self.req.prompt_tokens + self.generated if self.admitted else 0
-        return RequestView(self.req.req_id, self.req.adapter, self.req.arrival, self.req.prompt_tokens,
-                           computed, self.generated, self.admitted)
+        return RequestView(
+            self.req.req_id,
+            self.req.adapter,
+            self.req.arrival,
+            self.req.prompt_tokens,
+            computed,
+            self.generated,
+            self.admitted,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +121,11 @@ class BatchingSim:
             now += self._step(live, now, rng, result)
             for rid in [rid for rid, s in live.items() if s.finished_at is not None]:
                 s = live.pop(rid)
-                done.append(RequestResult(rid, s.req.adapter, s.req.arrival, s.first_token_at, s.finished_at,
-                                          s.req.output_tokens))
+                done.append(
+                    RequestResult(
+                        rid, s.req.adapter, s.req.arrival, s.first_token_at, s.finished_at, s.req.output_tokens
+                    )
+                )
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
 
     def _step(self, live: dict[str, _Live], now: float, rng: random.Random, result: SimResult) -> float:
@@ -201,4 +211,4 @@ class BatchingSim:
         return self.costs.step(len(batch), prefill, lora_seqs, lora_prefill, len(adapters))
 
     def _noise(self, rng: random.Random) -> float:
-        return math.exp(rng.gauss(-self.noise_sd ** 2 / 2, self.noise_sd)) if self.noise_sd > 0 else 1.0
+        return math.exp(rng.gauss(-(self.noise_sd**2) / 2, self.noise_sd)) if self.noise_sd > 0 else 1.0

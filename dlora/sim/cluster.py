@@ -103,11 +103,18 @@ class RunResult:
 
     def summary(self) -> dict:
         q = sorted(self.queue_s)
-        return {"policy": self.policy, "rate": self.rate, "seed": self.seed, "requests": len(q),
-                "mean_queue_ms": 1000 * statistics.fmean(q), "p90_queue_ms": 1000 * q[int(0.9 * (len(q) - 1))],
-                "mean_ttft_ms": 1000 * statistics.fmean(self.ttft_s),
-                "mean_latency_per_token_ms": 1000 * statistics.fmean(self.latency_per_token_s),
-                "migrations": self.migrations, "wall_s": self.wall_s}
+        return {
+            "policy": self.policy,
+            "rate": self.rate,
+            "seed": self.seed,
+            "requests": len(q),
+            "mean_queue_ms": 1000 * statistics.fmean(q),
+            "p90_queue_ms": 1000 * q[int(0.9 * (len(q) - 1))],
+            "mean_ttft_ms": 1000 * statistics.fmean(self.ttft_s),
+            "mean_latency_per_token_ms": 1000 * statistics.fmean(self.latency_per_token_s),
+            "migrations": self.migrations,
+            "wall_s": self.wall_s,
+        }
 
 
 def adapter_refs(spec: ClusterSimSpec) -> dict[str, AdapterRef]:
@@ -126,23 +133,50 @@ def static_shares(spec: ClusterSimSpec) -> list[float]:
 def cluster_config(spec: ClusterSimSpec, policy: str) -> ClusterConfig:
     dispatch, placement, migration = POLICIES[policy]
     service = spec.service_s
-    return ClusterConfig(num_replicas=spec.replicas, dispatch=dispatch, placement=placement, migration=migration,
-                         monitor_interval_s=MONITOR_PER_SERVICE * service,
-                         migration_interval_s=ROUND_PER_SERVICE * service, queue_delay_s=ROUND_PER_SERVICE * service,
-                         count_imbalance=spec.count_imbalance, placement_interval_s=1e6)
+    return ClusterConfig(
+        num_replicas=spec.replicas,
+        dispatch=dispatch,
+        placement=placement,
+        migration=migration,
+        monitor_interval_s=MONITOR_PER_SERVICE * service,
+        migration_interval_s=ROUND_PER_SERVICE * service,
+        queue_delay_s=ROUND_PER_SERVICE * service,
+        count_imbalance=spec.count_imbalance,
+        placement_interval_s=1e6,
+    )
 
 
-def make_requests(spec: ClusterSimSpec, rate: float, n: int, seed: int,
-                  refs: dict[str, AdapterRef]) -> list[tuple[float, GenerateRequest]]:
+def make_requests(
+    spec: ClusterSimSpec, rate: float, n: int, seed: int, refs: dict[str, AdapterRef]
+) -> list[tuple[float, GenerateRequest]]:
     """(arrival second, request): Zipf adapters, Gamma arrivals (dlora bench's generator)."""
-    work = generate_workload(WorkloadSpec(num_prompts=n, adapters=tuple(spec.names()), distribution="zipf",
-                                          alpha=spec.alpha, cv=spec.cv, request_rate=rate, input_len=spec.input_len,
-                                          output_len=spec.output_len, seed=seed), with_prompts=False)
+    work = generate_workload(
+        WorkloadSpec(
+            num_prompts=n,
+            adapters=tuple(spec.names()),
+            distribution="zipf",
+            alpha=spec.alpha,
+            cv=spec.cv,
+            request_rate=rate,
+            input_len=spec.input_len,
+            output_len=spec.output_len,
+            seed=seed,
+        ),
+        with_prompts=False,
+    )
     ignore_eos = not spec.eos_means
-    return [(r.arrival_time, GenerateRequest(
-        f"{r.request_id}-s{seed}", tuple((i * 7919 + k) % VOCAB for k in range(spec.input_len)),
-        SamplingSpec(max_tokens=spec.output_len, ignore_eos=ignore_eos), refs[r.adapter]))
-        for i, r in enumerate(work)]
+    return [
+        (
+            r.arrival_time,
+            GenerateRequest(
+                f"{r.request_id}-s{seed}",
+                tuple((i * 7919 + k) % VOCAB for k in range(spec.input_len)),
+                SamplingSpec(max_tokens=spec.output_len, ignore_eos=ignore_eos),
+                refs[r.adapter],
+            ),
+        )
+        for i, r in enumerate(work)
+    ]
 
 
 async def _client(router: Router, req: GenerateRequest, at: float, out: RunResult) -> None:
@@ -161,15 +195,36 @@ async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed:
     """One policy on n requests at `rate` req/s; returns every request's queueing delay."""
     refs = adapter_refs(spec)
     eos = {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(refs)} if spec.eos_means else {}
-    replicas = [ToyReplica(i, step_s=spec.step_s, max_running=spec.max_running, max_loras=spec.max_loras,
-                           load_s=spec.load_s, eos_period=eos) for i in range(spec.replicas)]
+    replicas = [
+        ToyReplica(
+            i,
+            step_s=spec.step_s,
+            max_running=spec.max_running,
+            max_loras=spec.max_loras,
+            load_s=spec.load_s,
+            eos_period=eos,
+        )
+        for i in range(spec.replicas)
+    ]
     cfg = cluster_config(spec, policy)
-    router = Router(replicas, cfg=RouterConfig(
-        dispatch=cfg.dispatch, static_placement=cfg.placement == "static", adapter_slots=spec.adapters,
-        max_batch=spec.max_running, batch_adapter_slots=spec.max_loras or RouterConfig.batch_adapter_slots,
-        output_lengths=cfg.output_lengths()))
-    true_cost = CostParams(per_iteration_s=spec.step_s, per_decode_token_s=0.0, per_prefill_token_s=0.0,
-                           adapter_load_s=spec.load_s, max_batch=spec.max_running)
+    router = Router(
+        replicas,
+        cfg=RouterConfig(
+            dispatch=cfg.dispatch,
+            static_placement=cfg.placement == "static",
+            adapter_slots=spec.adapters,
+            max_batch=spec.max_running,
+            batch_adapter_slots=spec.max_loras or RouterConfig.batch_adapter_slots,
+            output_lengths=cfg.output_lengths(),
+        ),
+    )
+    true_cost = CostParams(
+        per_iteration_s=spec.step_s,
+        per_decode_token_s=0.0,
+        per_prefill_token_s=0.0,
+        adapter_load_s=spec.load_s,
+        max_batch=spec.max_running,
+    )
     router.cost_models = {r.replica_id: ReplicaCostModel(true_cost) for r in replicas}
     result = RunResult(policy, rate, seed)
     router.queue_times.observer = lambda adapter, s: result.queue_s.append(s)

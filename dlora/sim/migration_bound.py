@@ -100,9 +100,13 @@ class ReplicaModel:
     def cost_params(self) -> CostParams:
         """The dispatch cost model's view of these costs (what fitting measured steps converges to)."""
         c = self.costs
-        return CostParams(per_iteration_s=c.fixed_s + c.lora_fixed_s, per_decode_token_s=c.per_seq_s + c.lora_per_seq_s,
-                          per_prefill_token_s=c.per_prefill_token_s + c.lora_per_prefill_token_s,
-                          adapter_load_s=self.load_s, max_batch=self.max_running)
+        return CostParams(
+            per_iteration_s=c.fixed_s + c.lora_fixed_s,
+            per_decode_token_s=c.per_seq_s + c.lora_per_seq_s,
+            per_prefill_token_s=c.per_prefill_token_s + c.lora_per_prefill_token_s,
+            adapter_load_s=self.load_s,
+            max_batch=self.max_running,
+        )
 
 
 @dataclass
@@ -124,8 +128,16 @@ class _Replica:
 
 
 class _Model:
-    def __init__(self, jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
-                 oracle_lengths: bool, move_after_s: float, homes: Mapping[str, int] | None) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        replicas: int,
+        model: ReplicaModel,
+        discipline: str,
+        oracle_lengths: bool,
+        move_after_s: float,
+        homes: Mapping[str, int] | None,
+    ) -> None:
         if discipline not in (*DISCIPLINES, STATIC):
             raise ValueError(f"discipline {discipline!r}: choose from {', '.join((*DISCIPLINES, STATIC))}")
         if discipline == STATIC and homes is None:
@@ -175,9 +187,13 @@ class _Model:
                 self.wake_all(t)
         if len(self.finished) != len(self.jobs):
             raise RuntimeError(f"{len(self.jobs) - len(self.finished)} requests never finished")
-        return Outcome([self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
-                       [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)], self.preemptions,
-                       self.moved, self.moved_running)
+        return Outcome(
+            [self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
+            [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)],
+            self.preemptions,
+            self.moved,
+            self.moved_running,
+        )
 
     # -- events
 
@@ -260,9 +276,16 @@ class _Model:
         else:
             new, loads = self.admit(t, r, [(i, r.queue) for i in r.queue])
         if self.discipline == "moves":  # then requests that have waited long enough elsewhere
-            movable = sorted(((self.jobs[i].arrival, i, o.queue) for o in self.replicas if o is not r
-                              for i in o.queue if t - self.jobs[i].arrival >= self.move_after_s - 1e-12),
-                             key=lambda x: x[:2])
+            movable = sorted(
+                (
+                    (self.jobs[i].arrival, i, o.queue)
+                    for o in self.replicas
+                    if o is not r
+                    for i in o.queue
+                    if t - self.jobs[i].arrival >= self.move_after_s - 1e-12
+                ),
+                key=lambda x: x[:2],
+            )
             more, more_loads = self.admit(t, r, [(i, q) for _, i, q in movable])
             new, loads = new + more, loads + more_loads
         if not r.running:
@@ -354,21 +377,45 @@ class _Model:
         m = self.model
         kv = 0.0 if m.kv_blocks is None else 1 - self.kv_free(r) / m.kv_blocks
         capacity = 1 << 20 if m.kv_blocks is None else m.kv_blocks * m.block_tokens
-        return ReplicaView(r.rid, requests, resident_adapters=frozenset(r.resident), kv_usage=kv,
-                           kv_capacity_tokens=capacity, adapter_slots=m.adapter_slots,
-                           batch_adapter_slots=m.max_loras, max_running=m.max_running)
+        return ReplicaView(
+            r.rid,
+            requests,
+            resident_adapters=frozenset(r.resident),
+            kv_usage=kv,
+            kv_capacity_tokens=capacity,
+            adapter_slots=m.adapter_slots,
+            batch_adapter_slots=m.max_loras,
+            max_running=m.max_running,
+        )
 
     def load(self, i: int, running: bool) -> RequestLoad:
         job, generated = self.jobs[i], self.generated[i]
-        expected = (float(job.output_len) if self.oracle
-                    else self.estimator.expected_total(job.adapter, generated, job.max_tokens))
-        return RequestLoad(f"r{i}", job.adapter, job.prompt_len, generated, expected, running,
-                           queued_since=self.sent_at[i], arrival=job.arrival)
+        expected = (
+            float(job.output_len)
+            if self.oracle
+            else self.estimator.expected_total(job.adapter, generated, job.max_tokens)
+        )
+        return RequestLoad(
+            f"r{i}",
+            job.adapter,
+            job.prompt_len,
+            generated,
+            expected,
+            running,
+            queued_since=self.sent_at[i],
+            arrival=job.arrival,
+        )
 
 
-def simulate(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str,
-             oracle_lengths: bool = False, move_after_s: float = MOVE_AFTER_S,
-             homes: Mapping[str, int] | None = None) -> Outcome:
+def simulate(
+    jobs: Sequence[Job],
+    replicas: int,
+    model: ReplicaModel,
+    discipline: str,
+    oracle_lengths: bool = False,
+    move_after_s: float = MOVE_AFTER_S,
+    homes: Mapping[str, int] | None = None,
+) -> Outcome:
     """`jobs` under `discipline` (see the module docstring)."""
     return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes).run()
 
@@ -390,11 +437,16 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
     def ratio(num: str, den: str) -> float | None:
         return means[num] / means[den] if means[den] > 0 else None
 
-    out = {"mean_queue_s": means, "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
-           "preemptions": {d: o.preemptions for d, o in runs.items()},
-           "balancer_moved": runs["balancer"].moved, "balancer_moved_running": runs["balancer"].moved_running,
-           "gain_of_late_binding": ratio("at_arrival", "late_binding"), "gain_of_moves": ratio("at_arrival", "moves"),
-           "gain_of_balancer": ratio("at_arrival", "balancer")}
+    out = {
+        "mean_queue_s": means,
+        "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
+        "preemptions": {d: o.preemptions for d, o in runs.items()},
+        "balancer_moved": runs["balancer"].moved,
+        "balancer_moved_running": runs["balancer"].moved_running,
+        "gain_of_late_binding": ratio("at_arrival", "late_binding"),
+        "gain_of_moves": ratio("at_arrival", "moves"),
+        "gain_of_balancer": ratio("at_arrival", "balancer"),
+    }
     gains = [g for k in ("gain_of_late_binding", "gain_of_moves", "gain_of_balancer") if (g := out[k]) is not None]
     out["best_gain"] = max(gains) if gains else None
     if homes is not None:  # dispatch at arrival against the static baseline

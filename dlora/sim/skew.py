@@ -34,15 +34,33 @@ class SkewWorkload:
         return float(popularity_shares("skewed", NUM_ADAPTERS, self.alpha)[0])
 
     def requests(self) -> list[SimRequest]:
-        spec = WorkloadSpec(num_prompts=self.num_prompts, adapters=tuple(f"a{i}" for i in range(NUM_ADAPTERS)),
-                            distribution="skewed", alpha=self.alpha, input_len=self.input_len,
-                            output_len=self.output_len, request_rate=self.rate, max_model_len=4096, seed=self.seed)
-        return [SimRequest(r.request_id, r.adapter, r.arrival_time, r.prompt_len, r.output_len)
-                for r in generate_workload(spec, with_prompts=False)]
+        spec = WorkloadSpec(
+            num_prompts=self.num_prompts,
+            adapters=tuple(f"a{i}" for i in range(NUM_ADAPTERS)),
+            distribution="skewed",
+            alpha=self.alpha,
+            input_len=self.input_len,
+            output_len=self.output_len,
+            request_rate=self.rate,
+            max_model_len=4096,
+            seed=self.seed,
+        )
+        return [
+            SimRequest(r.request_id, r.adapter, r.arrival_time, r.prompt_len, r.output_len)
+            for r in generate_workload(spec, with_prompts=False)
+        ]
 
 
-def simulate(policy: str, config: BatchingConfig, costs: StepCosts, requests: Iterable[SimRequest],
-             noise_sd: float = 0.0, seed: int = 0, **engine) -> SimResult:
-    sim = BatchingSim(make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed,
-                     mixed=config.mixed_merged, **engine)
+def simulate(
+    policy: str,
+    config: BatchingConfig,
+    costs: StepCosts,
+    requests: Iterable[SimRequest],
+    noise_sd: float = 0.0,
+    seed: int = 0,
+    **engine,
+) -> SimResult:
+    sim = BatchingSim(
+        make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed, mixed=config.mixed_merged, **engine
+    )
     return sim.run(requests)

@@ -55,30 +55,56 @@ class StepCosts:
             if getattr(self, f.name) < 0:
                 raise ValueError(f"StepCosts.{f.name} must be >= 0")
 
-    def step(self, seqs: int, prefill_tokens: int, lora_seqs: int, lora_prefill_tokens: int,
-             adapters: int) -> float:
+    def step(self, seqs: int, prefill_tokens: int, lora_seqs: int, lora_prefill_tokens: int, adapters: int) -> float:
         """Seconds of one step: `lora_*` count the sequences and prompt tokens that apply a LoRA
         term (none while their adapter is merged), `adapters` the distinct adapters among them."""
         t = self.fixed_s + self.per_seq_s * seqs + self.per_prefill_token_s * prefill_tokens
         if lora_seqs:
-            t += (self.lora_fixed_s + self.lora_per_seq_s * lora_seqs
-                  + self.lora_per_prefill_token_s * lora_prefill_tokens + self.lora_per_adapter_s * adapters)
+            t += (
+                self.lora_fixed_s
+                + self.lora_per_seq_s * lora_seqs
+                + self.lora_per_prefill_token_s * lora_prefill_tokens
+                + self.lora_per_adapter_s * adapters
+            )
         return t
 
 
 PRESETS: dict[str, StepCosts] = {
     "cpu-einsum": StepCosts(
-        fixed_s=0.0366, per_seq_s=0.0021, per_prefill_token_s=0.00131,
-        lora_fixed_s=0.0054, lora_per_seq_s=0.0001, lora_per_prefill_token_s=0.00025,
-        merge_cold_s=0.17, merge_cached_s=0.0013, unmerge_s=0.0016),
+        fixed_s=0.0366,
+        per_seq_s=0.0021,
+        per_prefill_token_s=0.00131,
+        lora_fixed_s=0.0054,
+        lora_per_seq_s=0.0001,
+        lora_per_prefill_token_s=0.00025,
+        merge_cold_s=0.17,
+        merge_cached_s=0.0013,
+        unmerge_s=0.0016,
+    ),
     "cpu-vllm-ops": StepCosts(
-        fixed_s=0.0366, per_seq_s=0.0021, per_prefill_token_s=0.00131,
-        lora_fixed_s=0.045, lora_per_seq_s=0.002, lora_per_prefill_token_s=0.0015, lora_per_adapter_s=0.001,
-        merge_cold_s=0.13, merge_cached_s=0.0013, unmerge_s=0.0013),
+        fixed_s=0.0366,
+        per_seq_s=0.0021,
+        per_prefill_token_s=0.00131,
+        lora_fixed_s=0.045,
+        lora_per_seq_s=0.002,
+        lora_per_prefill_token_s=0.0015,
+        lora_per_adapter_s=0.001,
+        merge_cold_s=0.13,
+        merge_cached_s=0.0013,
+        unmerge_s=0.0013,
+    ),
     "gpu-like": StepCosts(
-        fixed_s=0.012, per_seq_s=0.0002, per_prefill_token_s=0.00003,
-        lora_fixed_s=0.006, lora_per_seq_s=0.0002, lora_per_prefill_token_s=0.00002, lora_per_adapter_s=0.0004,
-        merge_cold_s=0.02, merge_cached_s=0.02, unmerge_s=0.02),
+        fixed_s=0.012,
+        per_seq_s=0.0002,
+        per_prefill_token_s=0.00003,
+        lora_fixed_s=0.006,
+        lora_per_seq_s=0.0002,
+        lora_per_prefill_token_s=0.00002,
+        lora_per_adapter_s=0.0004,
+        merge_cold_s=0.02,
+        merge_cached_s=0.02,
+        unmerge_s=0.02,
+    ),
 }
 
 

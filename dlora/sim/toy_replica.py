@@ -21,9 +21,8 @@ import asyncio
 import time
 import zlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, BatchingState, Delta, GenerateRequest, ReplicaStats
@@ -124,8 +123,12 @@ class ToyReplica:
 
     def _lora_blocked(self, adapter: str | None) -> bool:
         """vLLM's max_loras: a new adapter joins only while fewer distinct adapters run."""
-        return (self.max_loras is not None and adapter is not None and adapter not in self._generating_adapters
-                and sum(a is not None for a in self._generating_adapters) >= self.max_loras)
+        return (
+            self.max_loras is not None
+            and adapter is not None
+            and adapter not in self._generating_adapters
+            and sum(a is not None for a in self._generating_adapters) >= self.max_loras
+        )
 
     def _pump(self) -> None:
         """Admit waiting requests in (priority, arrival) order while slots are free, skipping those whose adapter
@@ -173,11 +176,24 @@ class ToyReplica:
     async def stats(self) -> ReplicaStats:
         self._check()
         waits, self._waits = tuple(self._waits), []
-        batching = BatchingState(policy="sim", mode="unmerged", merged_adapter=None, num_switches=0, merge_failures=0,
-                                 switch_times={}, num_running=self._generating, num_waiting=len(self._queue),
-                                 queue_waits=waits, kv_capacity_tokens=self.kv_capacity_tokens)
-        return ReplicaStats(self.replica_id, num_unfinished=len(self._running),
-                            resident_adapter_ids=sorted(self.loaded), batching=batching)
+        batching = BatchingState(
+            policy="sim",
+            mode="unmerged",
+            merged_adapter=None,
+            num_switches=0,
+            merge_failures=0,
+            switch_times={},
+            num_running=self._generating,
+            num_waiting=len(self._queue),
+            queue_waits=waits,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+        return ReplicaStats(
+            self.replica_id,
+            num_unfinished=len(self._running),
+            resident_adapter_ids=sorted(self.loaded),
+            batching=batching,
+        )
 
     async def shutdown(self) -> None:
         self._alive = False
@@ -188,8 +204,9 @@ def is_eos(eos_period: Mapping[str | None, int], adapter: str | None, tok: int) 
     return p is not None and tok % p == 0
 
 
-def reference_tokens(adapter: str | None, prompt: tuple[int, ...], n: int,
-                     eos_period: Mapping[str | None, int] | None = None) -> list[int]:
+def reference_tokens(
+    adapter: str | None, prompt: tuple[int, ...], n: int, eos_period: Mapping[str | None, int] | None = None
+) -> list[int]:
     """What an undisturbed run produces (up to and including its EOS token, if any)."""
     context, out = tuple(prompt), []
     for _ in range(n):

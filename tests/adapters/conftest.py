@@ -11,8 +11,14 @@ import pytest
 def make_base(out: Path) -> Path:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out)
     return out

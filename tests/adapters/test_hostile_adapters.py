@@ -46,8 +46,7 @@ def poison_tensor(d, value, which="lora_B"):
     return key
 
 
-@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "0", "-8", "4097", "1e9", "true",
-                                     '"16"'])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "0", "-8", "4097", "1e9", "true", '"16"'])
 def test_bad_lora_alpha_is_refused(micro, adapter, literal):
     set_config_text(adapter, "lora_alpha", literal)
     with pytest.raises(AdapterValidationError, match="lora_alpha"):

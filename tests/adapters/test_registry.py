@@ -52,11 +52,14 @@ def _saved(reg_dir):
     return json.loads((reg_dir / "adapters.json").read_text())
 
 
-@pytest.mark.parametrize("content, why", [
-    ("{not json", "not valid JSON"),
-    ('["a", "list"]', "expected an object"),
-    ('{"next_id": 3, "adapters": "nope"}', "expected an object"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a", "list"]', "expected an object"),
+        ('{"next_id": 3, "adapters": "nope"}', "expected an object"),
+    ],
+)
 def test_corrupt_file_is_moved_aside_and_named_in_the_log(tmp_path, caplog, content, why):
     (tmp_path / "adapters.json").write_text(content)
     reg = AdapterRegistry(tmp_path)
@@ -75,8 +78,12 @@ def test_bad_entries_are_dropped_the_good_ones_kept_and_the_file_moved_aside(tmp
     reg = AdapterRegistry(tmp_path)
     good = reg.add("good", INFO)
     data = _saved(tmp_path)
-    data["adapters"] += [{"name": "no_fields"}, {**data["adapters"][0], "name": "bad_rank", "rank": "8"},
-                         {**data["adapters"][0]}, 7]  # missing fields, wrong type, duplicate, not an object
+    data["adapters"] += [
+        {"name": "no_fields"},
+        {**data["adapters"][0], "name": "bad_rank", "rank": "8"},
+        {**data["adapters"][0]},
+        7,
+    ]  # missing fields, wrong type, duplicate, not an object
     (tmp_path / "adapters.json").write_text(json.dumps(data))
     again = AdapterRegistry(tmp_path)
     with caplog.at_level("WARNING"):

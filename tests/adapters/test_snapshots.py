@@ -41,9 +41,15 @@ def source(micro, tmp_path):
 def manager(micro, state: Path, roots: tuple[str, ...] = ()):
     replica = PathRecordingReplica(0)
     router = Router([replica])
-    mgr = AdapterManager(AdapterRegistry(state), router, BaseModelShapes.from_model_dir(micro["base"]),
-                         max_rank=8, roots=roots, base_model_name="base",
-                         snapshot_root=None if state is None else state / SNAPSHOT_SUBDIR)
+    mgr = AdapterManager(
+        AdapterRegistry(state),
+        router,
+        BaseModelShapes.from_model_dir(micro["base"]),
+        max_rank=8,
+        roots=roots,
+        base_model_name="base",
+        snapshot_root=None if state is None else state / SNAPSHOT_SUBDIR,
+    )
     return mgr, router, replica
 
 
@@ -62,6 +68,7 @@ def test_replicas_get_a_verified_read_only_copy_that_outlives_the_source(micro, 
         shutil.rmtree(source)  # the source goes away: the adapter is still served from its copy
         assert mgr.lookup("mine").path == rec.path
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -82,6 +89,7 @@ def test_a_damaged_snapshot_fails_only_its_own_adapter(micro, source, tmp_path):
         with pytest.raises(AdapterUnavailableError):
             mgr.lookup("mine")
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -127,6 +135,7 @@ def test_config_adapters_are_snapshotted_too(micro, source, tmp_path):
         assert problems == []
         assert snapshot.is_snapshot_path(mgr.lookup("cfg").path, tmp_path / "state" / "adapters")
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -143,6 +152,7 @@ def test_bad_files_leave_no_snapshot_behind(micro, source, tmp_path):
         assert "bad" not in mgr.registry
         assert list((tmp_path / "state" / "adapters").iterdir()) == []
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -153,4 +163,5 @@ def test_without_a_state_dir_the_source_is_served(micro, source):
         rec = await mgr.register("mine", str(source))
         assert rec.path == str(source.resolve()) and replica.paths == [rec.path]
         await router.shutdown()
+
     asyncio.run(run())

@@ -25,18 +25,23 @@ def test_good_adapter_reports_rank_alpha_targets(micro):
     assert info.size_bytes > 0
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda d: (d / "adapter_config.json").unlink(), "adapter_config.json not found"),
-    (lambda d: (d / "adapter_config.json").write_text("{not json"), "not valid JSON"),
-    (lambda d: (d / "adapter_model.safetensors").unlink(), "adapter_model.safetensors not found"),
-    (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
-     "not a readable safetensors"),
-    (lambda d: _truncate(d / "adapter_model.safetensors"), "not a readable safetensors"),
-    (lambda d: _edit_config(d, use_dora=True), "DoRA"),
-    (lambda d: _edit_config(d, peft_type="PREFIX_TUNING"), "not LORA"),
-    (lambda d: _edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
-    (lambda d: _edit_config(d, r=8), "shape"),  # config says 8, tensors are rank 4
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda d: (d / "adapter_config.json").unlink(), "adapter_config.json not found"),
+        (lambda d: (d / "adapter_config.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / "adapter_model.safetensors").unlink(), "adapter_model.safetensors not found"),
+        (
+            lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"),
+            "not a readable safetensors",
+        ),
+        (lambda d: _truncate(d / "adapter_model.safetensors"), "not a readable safetensors"),
+        (lambda d: _edit_config(d, use_dora=True), "DoRA"),
+        (lambda d: _edit_config(d, peft_type="PREFIX_TUNING"), "not LORA"),
+        (lambda d: _edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
+        (lambda d: _edit_config(d, r=8), "shape"),  # config says 8, tensors are rank 4
+    ],
+)
 def test_bad_adapters_are_refused_with_reason(micro, tmp_path, mutate, reason):
     d = tmp_path / "a"
     shutil.copytree(micro["good"], d)

@@ -55,8 +55,17 @@ def make_app(state: FakeState) -> FastAPI:
             yield _sse({"id": rid, "choices": [choice], "usage": None})
         if state.send_usage and (body.get("stream_options") or {}).get("include_usage"):
             prompt_tokens = len(str(body.get("prompt") or body.get("messages")).split())
-            yield _sse({"id": rid, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                             "total_tokens": prompt_tokens + n}})
+            yield _sse(
+                {
+                    "id": rid,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": n,
+                        "total_tokens": prompt_tokens + n,
+                    },
+                }
+            )
         yield "data: [DONE]\n\n"
 
     async def handle(request: Request, chat: bool):
@@ -64,7 +73,13 @@ def make_app(state: FakeState) -> FastAPI:
         state.received.append(body)
         if body.get("model") not in (BASE, *ADAPTERS):
             return JSONResponse(
-                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError", "code": 404}},
+                {
+                    "error": {
+                        "message": f"The model `{body.get('model')}` does not exist.",
+                        "type": "NotFoundError",
+                        "code": 404,
+                    }
+                },
                 status_code=404,
             )
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")

@@ -52,12 +52,27 @@ def bench(capsys, *argv):
         (["--dry-run", "--lora-alpha", "0"], "--lora-alpha='0': must be > 0"),
         (["--dry-run", "--trace-window", "5"], "--trace-window='5': expected START:END"),
         (["--dry-run", "--length-profile", "chat,poetry"], "--length-profile='poetry': unknown profile"),
-        (["--dry-run", "--lora-distribution", "trace", "--request-rate", "1"], "--trace-file=None: distribution 'trace' needs a trace file"),
-        (["--dry-run", "--diurnal-amplitude", "1.5", "--request-rate", "1"], "--diurnal-amplitude=1.5: must be in [0, 1)"),
-        (["--dry-run", "--diurnal-amplitude", "0.5"], "--request-rate=inf: trace replay, per-adapter arrivals and diurnal"),
-        (["--dry-run", "--lora-assignment", "random", "--lora-distribution", "zipf"], "give --lora-assignment or --lora-distribution"),
+        (
+            ["--dry-run", "--lora-distribution", "trace", "--request-rate", "1"],
+            "--trace-file=None: distribution 'trace' needs a trace file",
+        ),
+        (
+            ["--dry-run", "--diurnal-amplitude", "1.5", "--request-rate", "1"],
+            "--diurnal-amplitude=1.5: must be in [0, 1)",
+        ),
+        (
+            ["--dry-run", "--diurnal-amplitude", "0.5"],
+            "--request-rate=inf: trace replay, per-adapter arrivals and diurnal",
+        ),
+        (
+            ["--dry-run", "--lora-assignment", "random", "--lora-distribution", "zipf"],
+            "give --lora-assignment or --lora-distribution",
+        ),
         (["--workload-file", "/nonexistent/w.jsonl"], "--workload-file='/nonexistent/w.jsonl': workload file"),
-        (["--dry-run", "--trace-file", "/nonexistent/t.csv", "--num-adapters", "2", "--request-rate", "1"], "No such file"),
+        (
+            ["--dry-run", "--trace-file", "/nonexistent/t.csv", "--num-adapters", "2", "--request-rate", "1"],
+            "No such file",
+        ),
         (["--lora-distribution", "bogus"], "argument --lora-distribution: invalid choice: 'bogus'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
@@ -78,7 +93,9 @@ def test_unreachable_server(capsys):
 
 
 def test_unknown_adapter_is_caught_before_sending(capsys, fake):
-    code, _, err = bench(capsys, "--base-url", fake.url, "--lora-modules", "a0", "ghost", "--num-prompts", "4", "--disable-tqdm")
+    code, _, err = bench(
+        capsys, "--base-url", fake.url, "--lora-modules", "a0", "ghost", "--num-prompts", "4", "--disable-tqdm"
+    )
     assert code == 2
     assert "unknown adapter/model 'ghost': the server at" in err and "serves tiny-base, a0, a1, a2" in err
     assert fake.state.received == []
@@ -91,20 +108,71 @@ def test_too_many_adapters_requested(capsys, fake):
 
 def test_run_saves_vllm_named_json_and_plots(capsys, fake, tmp_path):
     code, out, err = bench(
-        capsys, "--base-url", fake.url, "--num-prompts", "30", "--request-rate", "300", "--lora-distribution", "zipf",
-        "--input-len", "8", "--output-len", "4", "--ignore-eos", "--seed", "3", "--disable-tqdm",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--goodput", "ttft:5000",
-        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json", "--metadata", "note=unit",
+        capsys,
+        "--base-url",
+        fake.url,
+        "--num-prompts",
+        "30",
+        "--request-rate",
+        "300",
+        "--lora-distribution",
+        "zipf",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--ignore-eos",
+        "--seed",
+        "3",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--goodput",
+        "ttft:5000",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "run.json",
+        "--metadata",
+        "note=unit",
         "--plot",
     )
     assert code == 0, err
     assert "{:=^50}".format(" Serving Benchmark Result ") in out and "P90 E2EL (ms):" in out
     res = json.loads((tmp_path / "run.json").read_text())
-    for key in ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
-                "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
-                "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
-                "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests", "mean_ttft_ms",
-                "median_ttft_ms", "std_ttft_ms", "p90_ttft_ms", "p99_tpot_ms", "p50_itl_ms", "mean_e2el_ms"):
+    for key in (
+        "date",
+        "endpoint_type",
+        "backend",
+        "label",
+        "model_id",
+        "tokenizer_id",
+        "num_prompts",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "duration",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p90_ttft_ms",
+        "p99_tpot_ms",
+        "p50_itl_ms",
+        "mean_e2el_ms",
+    ):
         assert key in res, key
     assert res["completed"] == 30 and res["total_output_tokens"] == 120 and res["request_rate"] == 300.0
     assert res["note"] == "unit" and res["model_id"] == "tiny-base"
@@ -116,9 +184,25 @@ def test_run_saves_vllm_named_json_and_plots(capsys, fake, tmp_path):
 
 def test_sweep_writes_one_combined_result(capsys, fake, tmp_path):
     code, out, err = bench(
-        capsys, "--base-url", fake.url, "--num-prompts", "10", "--sweep-rates", "100,400", "--input-len", "4",
-        "--output-len", "3", "--lora-modules", "a0", "a1", "--save-result", "--save-detailed",
-        "--result-dir", str(tmp_path), "--disable-tqdm",
+        capsys,
+        "--base-url",
+        fake.url,
+        "--num-prompts",
+        "10",
+        "--sweep-rates",
+        "100,400",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--lora-modules",
+        "a0",
+        "a1",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(tmp_path),
+        "--disable-tqdm",
     )
     assert code == 0, err
     files = list(tmp_path.glob("openai-sweep-100_400qps-tiny-base-*.json"))
@@ -132,14 +216,43 @@ def test_sweep_writes_one_combined_result(capsys, fake, tmp_path):
 
 def test_save_workload_then_replay(capsys, fake, tmp_path):
     wpath = tmp_path / "w.jsonl"
-    code, out, _ = bench(capsys, "--dry-run", "--num-adapters", "2", "--num-prompts", "6", "--request-rate", "50",
-                         "--input-len", "5", "--output-len", "2", "--save-workload", str(wpath))
+    code, out, _ = bench(
+        capsys,
+        "--dry-run",
+        "--num-adapters",
+        "2",
+        "--num-prompts",
+        "6",
+        "--request-rate",
+        "50",
+        "--input-len",
+        "5",
+        "--output-len",
+        "2",
+        "--save-workload",
+        str(wpath),
+    )
     assert code == 0 and "workload: 6 requests" in out and "adapter-0" in out
     # the dry run names adapters adapter-0/1, which this server does not serve
     code, _, err = bench(capsys, "--base-url", fake.url, "--workload-file", str(wpath), "--disable-tqdm")
     assert code == 2 and "unknown adapter/model 'adapter-0'" in err
-    code, _, _ = bench(capsys, "--dry-run", "--lora-modules", "a1", "a2", "--num-prompts", "6", "--request-rate", "50",
-                       "--input-len", "5", "--output-len", "2", "--save-workload", str(wpath))
+    code, _, _ = bench(
+        capsys,
+        "--dry-run",
+        "--lora-modules",
+        "a1",
+        "a2",
+        "--num-prompts",
+        "6",
+        "--request-rate",
+        "50",
+        "--input-len",
+        "5",
+        "--output-len",
+        "2",
+        "--save-workload",
+        str(wpath),
+    )
     code, out, err = bench(capsys, "--base-url", fake.url, "--workload-file", str(wpath), "--disable-tqdm")
     assert code == 0, err
     lines = [json.loads(x) for x in wpath.read_text().splitlines()[1:]]
@@ -157,9 +270,16 @@ def _default_sigint() -> None:
 
 def _run_module(*argv, **kw):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "dlora.bench", *argv], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dlora.bench", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+        **kw,
+    )
 
 
 def test_module_exit_status_for_bad_value():
@@ -174,9 +294,24 @@ def test_ctrl_c_saves_partial_result(fake, tmp_path):
     # 12th arrival (+1 s: the first ones have finished) lands mid-run even if this process is
     # starved for seconds.
     fake.state.token_delay = 0.05
-    p = _run_module("--base-url", fake.url, "--num-prompts", "40", "--request-rate", "4", "--input-len", "4",
-                    "--output-len", "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
-                    "partial.json", "--disable-tqdm")
+    p = _run_module(
+        "--base-url",
+        fake.url,
+        "--num-prompts",
+        "40",
+        "--request-rate",
+        "4",
+        "--input-len",
+        "4",
+        "--output-len",
+        "40",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "partial.json",
+        "--disable-tqdm",
+    )
     deadline = time.time() + 60
     while len(fake.state.received) < 12 and time.time() < deadline and p.poll() is None:
         time.sleep(0.1)
@@ -194,8 +329,18 @@ def test_ctrl_c_saves_partial_result(fake, tmp_path):
 def test_lengths_fit_the_servers_max_model_len(capsys, fake):
     # the fake server's card says max_model_len 256: a fixed output of 100 is kept, the prompt is cut to 156
     fake.state.token_delay = 0.0
-    code, _, err = bench(capsys, "--base-url", fake.url, "--num-prompts", "1", "--input-len", "200",
-                         "--output-len", "100", "--disable-tqdm")
+    code, _, err = bench(
+        capsys,
+        "--base-url",
+        fake.url,
+        "--num-prompts",
+        "1",
+        "--input-len",
+        "200",
+        "--output-len",
+        "100",
+        "--disable-tqdm",
+    )
     assert code == 0, err
     body = fake.state.received[-1]
     assert body["max_tokens"] == 100 and len(body["prompt"].split()) == 156

@@ -68,18 +68,34 @@ def test_unreachable_server():
 
 
 def test_run_benchmark_end_to_end(fake):
-    spec = WorkloadSpec(num_prompts=24, adapters=("a0", "a1", "a2"), distribution="distinct",
-                        request_rate=200.0, input_len=16, output_len=5, seed=1)
-    res = run_benchmark(fake.url, generate_workload(spec), QUIET, ignore_eos=True, max_concurrency=4,
-                        percentiles=(50, 99), request_rate=200.0, workload=spec.to_dict())
+    spec = WorkloadSpec(
+        num_prompts=24,
+        adapters=("a0", "a1", "a2"),
+        distribution="distinct",
+        request_rate=200.0,
+        input_len=16,
+        output_len=5,
+        seed=1,
+    )
+    res = run_benchmark(
+        fake.url,
+        generate_workload(spec),
+        QUIET,
+        ignore_eos=True,
+        max_concurrency=4,
+        percentiles=(50, 99),
+        request_rate=200.0,
+        workload=spec.to_dict(),
+    )
     assert res["completed"] == 24 and res["failed"] == 0
     assert res["total_output_tokens"] == 24 * 5
     assert res["model_id"] == "tiny-base" and res["backend"] == "openai"
     assert res["max_concurrency"] == 4
     # at no instant were more than 4 requests in flight (vLLM's peak-concurrency metric counts per
     # one-second bucket, so it is not the check here)
-    events = sorted([(s, 1) for s in res["start_times"]] +
-                    [(s + lat, -1) for s, lat in zip(res["start_times"], res["latencies"])])
+    events = sorted(
+        [(s, 1) for s in res["start_times"]] + [(s + lat, -1) for s, lat in zip(res["start_times"], res["latencies"])]
+    )
     depth = peak = 0
     for _, d in events:
         depth += d
@@ -87,8 +103,15 @@ def test_run_benchmark_end_to_end(fake):
     assert peak <= 4
     assert set(res["per_adapter"]) == {"a0", "a1", "a2"}
     assert all(v["completed"] == 8 for v in res["per_adapter"].values())
-    for key in ("p50_ttft_ms", "p99_itl_ms", "mean_tpot_ms", "median_e2el_ms", "request_throughput",
-                "avg_latency_per_output_token_ms", "slo_attainment"):
+    for key in (
+        "p50_ttft_ms",
+        "p99_itl_ms",
+        "mean_tpot_ms",
+        "median_e2el_ms",
+        "request_throughput",
+        "avg_latency_per_output_token_ms",
+        "slo_attainment",
+    ):
         assert key in res
     assert res["slo_attainment"] == 1.0
     assert len(res["ttfts"]) == 24 and res["workload"]["num_prompts"] == 24

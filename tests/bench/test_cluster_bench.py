@@ -24,10 +24,18 @@ def test_each_rep_rotates_the_policy_order():
 
 def rep(rr, pro, mig, migrated=0):
     got = {"round_robin_static": rr, "proactive": pro, "proactive_migration": mig}
-    return {"5.0": {name: {"mean_queue_time_ms": q, "mean_ttft_ms": q + 100, "avg_latency_per_output_token_ms": 50,
-                           "requests_migrated": migrated if name == "proactive_migration" else 0,
-                           "queue_by_adapter": {"a0": {"requests": 3}}}
-                    for name, q in got.items()}}
+    return {
+        "5.0": {
+            name: {
+                "mean_queue_time_ms": q,
+                "mean_ttft_ms": q + 100,
+                "avg_latency_per_output_token_ms": 50,
+                "requests_migrated": migrated if name == "proactive_migration" else 0,
+                "queue_by_adapter": {"a0": {"requests": 3}},
+            }
+            for name, q in got.items()
+        }
+    }
 
 
 def test_reps_are_summarised_from_point_medians_and_from_each_reps_own_ratios():
@@ -51,15 +59,17 @@ def test_a_single_rep_keeps_the_plain_summary():
 
 
 def test_metrics_are_read_per_label_and_in_total():
-    text = "\n".join([
-        "# HELP dlora_request_queue_time_seconds_sum x",
-        'dlora_request_queue_time_seconds_sum{adapter="a0"} 1.5',
-        'dlora_request_queue_time_seconds_sum{adapter=""} 0.25',
-        'dlora_request_queue_time_seconds_sum{adapter="a1",replica="0"} 2.0',
-        'dlora_request_queue_time_seconds_sum{replica="1",adapter="a1"} 1.0',
-        'dlora_request_queue_time_seconds_count{adapter="a0"} 3.0',
-        "dlora_migrations_total 7.0",
-    ])
+    text = "\n".join(
+        [
+            "# HELP dlora_request_queue_time_seconds_sum x",
+            'dlora_request_queue_time_seconds_sum{adapter="a0"} 1.5',
+            'dlora_request_queue_time_seconds_sum{adapter=""} 0.25',
+            'dlora_request_queue_time_seconds_sum{adapter="a1",replica="0"} 2.0',
+            'dlora_request_queue_time_seconds_sum{replica="1",adapter="a1"} 1.0',
+            'dlora_request_queue_time_seconds_count{adapter="a0"} 3.0',
+            "dlora_migrations_total 7.0",
+        ]
+    )
     assert metric_by_label(text, "dlora_request_queue_time_seconds_sum", "adapter") == {"a0": 1.5, "": 0.25, "a1": 3.0}
     assert metric_total(text, "dlora_request_queue_time_seconds_sum") == pytest.approx(4.75)
     assert metric_total(text, "dlora_migrations_total") == 7.0
@@ -97,11 +107,13 @@ def test_more_adapters_than_a_replica_holds(tmp_path):
     )
     from dlora import config
 
-    args = parse_args(["--adapters", "32", "--max-cpu-loras", "8", "--max-loras", "8", "--request-rates", "1",
-                       "--alpha", "0.5"])
+    args = parse_args(
+        ["--adapters", "32", "--max-cpu-loras", "8", "--max-loras", "8", "--request-rates", "1", "--alpha", "0.5"]
+    )
     adapters = [tmp_path / f"a{i}" for i in range(32)]
-    cfg = config.from_dict(server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state",
-                                         POLICIES["proactive"]))
+    cfg = config.from_dict(
+        server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", POLICIES["proactive"])
+    )
     assert len(cfg.adapters) == 32 and cfg.engine.max_cpu_loras == 8 and cfg.engine.max_loras == 8
     work = make_workload(args, 1.0, 0, 400, None)
     assert {r.adapter for r in work} == {f"a{i}" for i in range(32)}
@@ -109,8 +121,10 @@ def test_more_adapters_than_a_replica_holds(tmp_path):
     assert scales[:8] == list(EOS_ADAPTER_SCALES) and scales[8:16] == list(EOS_ADAPTER_SCALES)
 
 
-@pytest.mark.parametrize("argv, bad", [(["--adapters", "0"], "--adapters"),
-                                       (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras")])
+@pytest.mark.parametrize(
+    "argv, bad",
+    [(["--adapters", "0"], "--adapters"), (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras")],
+)
 def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
     from bench.cluster_balancing.run import parse_args
 

@@ -11,10 +11,19 @@ from dlora.bench.workload import WorkloadSpec, generate_workload
 
 
 def test_library_run_counts_every_token_per_adapter(tiny_server):
-    spec = WorkloadSpec(num_prompts=12, adapters=("a0", "a1", "a2"), distribution="distinct", input_len=16,
-                        output_len=8, request_rate=20.0, max_model_len=512, seed=1)
-    result = run_benchmark(tiny_server.url, generate_workload(spec), ignore_eos=True, disable_tqdm=True,
-                           print_result=False)
+    spec = WorkloadSpec(
+        num_prompts=12,
+        adapters=("a0", "a1", "a2"),
+        distribution="distinct",
+        input_len=16,
+        output_len=8,
+        request_rate=20.0,
+        max_model_len=512,
+        seed=1,
+    )
+    result = run_benchmark(
+        tiny_server.url, generate_workload(spec), ignore_eos=True, disable_tqdm=True, print_result=False
+    )
     assert result["completed"] == 12 and result["total_output_tokens"] == 96
     per = result["per_adapter"]
     assert {k: per[k]["completed"] for k in ("a0", "a1", "a2")} == {"a0": 4, "a1": 4, "a2": 4}
@@ -22,11 +31,38 @@ def test_library_run_counts_every_token_per_adapter(tiny_server):
 
 
 def test_cli_sweep_writes_result_and_plots(tiny_server, tmp_path):
-    r = subprocess.run([
-        sys.executable, "-m", "dlora.cli", "bench", "--base-url", tiny_server.url, "--num-prompts", "8",
-        "--lora-modules", "a0", "a1", "--input-len", "8", "--output-len", "6", "--ignore-eos",
-        "--sweep-rates", "5,inf", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
-        "--plot", "--disable-tqdm"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlora.cli",
+            "bench",
+            "--base-url",
+            tiny_server.url,
+            "--num-prompts",
+            "8",
+            "--lora-modules",
+            "a0",
+            "a1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--ignore-eos",
+            "--sweep-rates",
+            "5,inf",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+            "--plot",
+            "--disable-tqdm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "r.json").read_text())
     runs = result["results"]
@@ -35,7 +71,22 @@ def test_cli_sweep_writes_result_and_plots(tiny_server, tmp_path):
 
 
 def test_cli_unknown_adapter_is_one_clear_line(tiny_server):
-    r = subprocess.run([sys.executable, "-m", "dlora.cli", "bench", "--base-url", tiny_server.url,
-                        "--lora-modules", "nope", "--num-prompts", "2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlora.cli",
+            "bench",
+            "--base-url",
+            tiny_server.url,
+            "--lora-modules",
+            "nope",
+            "--num-prompts",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "nope" in r.stderr and "Traceback" not in r.stderr

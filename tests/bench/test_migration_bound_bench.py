@@ -34,13 +34,20 @@ def test_fixed_trace_is_the_cluster_benchmarks_own_workload():
     jobs = trace(fixed, 2.0, 1, parse_args(["--num-prompts", "20"]), tokenizer=None)
     bench = cb.make_workload(cb.parse_args(["--workload", "fixed"]), 2.0, 1, 20, None)
     assert [(j.arrival, j.adapter, j.output_len) for j in jobs] == [
-        (r.arrival_time, r.adapter, r.output_len) for r in bench]
+        (r.arrival_time, r.adapter, r.output_len) for r in bench
+    ]
     assert {j.prompt_len for j in jobs} == {48} and {j.max_tokens for j in jobs} == {32}
 
 
 def test_capacity_is_full_batches_of_the_mean_output_plus_prefill():
-    costs = StepCosts(fixed_s=1.0, per_seq_s=0.0, per_prefill_token_s=0.25, lora_fixed_s=0.0, lora_per_seq_s=0.0,
-                      lora_per_prefill_token_s=0.0)
+    costs = StepCosts(
+        fixed_s=1.0,
+        per_seq_s=0.0,
+        per_prefill_token_s=0.25,
+        lora_fixed_s=0.0,
+        lora_per_seq_s=0.0,
+        lora_per_prefill_token_s=0.0,
+    )
     regime = Regime("t", (), ReplicaModel(max_running=2, costs=costs), "")
     jobs = [Job(0, "x", 4, 3, 8), Job(0, "x", 4, 5, 8)]
     # a batch of 2: 4 steps of 1 s for the mean output, plus 2 prompts x 4 tokens x 0.25 s = 6 s per 2 requests
@@ -48,8 +55,11 @@ def test_capacity_is_full_batches_of_the_mean_output_plus_prefill():
 
 
 def test_bad_flags_are_refused_by_name(capsys):
-    for argv, needle in ((["--regimes", "nope"], "unknown regime 'nope'"), (["--p-cap", "2"], "--p-cap 2.0"),
-                         (["--short-max", "300"], "--short-max 300")):
+    for argv, needle in (
+        (["--regimes", "nope"], "unknown regime 'nope'"),
+        (["--p-cap", "2"], "--p-cap 2.0"),
+        (["--short-max", "300"], "--short-max 300"),
+    ):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert needle in capsys.readouterr().err

@@ -41,7 +41,9 @@ def test_stride_mapping_and_shares():
     assert s8 > s1
 
 
-@pytest.mark.parametrize("mode,alpha", [("uniform", None), ("skewed", 1.5), ("zipf", 0.9), ("powerlaw", 0.3), ("stride", 1.0)])
+@pytest.mark.parametrize(
+    "mode,alpha", [("uniform", None), ("skewed", 1.5), ("zipf", 0.9), ("powerlaw", 0.3), ("stride", 1.0)]
+)
 def test_sampled_shares_match_for_fixed_seed(mode, alpha):
     # 20,000 draws: a share's standard error is <= 0.0036, so 0.015 is > 4 sigma.
     rng = np.random.default_rng(1234)

@@ -12,8 +12,15 @@ from dlora.bench.summary import format_result
 def _r(adapter, ttft, itl, out, prompt=10, start=0.0, ok=True):
     latency = ttft + sum(itl)
     return RequestResult(
-        request_id=f"{adapter}-{start}", adapter=adapter, prompt_len=prompt, success=ok, output_tokens=out if ok else 0,
-        ttft=ttft if ok else 0.0, itl=list(itl) if ok else [], latency=latency if ok else 0.0, start_time=start,
+        request_id=f"{adapter}-{start}",
+        adapter=adapter,
+        prompt_len=prompt,
+        success=ok,
+        output_tokens=out if ok else 0,
+        ttft=ttft if ok else 0.0,
+        itl=list(itl) if ok else [],
+        latency=latency if ok else 0.0,
+        start_time=start,
         error="" if ok else "HTTP 500: boom",
     )
 
@@ -96,17 +103,35 @@ def test_empty_and_all_failed():
 
 def test_printed_block_uses_vllm_labels():
     m = compute_metrics(RESULTS, 2.0, percentiles=(99,), goodput_ms={"e2el": 500})
-    result = {**m, "duration": 2.0, "request_rate": 4.0, "max_concurrency": None,
-              "per_adapter": per_adapter_metrics(RESULTS, 2.0)}
+    result = {
+        **m,
+        "duration": 2.0,
+        "request_rate": 4.0,
+        "max_concurrency": None,
+        "per_adapter": per_adapter_metrics(RESULTS, 2.0),
+    }
     text = format_result(result, ("ttft", "tpot", "itl"), (99,))
     lines = text.splitlines()
     assert lines[0] == "{:=^50}".format(" Serving Benchmark Result ")
-    for label in ("Successful requests:", "Failed requests:", "Request rate configured (RPS):",
-                  "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
-                  "Request throughput (req/s):", "Request goodput (req/s):", "Output token throughput (tok/s):",
-                  "Peak output token throughput (tok/s):", "Peak concurrent requests:",
-                  "Total token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
-                  "Mean TPOT (ms):", "P99 ITL (ms):"):
+    for label in (
+        "Successful requests:",
+        "Failed requests:",
+        "Request rate configured (RPS):",
+        "Benchmark duration (s):",
+        "Total input tokens:",
+        "Total generated tokens:",
+        "Request throughput (req/s):",
+        "Request goodput (req/s):",
+        "Output token throughput (tok/s):",
+        "Peak output token throughput (tok/s):",
+        "Peak concurrent requests:",
+        "Total token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TTFT (ms):",
+        "P99 TTFT (ms):",
+        "Mean TPOT (ms):",
+        "P99 ITL (ms):",
+    ):
         assert any(line.startswith(label) for line in lines), label
     assert "{:<40} {:<10}".format("Successful requests:", 3) in lines
     assert "{:-^50}".format("Time per Output Token (excl. 1st token)") in lines

@@ -78,8 +78,14 @@ def test_replay_follows_per_interval_mix(small_trace):
 
 def test_trace_workload_end_to_end(small_trace):
     spec = WorkloadSpec(
-        num_prompts=200, adapters=("x", "y"), distribution="trace", trace_file=str(small_trace),
-        trace_window=(0, MINUTES), trace_interval=3, request_rate=5.0, seed=3,
+        num_prompts=200,
+        adapters=("x", "y"),
+        distribution="trace",
+        trace_file=str(small_trace),
+        trace_window=(0, MINUTES),
+        trace_interval=3,
+        request_rate=5.0,
+        seed=3,
     )
     reqs = generate_workload(spec)
     assert len(reqs) == 200

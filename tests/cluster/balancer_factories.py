@@ -6,12 +6,21 @@ from dlora.cluster.migration.ilp import MigrationPlan
 from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
 
 
-def make_request(rid: str, adapter: str | None = "a", *, prompt: int = 100, output: int = 0,
-                 expected: int = 100, running: bool = False, queued_since: float = 0.0,
-                 arrival: float | None = None) -> RequestLoad:
+def make_request(
+    rid: str,
+    adapter: str | None = "a",
+    *,
+    prompt: int = 100,
+    output: int = 0,
+    expected: int = 100,
+    running: bool = False,
+    queued_since: float = 0.0,
+    arrival: float | None = None,
+) -> RequestLoad:
     """`arrival` defaults to `queued_since` (a request that was never moved)."""
-    return RequestLoad(rid, adapter, prompt, output, expected, running, queued_since,
-                       queued_since if arrival is None else arrival)
+    return RequestLoad(
+        rid, adapter, prompt, output, expected, running, queued_since, queued_since if arrival is None else arrival
+    )
 
 
 def make_replica(rid: int, requests=(), resident=(), **kw) -> ReplicaView:

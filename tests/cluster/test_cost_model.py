@@ -39,11 +39,13 @@ def test_pending_time_sums_requests_with_the_merged_discount_and_load_time_only_
 
 def test_batch_slot_wait_is_the_first_in_use_adapter_to_drain_only_when_every_slot_is_taken():
     # Four adapters hold the four batch slots; "c" has the shortest longest-remaining request (30).
-    reqs = [make_request("b0", "b", output=10, expected=100, running=True),
-            make_request("b1", "b", output=90, expected=100, running=True),  # b's longest: 90 left
-            make_request("c0", "c", output=20, expected=50, running=True),   # c: 30 left
-            make_request("d0", "d", expected=70),                            # queued, 70 left
-            make_request("e0", "e", output=5, expected=45, running=True)]    # 40 left
+    reqs = [
+        make_request("b0", "b", output=10, expected=100, running=True),
+        make_request("b1", "b", output=90, expected=100, running=True),  # b's longest: 90 left
+        make_request("c0", "c", output=20, expected=50, running=True),  # c: 30 left
+        make_request("d0", "d", expected=70),  # queued, 70 left
+        make_request("e0", "e", output=5, expected=45, running=True),
+    ]  # 40 left
     full = make_replica(0, reqs, resident={"a", "b", "c", "d", "e"}, batch_adapter_slots=4)
     step = P.per_iteration_s + P.per_decode_token_s * len(reqs)
     assert batch_slot_wait(P, full, "a") == pytest.approx(30 * step)

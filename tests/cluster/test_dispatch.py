@@ -95,8 +95,10 @@ def test_a_cold_adapter_goes_where_a_batch_slot_is_free_not_where_four_others_ho
     four = [make_request(f"x{k}", k, output=0, expected=100, running=True) for k in "bcde"]
     busy = many("b", 8, "b", running=True, expected=100)
     resident = {"a", "b", "c", "d", "e"}
-    few_slots = [make_replica(0, four, resident=resident, batch_adapter_slots=4),
-                 make_replica(1, busy, resident=resident, batch_adapter_slots=4)]
+    few_slots = [
+        make_replica(0, four, resident=resident, batch_adapter_slots=4),
+        make_replica(1, busy, resident=resident, batch_adapter_slots=4),
+    ]
     assert pending_time(P, few_slots[0]) < pending_time(P, few_slots[1])
     assert choose(few_slots).replica_id == 1
     # An adapter already running on replica 0 joins it there, and without the limit the lighter

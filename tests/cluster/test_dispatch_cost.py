@@ -21,8 +21,14 @@ ADAPTERS = [None, "a", "b", "c", "d", "e"]
 
 def random_load(rng: random.Random, i: int) -> RequestLoad:
     out = rng.randrange(0, 50)
-    return RequestLoad(f"r{i}", rng.choice(ADAPTERS), prompt_tokens=rng.randrange(1, 300), output_tokens=out,
-                       expected_output_tokens=out + rng.uniform(0, 200), running=rng.random() < 0.5)
+    return RequestLoad(
+        f"r{i}",
+        rng.choice(ADAPTERS),
+        prompt_tokens=rng.randrange(1, 300),
+        output_tokens=out,
+        expected_output_tokens=out + rng.uniform(0, 200),
+        running=rng.random() < 0.5,
+    )
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -34,12 +40,21 @@ def test_sums_price_a_replica_as_its_requests_do(seed):
     for r in extra:  # what came and went is forgotten
         totals.remove(r)
     p = CostParams(per_iteration_s=rng.uniform(0.001, 0.01), merged_ratio=rng.uniform(0.3, 0.9))
-    common = dict(replica_id=0, resident_adapters=frozenset({"a", "b", "c"}), merged_adapter=rng.choice([None, "a", "b"]),
-                  batch_adapter_slots=rng.choice([2, 3, 8]), adapter_slots=rng.choice([3, 6]), kv_capacity_tokens=5000)
+    common = dict(
+        replica_id=0,
+        resident_adapters=frozenset({"a", "b", "c"}),
+        merged_adapter=rng.choice([None, "a", "b"]),
+        batch_adapter_slots=rng.choice([2, 3, 8]),
+        adapter_slots=rng.choice([3, 6]),
+        kv_capacity_tokens=5000,
+    )
     full = ReplicaView(requests=tuple(loads), **common)
     summed = ReplicaView(totals=totals, **common)
     assert (summed.num_requests, summed.num_queued, summed.kv_used_tokens) == (
-        full.num_requests, full.num_queued, full.kv_used_tokens)
+        full.num_requests,
+        full.num_queued,
+        full.kv_used_tokens,
+    )
     assert summed.kv_demand_tokens == pytest.approx(full.kv_demand_tokens)
     assert summed.adapters_in_use() == full.adapters_in_use()
     for adapter in ADAPTERS + ["z"]:
@@ -65,6 +80,7 @@ async def _dispatch_all(n: int) -> tuple[int, Router]:
 
     router_mod.RequestState.load = counting
     try:
+
         async def one(i: int) -> None:
             req = GenerateRequest(f"q{i}", (1, 2, 3), SamplingSpec(max_tokens=4), a if i % 2 else None)
             async for _ in router.generate(req):

@@ -8,8 +8,10 @@ def ray_connection_error(inner: str) -> ConnectionError:
     """The shape Ray 2.x raises: a ConnectionError whose cause carries the real error as traceback text."""
     try:
         try:
-            raise RuntimeError(f"Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
-                               f"  File \"node.py\", line 996, in _init_gcs_client\n{inner}")
+            raise RuntimeError(
+                f"Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                f'  File "node.py", line 996, in _init_gcs_client\n{inner}'
+            )
         except RuntimeError as cause:
             raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379") from cause
     except ConnectionError as e:
@@ -27,5 +29,7 @@ def test_a_missing_token_says_how_to_give_one():
 def test_an_unreachable_cluster_says_so_in_one_line():
     e = ray_connection_error("TimedOut: Timed out while waiting for GCS to become available.")
     msg = join_failure("10.0.0.5:6379", e)
-    assert msg == ("cluster.ray_address='10.0.0.5:6379': could not join the Ray cluster: "
-                   "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379")
+    assert msg == (
+        "cluster.ray_address='10.0.0.5:6379': could not join the Ray cluster: "
+        "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379"
+    )

@@ -80,11 +80,17 @@ def test_running_requests_move_only_into_the_receivers_kv_room():
     """Receiver at 50% of a 2,000-token cache: room for 800 tokens up to kv_high 0.9, so at most 4
     of the 200-token running requests; a receiver at 95% (vLLM fills its blocks whenever requests
     wait) gets none of them, though its running slots are free."""
-    hot = make_replica(0, many("r", 12, "a", prompt=200, running=True, expected=300), resident={"a"},
-                       kv_capacity_tokens=2_400, kv_usage=1.0)
+    hot = make_replica(
+        0,
+        many("r", 12, "a", prompt=200, running=True, expected=300),
+        resident={"a"},
+        kv_capacity_tokens=2_400,
+        kv_usage=1.0,
+    )
     for usage, most in ((0.5, 4), (0.95, 0)):
-        cold = make_replica(1, many("c", 1, "a", running=True), resident={"a"}, kv_capacity_tokens=2_000,
-                            kv_usage=usage)
+        cold = make_replica(
+            1, many("c", 1, "a", running=True), resident={"a"}, kv_capacity_tokens=2_000, kv_usage=usage
+        )
         cluster = ClusterView((hot, cold))
         for solver in SOLVERS + ["greedy"]:
             plan = plan_migration(cluster, P, MigrationConfig(solver=solver, time_limit_s=LIMIT_S))
@@ -97,8 +103,12 @@ def test_receiver_with_every_batch_slot_taken_only_gets_requests_of_adapters_run
     reqs = many("a", 10, "a", running=True, expected=300) + many("b", 10, "b", running=True, expected=300)
     hot = make_replica(0, reqs, resident={"a", "b", "c", "d"})
     # Replica 1 runs "b" and "c" with max_loras 2: an "a" request moved there would wait for a slot.
-    busy_slots = make_replica(1, [*many("c", 1, "c", running=True), *many("x", 1, "b", running=True)],
-                              resident={"a", "b", "c"}, batch_adapter_slots=2)
+    busy_slots = make_replica(
+        1,
+        [*many("c", 1, "c", running=True), *many("x", 1, "b", running=True)],
+        resident={"a", "b", "c"},
+        batch_adapter_slots=2,
+    )
     cluster = ClusterView((hot, busy_slots))
     for solver in SOLVERS + ["greedy"]:
         plan = plan_migration(cluster, P, MigrationConfig(solver=solver, time_limit_s=LIMIT_S))
@@ -115,10 +125,18 @@ def test_receiver_with_every_batch_slot_taken_only_gets_requests_of_adapters_run
 
 def test_kv_overflow_alone_is_worth_relieving():
     # Equal work, but replica 0 holds 12k KV tokens in a 10k cache: moving requests off it pays.
-    over = make_replica(0, many("a", 12, "a", prompt=1000, running=True, expected=1000, output=0),
-                        resident={"a"}, kv_capacity_tokens=10_000)
-    calm = make_replica(1, many("b", 12, "a", prompt=10, running=True, expected=1000, output=0),
-                        resident={"a"}, kv_capacity_tokens=10_000)
+    over = make_replica(
+        0,
+        many("a", 12, "a", prompt=1000, running=True, expected=1000, output=0),
+        resident={"a"},
+        kv_capacity_tokens=10_000,
+    )
+    calm = make_replica(
+        1,
+        many("b", 12, "a", prompt=10, running=True, expected=1000, output=0),
+        resident={"a"},
+        kv_capacity_tokens=10_000,
+    )
     cluster = ClusterView((over, calm))
     cfg = MigrationConfig(time_limit_s=LIMIT_S, overflow_s_per_token=0.01)
     plan = plan_migration(cluster, P, cfg)

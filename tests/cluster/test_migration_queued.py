@@ -13,8 +13,7 @@ def waiting(rid, adapter="a", since=0.0, **kw):
 
 def busy(rid: int, n_running: int, queued=(), adapter="a", **kw):
     """A replica running `n_running` requests of `adapter` (all its slots when max_running = n_running)."""
-    return make_replica(rid, [*many(f"run{rid}-", n_running, adapter, running=True), *queued],
-                        resident={adapter}, **kw)
+    return make_replica(rid, [*many(f"run{rid}-", n_running, adapter, running=True), *queued], resident={adapter}, **kw)
 
 
 def plan(*views, now=NOW, cfg=CFG):
@@ -50,8 +49,9 @@ def test_running_and_young_requests_stay():
 
 def test_kv_room_up_to_kv_high_bounds_the_moves():
     # receiver: 1000 tokens, half used -> room for 400 more; each request needs its context's KV
-    src = busy(0, 1, [waiting(f"q{i}", since=float(i), prompt=p) for i, p in enumerate((150, 150, 150, 50))],
-               max_running=1)
+    src = busy(
+        0, 1, [waiting(f"q{i}", since=float(i), prompt=p) for i, p in enumerate((150, 150, 150, 50))], max_running=1
+    )
     recv = make_replica(1, resident={"a"}, kv_capacity_tokens=1000, kv_usage=0.5)
     assert moved(plan(src, recv)) == ["q0", "q1", "q3"]  # q2 (150) no longer fits, q3 (50) does
     assert plan(src, make_replica(1, resident={"a"}, kv_capacity_tokens=1000, kv_usage=0.9)).moves == ()
@@ -61,8 +61,12 @@ def test_kv_room_up_to_kv_high_bounds_the_moves():
 
 
 def test_a_new_adapter_needs_a_free_batch_slot_and_a_load():
-    src = busy(0, 4, [waiting("b0", "b", 1.0), waiting("c0", "c", 2.0), waiting("a0", "a", 3.0),
-                      waiting("b1", "b", 4.0)], max_running=4)
+    src = busy(
+        0,
+        4,
+        [waiting("b0", "b", 1.0), waiting("c0", "c", 2.0), waiting("a0", "a", 3.0), waiting("b1", "b", 4.0)],
+        max_running=4,
+    )
     recv = make_replica(1, many("r", 1, "a", running=True), resident={"a", "c"}, batch_adapter_slots=2)
     p = plan(src, recv)
     # b takes the last batch slot (a load: it is absent), so c, though resident, cannot start there
@@ -91,8 +95,12 @@ def test_a_replica_with_its_own_backlog_receives_nothing_and_young_arrivals_use_
 
 
 def test_each_request_goes_where_its_adapter_runs_else_is_held_else_to_the_roomiest():
-    src = busy(0, 1, [waiting("b0", "b", 1.0), waiting("base", None, 2.0), waiting("c0", "c", 3.0),
-                      waiting("d0", "d", 4.0)], max_running=1)
+    src = busy(
+        0,
+        1,
+        [waiting("b0", "b", 1.0), waiting("base", None, 2.0), waiting("c0", "c", 3.0), waiting("d0", "d", 4.0)],
+        max_running=1,
+    )
     runs_b = make_replica(1, many("r", 1, "b", running=True), resident={"b"}, max_running=5)  # 4 starts
     holds_c = make_replica(2, resident={"c"}, max_running=3)  # 3 starts
     p = plan(src, runs_b, holds_c)

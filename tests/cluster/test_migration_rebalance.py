@@ -18,8 +18,9 @@ CFG = RebalanceConfig(min_wait_s=1.0, kv_high=0.9, min_gain_s=1.0, max_moves=4)
 
 
 def queued(rid, arrival, adapter="a", expected=10, since=None):
-    return make_request(rid, adapter, expected=expected, arrival=arrival,
-                        queued_since=arrival if since is None else since)
+    return make_request(
+        rid, adapter, expected=expected, arrival=arrival, queued_since=arrival if since is None else since
+    )
 
 
 def busy(rid, queue=(), adapter="a", left=(10, 10), resident=None, **kw):
@@ -52,8 +53,15 @@ def test_even_queues_and_small_gains_stay():
 
 
 def test_young_and_running_requests_stay():
-    src = busy(0, [queued("old0", 0.0), queued("old1", 1.0), queued("young0", 98.0, since=NOW - 0.5),
-                   queued("young1", 99.0, since=NOW - 0.5)])
+    src = busy(
+        0,
+        [
+            queued("old0", 0.0),
+            queued("old1", 1.0),
+            queued("young0", 98.0, since=NOW - 0.5),
+            queued("young1", 99.0, since=NOW - 0.5),
+        ],
+    )
     moved = [rid for rid, _, _ in plan(src, busy(1)).moves]
     assert moved and set(moved) <= {"old0", "old1"}
 

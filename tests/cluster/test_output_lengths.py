@@ -115,8 +115,11 @@ def test_migration_problem_prices_requests_by_the_estimate():
     est = fed({"short": [10, 10], "long": [200, 200]})
     p = CostParams()
     per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
-    busy = make_replica(0, [state(f"l{i}", "long", 50).load(est) for i in range(3)]
-                        + [state("s0", "short", 5).load(est)], resident={"long", "short"})
+    busy = make_replica(
+        0,
+        [state(f"l{i}", "long", 50).load(est) for i in range(3)] + [state("s0", "short", 5).load(est)],
+        resident={"long", "short"},
+    )
     idle = make_replica(1, [], resident={"long", "short"})
     prob = build_problem(ClusterView((busy, idle)), {0: p, 1: p}, MigrationConfig())
     assert prob.load[0] == pytest.approx((3 * 150 + 5) * per_token)

@@ -9,9 +9,11 @@ def test_greedy_replication_raises_the_minimum_burst_tolerance_on_a_crafted_case
     # free memory: r0 800, r1 900, r2 600 tokens; 100 tokens per request.
     # hot: 8 req / 10 req/s = 0.8 s. Copy to r1 -> (8 + 8) / 10 = 1.6 (r2 would give 1.3);
     # then to r2 -> (8 + 8 + 5) / 10 = 2.1; cold adapters drop to 8 but stay above; no replica left.
-    replicas = [PlacementReplica(0, 1000, 300, frozenset({"hot", "c1"})),
-                PlacementReplica(1, 1000, 300, frozenset({"c2"})),
-                PlacementReplica(2, 600, 300)]
+    replicas = [
+        PlacementReplica(0, 1000, 300, frozenset({"hot", "c1"})),
+        PlacementReplica(1, 1000, 300, frozenset({"c2"})),
+        PlacementReplica(2, 600, 300),
+    ]
     demands = [AdapterDemand("hot", 10.0, 100), AdapterDemand("c1", 1.0, 100), AdapterDemand("c2", 1.0, 100)]
     before = min(burst_tolerance({0: {"hot", "c1"}, 1: {"c2"}, 2: set()}, replicas, demands, 100).values())
     plan = plan_placement(replicas, demands, tokens_per_request=100)

@@ -42,8 +42,9 @@ def cluster(tiny_model, tmp_path_factory):
 
 
 def greedy(rid: str, prompt, adapter) -> GenerateRequest:
-    return GenerateRequest(rid, tuple(prompt), SamplingSpec(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True),
-                           adapter)
+    return GenerateRequest(
+        rid, tuple(prompt), SamplingSpec(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True), adapter
+    )
 
 
 async def collect(router, req) -> tuple[list[int], str]:
@@ -79,14 +80,16 @@ def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(c
     tok = oracle.tokenizer()
     prompts = ["def parse(", "class Node:", "import re\n", "if x is None:", "with open(", "try:\n    "]
     names = ["a1", None, "a2", "a1", None, "a2"]
-    reqs = [greedy(f"q{i}", tok(p)["input_ids"], adapters[n] if n else None) for i, (p, n) in
-            enumerate(zip(prompts, names))]
+    reqs = [
+        greedy(f"q{i}", tok(p)["input_ids"], adapters[n] if n else None) for i, (p, n) in enumerate(zip(prompts, names))
+    ]
     cfg = ClusterConfig(num_replicas=2, monitor_interval_s=0.05, queued_min_wait_s=0.1)
     balancer = Balancer(router, adapter_ref=lambda n: adapters[n], cfg=cfg)
 
     async def run():
-        reference = await asyncio.gather(*(collect(router, dataclasses.replace(r, request_id=f"ref-{r.request_id}"))
-                                           for r in reqs))
+        reference = await asyncio.gather(
+            *(collect(router, dataclasses.replace(r, request_id=f"ref-{r.request_id}")) for r in reqs)
+        )
         router.slot(1).healthy = False  # everything lands on replica 0, which runs two at a time
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
         while sum(1 for st in router.requests.values() if st.generated) < MAX_NUM_SEQS:
@@ -103,7 +106,7 @@ def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(c
     assert outs == reference  # token ids and text, as the undisturbed run gave them
     for r, n, (ids, _) in zip(reqs, names, outs):  # HF stops at EOS, the engine (ignore_eos) goes on
         expected = oracle.greedy(n, list(r.prompt_token_ids), N_TOKENS)
-        assert ids[:len(expected)] == expected, r.request_id
+        assert ids[: len(expected)] == expected, r.request_id
     moves = [m for rnd in balancer.rounds if rnd.trigger.reason == "queued" for m in rnd.plan.moves]
     assert moves and all((src, dst) == (0, 1) for _, src, dst in moves)
     assert not {rid for rid, _, _ in moves} & running  # only queued ones
@@ -114,8 +117,10 @@ def test_killed_replica_actor_loses_no_stream(cluster, oracle):
     loop, router, adapters = cluster
     tok = oracle.tokenizer()
     prompts = ["import json\n", "while True:", "x = [", "return self."]
-    reqs = [greedy(f"k{i}", tok(p)["input_ids"], [adapters["a0"], adapters["a2"], None, adapters["a3"]][i])
-            for i, p in enumerate(prompts)]
+    reqs = [
+        greedy(f"k{i}", tok(p)["input_ids"], [adapters["a0"], adapters["a2"], None, adapters["a3"]][i])
+        for i, p in enumerate(prompts)
+    ]
 
     async def run():
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]

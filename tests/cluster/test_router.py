@@ -45,6 +45,7 @@ def test_requests_complete_and_adapters_load_once_per_replica():
         assert all(o == reference_tokens("a", (1, 2, 3), 20) for o in outs)
         assert replicas[0].add_calls == 1
         assert router.requests == {} and not router.inflight_by_adapter
+
     asyncio.run(run())
 
 
@@ -62,6 +63,7 @@ def test_migration_continues_the_stream_exactly():
         assert out == reference_tokens("a", (1, 2, 3), 40)
         assert router.counters["migrations"] == 1
         assert A.int_id in replicas[1 - src].loaded  # the adapter was loaded on the target
+
     asyncio.run(run())
 
 
@@ -79,6 +81,7 @@ def test_migrate_refuses_unknown_same_or_unhealthy_targets():
         assert not await router.migrate("x", 1 - here)
         router.slot(1 - here).healthy = True
         assert await task == reference_tokens("a", (1, 2, 3), 30)
+
     asyncio.run(run())
 
 
@@ -100,6 +103,7 @@ def test_killed_replica_loses_no_request_and_comes_back():
             await asyncio.sleep(0.01)
         assert router.slots[0].healthy and replicas[0].started == 2
         assert B.int_id in replicas[0].loaded  # pinned adapters are restored on restart
+
     asyncio.run(run())
 
 
@@ -118,6 +122,7 @@ class RecordingReplica(ToyReplica):
 def test_every_leg_carries_the_requests_first_arrival():
     """A migrated and then resubmitted request's legs all carry the arrival time it first reached
     the router with (its replica queues it by that), and one stamped by the caller keeps its own."""
+
     async def run():
         replicas = [RecordingReplica(i, step_s=0.002) for i in range(2)]
         router = Router(replicas)
@@ -139,6 +144,7 @@ def test_every_leg_carries_the_requests_first_arrival():
         stamped = dataclasses.replace(request("s", n=3), arrival_time=12.5)
         await collect(router, stamped)
         assert [leg.arrival_time for r in replicas for leg in r.legs if leg.request_id == "s"] == [12.5]
+
     asyncio.run(run())
 
 
@@ -150,6 +156,7 @@ def test_all_replicas_dead_waits_for_recovery():
         await asyncio.sleep(0.01)
         replicas[0].kill()
         assert await task == reference_tokens("a", (1, 2, 3), 25)
+
     asyncio.run(run())
 
 
@@ -162,6 +169,7 @@ def test_proactive_dispatch_prefers_the_holder_until_it_is_busy():
         await asyncio.sleep(0.005)
         assert router.requests["b0"].slot.replica_id == 1  # replica 1 holds b: no load needed
         await first
+
     asyncio.run(run())
 
 
@@ -200,6 +208,7 @@ def test_balancer_moves_work_from_the_busy_replica():
         outs = await asyncio.gather(*tasks)
         assert outs == [reference_tokens("a", (i,), 600) for i in range(10)]
         assert router.counters["migrations"] == done.moved
+
     asyncio.run(run())
 
 
@@ -223,6 +232,7 @@ def test_static_placement_keeps_each_adapter_on_its_home_replica():
 
         await asyncio.gather(*(one(i) for i in range(4)))
         assert seen == [1, 1, 1, 1]
+
     asyncio.run(run())
 
 
@@ -242,6 +252,7 @@ def test_preload_copies_the_hot_adapter_to_the_replica_without_it():
         assert ("a", 1) in plan.loads and plan.min_tolerance_after > plan.min_tolerance_before
         assert A.int_id in replicas[1].loaded
         assert await balancer.maybe_preload() is None  # not again within the interval
+
     asyncio.run(run())
 
 
@@ -263,8 +274,16 @@ class MeasuringReplica(ToyReplica):
         st = await super().stats()
         steps, self.steps = tuple(self.steps), []
         waits, self.waits = tuple(self.waits), []
-        st.batching = BatchingState(policy="dlora", mode="unmerged", merged_adapter=None, num_switches=0,
-                                    merge_failures=0, switch_times={}, iterations=steps, queue_waits=waits)
+        st.batching = BatchingState(
+            policy="dlora",
+            mode="unmerged",
+            merged_adapter=None,
+            num_switches=0,
+            merge_failures=0,
+            switch_times={},
+            iterations=steps,
+            queue_waits=waits,
+        )
         return st
 
 
@@ -304,6 +323,7 @@ def test_idle_replica_that_fails_its_stats_read_is_rebuilt_before_any_request_ne
         assert router.slots[1].healthy and replicas[1].started == 2
         assert B.int_id in replicas[1].loaded
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -319,6 +339,7 @@ def test_router_feeds_finished_output_lengths_per_adapter():
         assert sorted(router.output_lengths.samples("a")) == sorted(len(o) for o in outs[:6])
         assert len(set(router.output_lengths.samples("a"))) > 1  # really variable
         assert router.output_lengths.samples("b") == [9]
+
     asyncio.run(run())
 
 
@@ -332,8 +353,8 @@ def test_a_migrated_request_is_recorded_once_with_its_whole_length():
         assert await router.migrate("m", 1 - router.requests["m"].slot.replica_id)
         assert len(await task) == 40
         assert router.counters["migrations"] == 1 and router.output_lengths.samples("a") == [40]
-    asyncio.run(run())
 
+    asyncio.run(run())
 
 
 def test_queue_time_sums_each_replicas_wait_once_per_request_across_a_migration():
@@ -352,10 +373,13 @@ def test_queue_time_sums_each_replicas_wait_once_per_request_across_a_migration(
         assert seen == []  # the replicas' measurements arrive with their stats
         await router.refresh_stats()
         # "m" waited on both replicas (its continuation is "m-r1"); the router's own wait is ~0
-        assert len(seen) == 2 and dict(seen) == {"a": pytest.approx(0.75, abs=0.02),
-                                                 None: pytest.approx(s_wait, abs=0.02)}
+        assert len(seen) == 2 and dict(seen) == {
+            "a": pytest.approx(0.75, abs=0.02),
+            None: pytest.approx(s_wait, abs=0.02),
+        }
         await router.refresh_stats()
         assert len(seen) == 2 and router.queue_times.pending == 0
+
     asyncio.run(run())
 
 
@@ -402,6 +426,7 @@ def test_running_means_admitted_on_the_current_replica():
         assert find_load(router, "x").running and len(router.requests["x"].generated) == moved.output_tokens
         assert await x == reference_tokens("a", (1, 2, 3), 30)
         await asyncio.gather(y, z)
+
     asyncio.run(run())
 
 
@@ -414,8 +439,15 @@ class PreemptingReplica(ToyReplica):
 
     async def stats(self) -> ReplicaStats:
         st = await super().stats()
-        st.batching = BatchingState(policy="dlora", mode="unmerged", merged_adapter=None, num_switches=0,
-                                    merge_failures=0, switch_times={}, preempted=self.preempted)
+        st.batching = BatchingState(
+            policy="dlora",
+            mode="unmerged",
+            merged_adapter=None,
+            num_switches=0,
+            merge_failures=0,
+            switch_times={},
+            preempted=self.preempted,
+        )
         return st
 
 
@@ -440,6 +472,7 @@ def test_a_preempted_request_counts_as_queued_until_its_replica_resumes_it():
         await router.refresh_stats()
         assert find_load(router, "x").running
         assert await x == reference_tokens("a", (1, 2, 3), 40)
+
     asyncio.run(run())
 
 
@@ -471,6 +504,7 @@ def test_a_request_still_loading_its_adapter_is_not_moved():
         assert await router.migrate("g", 0)  # sent: it can move
         assert await task == reference_tokens("a", (1, 2, 3), 10)
         assert router.counters["migrations"] == 1
+
     asyncio.run(run())
 
 
@@ -515,6 +549,7 @@ def test_the_balancer_moves_queued_requests_to_an_idle_replica_every_tick():
         assert not off.rounds and off_router.counters["migrations"] == 0
         # without the move q2 and q3 wait for a whole request (~0.5 s) each; with it, ~a tick
         assert waited < 0.5 * waited_off
+
     asyncio.run(run())
 
 
@@ -549,4 +584,5 @@ def test_the_balancer_moves_the_newest_queued_requests_to_a_busy_replica_where_t
         # off: q1..q4 wait on replica 0 until replica 1 is idle (then the queued planner moves one)
         off = await _rebalance_run(gain_s=None)
         assert {r.trigger.reason for r in off.rounds} <= {"queued"}
+
     asyncio.run(run())

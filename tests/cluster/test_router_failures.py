@@ -35,9 +35,15 @@ def remote(cause: BaseException, fn: str = "ReplicaActor.generate") -> RayTaskEr
 
 # ---- typed failure mapping ------------------------------------------------------------------------
 
+
 def test_a_dead_engine_or_actor_is_a_replica_failure_by_type():
-    for e in (remote(EngineDeadError()), remote(EngineDeadError()).as_instanceof_cause(),
-              remote(EngineNotStarted("no engine")), ActorDiedError(), ReplicaFailure("x")):
+    for e in (
+        remote(EngineDeadError()),
+        remote(EngineDeadError()).as_instanceof_cause(),
+        remote(EngineNotStarted("no engine")),
+        ActorDiedError(),
+        ReplicaFailure("x"),
+    ):
         assert _is_replica_failure(e), e
         assert rejection(e) is None
 
@@ -62,6 +68,7 @@ def test_vllm_input_errors_become_request_rejections():
 
 # ---- stand-in replicas -----------------------------------------------------------------------------
 
+
 class PoisonedReplica(ToyReplica):
     """Dies whenever it serves a request whose id starts with "poison", after its first token."""
 
@@ -74,6 +81,7 @@ class PoisonedReplica(ToyReplica):
             async for d in inner:
                 yield d
                 self.kill()
+
         return dying()
 
 
@@ -82,6 +90,7 @@ class RejectingReplica(ToyReplica):
         async def refuse():
             raise RequestRejected("stop strings must not be empty", "stop")
             yield  # an async generator
+
         return refuse()
 
 
@@ -111,6 +120,7 @@ class HungReplica(ToyReplica):
                 yield
             finally:
                 self.closed += 1  # the stream was closed: the engine's request is aborted
+
         return stuck()
 
 
@@ -130,6 +140,7 @@ def make(replicas, **cfg) -> Router:
 
 # ---- bounded resubmissions --------------------------------------------------------------------------
 
+
 def test_a_request_that_kills_replicas_is_given_up_after_max_resubmissions():
     async def run():
         replicas = [PoisonedReplica(i, step_s=0.002) for i in range(4)]
@@ -141,6 +152,7 @@ def test_a_request_that_kills_replicas_is_given_up_after_max_resubmissions():
         # an ordinary request still completes, on whatever is up or rebuilt
         assert await collect(router, request("fine")) == reference_tokens(None, (1, 2, 3), 20)
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -153,10 +165,12 @@ def test_a_rejected_request_fails_alone_and_is_not_resubmitted():
         assert info.value.param == "stop"
         assert router.counters["resubmissions"] == 0 and all(s.healthy for s in router.slots)
         await router.shutdown()
+
     asyncio.run(run())
 
 
 # ---- deadlines ---------------------------------------------------------------------------------------
+
 
 def test_a_hung_replica_misses_its_stats_deadline_and_its_streams_move():
     async def run():
@@ -176,6 +190,7 @@ def test_a_hung_replica_misses_its_stats_deadline_and_its_streams_move():
         assert hung.closed == 1 and router.counters["resubmissions"] == 1
         for t in [s.recovering for s in router.slots if s.recovering]:
             t.cancel()
+
     asyncio.run(run())
 
 
@@ -191,6 +206,7 @@ def test_a_request_past_its_deadline_is_aborted_and_fails_with_request_timeout()
         assert 0.3 <= time.monotonic() - t0 < 1.5
         assert hung.closed == 1 and router.requests == {}  # its stream was closed in the engine
         assert router.slots[0].healthy  # a slow request is not a failed replica
+
     asyncio.run(run())
 
 
@@ -204,10 +220,12 @@ def test_a_deadline_also_bounds_the_wait_for_a_replica():
         with pytest.raises(RequestTimeout):
             await collect(router, request("w"))
         assert time.monotonic() - t0 < 1.0
+
     asyncio.run(run())
 
 
 # ---- all replicas down; replicas that cannot be rebuilt ----------------------------------------------
+
 
 def test_all_replicas_down_fails_at_once_with_no_replica_error():
     async def run():
@@ -221,6 +239,7 @@ def test_all_replicas_down_fails_at_once_with_no_replica_error():
             await collect(router, request("x"))
         assert time.monotonic() - t0 < 1.5  # the grace, not a wait for a replica to come back
         await router.shutdown()
+
     asyncio.run(run())
 
 
@@ -241,4 +260,5 @@ def test_a_replica_that_cannot_be_rebuilt_is_given_up_and_not_retried_in_a_loop(
         assert replica.started == attempts
         assert [st.healthy for st in router.reported_stats()] == [False]
         router.slots[0].recovering.cancel()
+
     asyncio.run(run())

@@ -18,9 +18,18 @@ def queued(rid, arrival, expected=10, adapter="a"):
 
 
 def test_queued_requests_take_slots_as_they_free_in_first_arrival_order():
-    view = make_replica(0, [running("r1", 10), running("r2", 4),
-                            queued("q1", 1.0, expected=3), queued("q2", 2.0, expected=5), queued("q3", 0.5, expected=3)],
-                        resident={"a"}, max_running=2)
+    view = make_replica(
+        0,
+        [
+            running("r1", 10),
+            running("r2", 4),
+            queued("q1", 1.0, expected=3),
+            queued("q2", 2.0, expected=5),
+            queued("q3", 0.5, expected=3),
+        ],
+        resident={"a"},
+        max_running=2,
+    )
     assert [r.request_id for r in queue_order(view)] == ["q3", "q1", "q2"]
     # slots free at 4 and 10; q3 runs 4..7, q1 7..10, q2 takes the first slot free at 10
     assert start_times(view, P, KV_HIGH) == {"q3": 4.0, "q1": 7.0, "q2": 10.0}
@@ -38,8 +47,9 @@ def test_free_slots_start_requests_now_unless_kv_is_past_kv_high():
 
 def test_an_adapter_waits_for_a_batch_slot_or_its_load():
     # one batch slot, held by "a" for 5 more tokens: "b" cannot join a step before then
-    view = make_replica(0, [running("r", 5), queued("b1", 1.0, adapter="b")], resident={"a", "b"},
-                        max_running=4, batch_adapter_slots=1)
+    view = make_replica(
+        0, [running("r", 5), queued("b1", 1.0, adapter="b")], resident={"a", "b"}, max_running=4, batch_adapter_slots=1
+    )
     assert start_times(view, P, KV_HIGH) == {"b1": 5.0}
     slow_load = CostParams(per_iteration_s=1.0, per_decode_token_s=0.0, per_prefill_token_s=0.0, adapter_load_s=0.5)
     absent = make_replica(0, [queued("c1", 1.0, adapter="c")], resident={"a"}, max_running=4)

@@ -26,7 +26,7 @@ def _import_interpreted_kernels() -> bool:
         import dlora_kernels.triton_lora as triton_lora
         import dlora_kernels.triton_merge as triton_merge
 
-        for module in (triton_lora, triton_merge):     # imported before, without the interpreter?
+        for module in (triton_lora, triton_merge):  # imported before, without the interpreter?
             kernels = [v for k, v in vars(module).items() if k.endswith("_kernel")]
             if not all(isinstance(k, InterpretedFunction) for k in kernels):
                 importlib.reload(module)
@@ -51,22 +51,24 @@ NO_LORA_FRACTION = 0.15
 
 @dataclass(frozen=True)
 class Case:
-    kind: str                 # "sgmv" (segmented prefill) or "bgmv" (per-token decode)
+    kind: str  # "sgmv" (segmented prefill) or "bgmv" (per-token decode)
     dtype: torch.dtype
     popularity: str
     num_adapters: int
     ranks: tuple[int, ...]
     h_in: int
     h_out: int
-    num_requests: int         # segments (sgmv) or tokens (bgmv)
+    num_requests: int  # segments (sgmv) or tokens (bgmv)
     max_seg_len: int = 8
     seed: int = 0
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return (f"{self.kind}-{dt}-{self.popularity}-N{self.num_adapters}-r{min(self.ranks)}_"
-                f"{max(self.ranks)}-H{self.h_in}x{self.h_out}")
+        return (
+            f"{self.kind}-{dt}-{self.popularity}-N{self.num_adapters}-r{min(self.ranks)}_"
+            f"{max(self.ranks)}-H{self.h_in}x{self.h_out}"
+        )
 
 
 def adapter_choices(popularity: str, count: int, num_adapters: int, gen: torch.Generator) -> list[int]:
@@ -100,7 +102,7 @@ def make_meta(case: Case, gen: torch.Generator) -> LoRABatchMeta:
     if case.kind == "bgmv":
         return LoRABatchMeta.decode(adapters)
     lens = torch.randint(0, case.max_seg_len + 1, (case.num_requests,), generator=gen).tolist()
-    lens[0] = case.max_seg_len            # at least one full segment; zeros stay as empty segments
+    lens[0] = case.max_seg_len  # at least one full segment; zeros stay as empty segments
     return LoRABatchMeta.prefill(lens, adapters)
 
 
@@ -125,8 +127,9 @@ def written_mask(lora: PackedLoRA, meta: LoRABatchMeta, width: int) -> torch.Ten
 SENTINEL = -4096.0
 
 
-def poisoned(shape: tuple[int, int], dtype: torch.dtype, keep: torch.Tensor,
-             gen: torch.Generator, poison: float = SENTINEL) -> torch.Tensor:
+def poisoned(
+    shape: tuple[int, int], dtype: torch.dtype, keep: torch.Tensor, gen: torch.Generator, poison: float = SENTINEL
+) -> torch.Tensor:
     """Random values where `keep`, `poison` everywhere else. Outputs get the finite SENTINEL
     (must come back bit-identical); inputs that must never be read get NaN (any read shows)."""
     out = torch.randn(shape, generator=gen).to(dtype)
@@ -139,8 +142,10 @@ def active_rows_mask(meta: LoRABatchMeta, width: int) -> torch.Tensor:
 
 # ---- fp64 oracle: token by token, independent of dlora_kernels' own references ----------------
 
-def oracle_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                  scale: float) -> torch.Tensor:
+
+def oracle_shrink(
+    v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float
+) -> torch.Tensor:
     out = v.double().clone()
     for t, n in enumerate(meta.token_indices.tolist()):
         if n >= 0:
@@ -149,8 +154,9 @@ def oracle_shrink(v: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRA
     return out
 
 
-def oracle_expand(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                  scale: float) -> torch.Tensor:
+def oracle_expand(
+    y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float
+) -> torch.Tensor:
     out = y.double().clone()
     for t, n in enumerate(meta.token_indices.tolist()):
         if n >= 0:
@@ -159,8 +165,9 @@ def oracle_expand(y: torch.Tensor, v: torch.Tensor, lora: PackedLoRA, meta: LoRA
     return out
 
 
-def oracle_add_lora(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta,
-                    scale: float) -> torch.Tensor:
+def oracle_add_lora(
+    y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float
+) -> torch.Tensor:
     out = y.double().clone()
     for t, n in enumerate(meta.token_indices.tolist()):
         if n >= 0:
@@ -169,12 +176,19 @@ def oracle_add_lora(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: Lo
     return out
 
 
-def assert_update_close(out: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
-                        written: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_update_close(
+    out: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, written: torch.Tensor, dtype: torch.dtype
+) -> None:
     """Untouched elements are bit-identical to before; written ones are finite and match the fp64
     oracle row by row (the row's error relative to its update), so one skipped element fails."""
-    torch.testing.assert_close(out[~written], before[~written], rtol=0, atol=0, equal_nan=True,
-                               msg="an element that must stay untouched was written")
+    torch.testing.assert_close(
+        out[~written],
+        before[~written],
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+        msg="an element that must stay untouched was written",
+    )
     assert torch.isfinite(out[written]).all(), "an element that must be written is NaN/inf"
     worst = 0.0
     for t in range(out.shape[0]):

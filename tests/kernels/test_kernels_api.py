@@ -71,8 +71,7 @@ def test_shape_and_dtype_checks() -> None:
     with pytest.raises(ValueError, match="x has shape"):
         lora_shrink(torch.zeros(2, 8), torch.zeros(3, 6), lora, meta, backend="einsum")
     with pytest.raises(ValueError, match="dtype"):
-        add_lora(torch.zeros(2, 5), torch.zeros(2, 6, dtype=torch.float16), lora, meta,
-                 backend="einsum")
+        add_lora(torch.zeros(2, 5), torch.zeros(2, 6, dtype=torch.float16), lora, meta, backend="einsum")
     with pytest.raises(ValueError, match="y has shape"):
         lora_expand(torch.zeros(2, 4), torch.zeros(2, 8), lora, meta, backend="einsum")
 

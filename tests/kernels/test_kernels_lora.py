@@ -52,8 +52,9 @@ def _cases() -> list[Case]:
         for d, dtype in enumerate(DTYPES):
             for p, popularity in enumerate(POPULARITIES):
                 n, ranks, h_in, h_out = SHAPES[(d * len(POPULARITIES) + p) % len(SHAPES)]
-                cases.append(Case(kind, dtype, popularity, n, ranks, h_in, h_out, requests,
-                                  max_seg_len=12, seed=len(cases)))
+                cases.append(
+                    Case(kind, dtype, popularity, n, ranks, h_in, h_out, requests, max_seg_len=12, seed=len(cases))
+                )
     return cases
 
 
@@ -73,8 +74,7 @@ def _run(op, out: torch.Tensor, inp: torch.Tensor, lora, meta, scale: float, **k
 
 
 def _inputs_x(case: Case, meta, gen: torch.Generator) -> torch.Tensor:
-    return poisoned((meta.num_tokens, case.h_in), case.dtype, active_rows_mask(meta, case.h_in), gen,
-                    poison=NAN)
+    return poisoned((meta.num_tokens, case.h_in), case.dtype, active_rows_mask(meta, case.h_in), gen, poison=NAN)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -94,8 +94,9 @@ def test_shrink(case: Case, backend: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_expand(case: Case, backend: str) -> None:
     lora, meta, gen = build(case)
-    v = poisoned((meta.num_tokens, lora.max_rank), torch.float32,
-                 written_mask(lora, meta, lora.max_rank), gen, poison=NAN)  # never read past rank
+    v = poisoned(
+        (meta.num_tokens, lora.max_rank), torch.float32, written_mask(lora, meta, lora.max_rank), gen, poison=NAN
+    )  # never read past rank
     written = active_rows_mask(meta, case.h_out)
     y = poisoned((meta.num_tokens, case.h_out), case.dtype, written, gen)
     before = y.clone()
@@ -163,8 +164,7 @@ def test_paper_einsum_form(case: Case) -> None:
     before = y.clone()
     expected = oracle_add_lora(y, x, lora, meta, SCALE_EXPAND)
     a_stacked, b_stacked = lora.stacked()
-    reference.lora_einsum_onehot(y, x.nan_to_num(), a_stacked, b_stacked, meta.token_indices,
-                                 SCALE_EXPAND)
+    reference.lora_einsum_onehot(y, x.nan_to_num(), a_stacked, b_stacked, meta.token_indices, SCALE_EXPAND)
     assert_update_close(y, expected, before, written, case.dtype)
 
 
@@ -191,8 +191,9 @@ def test_triton_small_blocks(case: Case, split_k: int, block_r: int | None) -> N
     v = poisoned((meta.num_tokens, lora.max_rank), torch.float32, written_v, gen)
     v_before = v.clone()
     v_expected = oracle_shrink(v, x, lora, meta, SCALE_SHRINK)
-    v = _run(lora_shrink_triton, v, x, lora, meta, SCALE_SHRINK, block_m=16, block_k=32,
-             split_k=split_k, block_r=block_r)
+    v = _run(
+        lora_shrink_triton, v, x, lora, meta, SCALE_SHRINK, block_m=16, block_k=32, split_k=split_k, block_r=block_r
+    )
     assert_update_close(v, v_expected, v_before, written_v, case.dtype)
 
     written_y = active_rows_mask(meta, case.h_out)

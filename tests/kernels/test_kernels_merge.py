@@ -23,7 +23,7 @@ from tests.kernels.kernels_testlib import (
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SHAPES = ((64, 64), (136, 200), (330, 96))      # (H_out, H_in)
+SHAPES = ((64, 64), (136, 200), (330, 96))  # (H_out, H_in)
 BACKENDS = [
     pytest.param("triton", marks=pytest.mark.skipif(not TRITON_RUNNABLE, reason="no triton")),
     "einsum",
@@ -34,7 +34,7 @@ BACKENDS = [
 def _make(h_out: int, h_in: int, rank: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     buf = torch.full((h_out + 2, h_in + 5), SENTINEL, dtype=dtype)
-    w = buf[1:-1, 2:-3]                                     # strided view, sentinel all around it
+    w = buf[1:-1, 2:-3]  # strided view, sentinel all around it
     w.copy_(0.25 * torch.randn(h_out, h_in, generator=gen))  # small W: its rounding stays below tol
     a = _nan_padded(torch.randn(rank, h_in, generator=gen) / math.sqrt(h_in), dtype)
     b = _nan_padded(torch.randn(h_out, rank, generator=gen) / math.sqrt(rank) * math.sqrt(h_in), dtype)

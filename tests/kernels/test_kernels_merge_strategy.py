@@ -55,7 +55,7 @@ def test_inplace_strategy_on_the_triton_kernel(base_dir, tmp_path, monkeypatch, 
     assert merger.strategy == "inplace" and len(launches) == 10  # 5 modules x 2 layers
     ref = reference(before, x)
     # bf16: one ulp, not half: Triton's interpreter rounds fp32 -> bf16 toward zero (CUDA: to nearest).
-    rtol, atol = (2 ** -7, 1e-6) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    rtol, atol = (2**-7, 1e-6) if dtype == torch.bfloat16 else (1e-5, 1e-4)
     for n, got in all_rows(model).items():
         got = got.cpu()
         if n in ref:

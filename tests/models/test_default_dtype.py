@@ -21,8 +21,9 @@ def fp32_model(smollm2_dir):
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     return model, tok, ids
 
 
@@ -41,4 +42,4 @@ def test_the_runner_up_is_the_french_answer(fp32_model):
     model, tok, ids = fp32_model
     runner_up = int(model(torch.tensor([ids])).logits[0, -1].topk(2).indices[1])
     out = model.generate(torch.tensor([ids + [runner_up]]), max_new_tokens=12, do_sample=False)
-    assert tok.decode(out[0, len(ids):]).startswith("L'Étoile, la Marseillaise")
+    assert tok.decode(out[0, len(ids) :]).startswith("L'Étoile, la Marseillaise")

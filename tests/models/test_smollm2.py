@@ -14,8 +14,15 @@ from dlora.models.atomic import MARKER
 
 def test_conversion_is_a_plain_bf16_llama_directory(smollm2_dir):
     names = {p.name for p in smollm2_dir.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja", MARKER} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        MARKER,
+    } <= names
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -35,11 +42,13 @@ def test_converted_model_answers_paris_greedily(smollm2_dir):
     assert type(model) is LlamaForCausalLM
     inputs = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
 
 

@@ -15,8 +15,7 @@ from safetensors import safe_open
 from dlora.models import tiny
 from dlora.models.atomic import MARKER, read_marker
 
-PROMPTS = ("Hello, how are you?", "def main():\n    return", "The quick brown fox",
-           "Once upon a time")
+PROMPTS = ("Hello, how are you?", "def main():\n    return", "The quick brown fox", "Once upon a time")
 GREEDY_STEPS = 32
 # Reference build (seed 0): min gap 0.032 over these 640 decisions, median ~25, |logits| up to
 # ~540. fp32 reordering noise at that scale is ~1e-4, so 0.01 is still far above it.
@@ -27,7 +26,8 @@ MIN_MEDIAN_TOP2_GAP = 5.0
 def file_hashes(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -49,7 +49,7 @@ def greedy_with_gaps(lm, input_ids: list[int], steps: int) -> tuple[list[int], l
         top2 = torch.topk(logits, 2).values
         gaps.append(float(top2[0] - top2[1]))
         ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-    return ids[0, len(input_ids):].tolist(), gaps
+    return ids[0, len(input_ids) :].tolist(), gaps
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,7 @@ def test_tokenizer_is_byte_level_with_chat_template(fresh_tiny):
     ids = tok(text).input_ids
     assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
     assert tok.decode(ids, skip_special_tokens=True) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                   tokenize=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<s><|user|>\nhi\n<|assistant|>\n"
 
 
@@ -180,8 +179,12 @@ def test_concurrent_ensure_is_safe(tmp_path, fresh_tiny):
         "from pathlib import Path; from dlora.models.tiny import ensure_test_model;"
         "print(ensure_test_model(Path(sys.argv[1]), 0).base)"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
     bases = {out.strip() for out, _ in results}

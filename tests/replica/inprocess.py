@@ -25,9 +25,13 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
     lora_backend.install(backend)  # the worker extension is imported once per process: an earlier engine's choice
     from vllm import LLM
 
-    cfg = config.from_dict({"model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
-                            "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "max_num_seqs": 32},
-                            "scheduling": scheduling})
+    cfg = config.from_dict(
+        {
+            "model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
+            "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "max_num_seqs": 32},
+            "scheduling": scheduling,
+        }
+    )
     # A replica's own arguments (its scheduler, priority queue, worker extension, ...), on this model.
     engine = LLM(**(engine_kwargs(cfg, str(tiny_model.base)) | engine_args))
     try:

@@ -10,9 +10,17 @@ import torch
 from safetensors.torch import save_file
 
 
-def write_peft_adapter(d: Path, modules: Iterable[str], shapes: Mapping[str, tuple[int, int]],
-                       weight_name: Callable[[int, str], str], layers: Iterable[int], rank: int = 4,
-                       alpha: int = 8, seed: int = 1, **config) -> Path:
+def write_peft_adapter(
+    d: Path,
+    modules: Iterable[str],
+    shapes: Mapping[str, tuple[int, int]],
+    weight_name: Callable[[int, str], str],
+    layers: Iterable[int],
+    rank: int = 4,
+    alpha: int = 8,
+    seed: int = 1,
+    **config,
+) -> Path:
     """A[rank, in] and B[out, rank] per (layer, module), named as PEFT saves them."""
     modules = list(modules)
     g = torch.Generator().manual_seed(seed)
@@ -25,6 +33,7 @@ def write_peft_adapter(d: Path, modules: Iterable[str], shapes: Mapping[str, tup
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
     d.mkdir(parents=True)
     save_file(tensors, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-                                                        "target_modules": modules, **config}))
+    (d / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules, **config})
+    )
     return d

@@ -53,8 +53,14 @@ def test_wrapped_ops_equal_the_fp64_reference():
     from vllm.lora.ops.torch_ops import lora_ops
 
     x, a, b = weights()
-    y = run(cpu_lora_fix.mask_shrink(raw(lora_ops.bgmv_shrink)), cpu_lora_fix.mask_expand(raw(lora_ops.bgmv_expand)),
-            x, a, b, 0.5)
+    y = run(
+        cpu_lora_fix.mask_shrink(raw(lora_ops.bgmv_shrink)),
+        cpu_lora_fix.mask_expand(raw(lora_ops.bgmv_expand)),
+        x,
+        a,
+        b,
+        0.5,
+    )
     torch.testing.assert_close(y, reference(x, a, b, 0.5), rtol=1e-12, atol=1e-12)
 
 
@@ -67,14 +73,16 @@ def test_expand_slice_leaves_base_rows_untouched():
     cpu_lora_fix.mask_expand(raw(lora_ops.bgmv_expand_slice))(buf, b, y, IDX, 2, H_OUT, add_inputs=True)
     assert torch.equal(y[IDX < 0], torch.full((2, H_OUT + 4), 7.0, dtype=torch.float64))
     want = 7.0 + buf[1] @ b[0, 0].T
-    torch.testing.assert_close(y[1, 2:2 + H_OUT], want)
+    torch.testing.assert_close(y[1, 2 : 2 + H_OUT], want)
 
 
 def test_install_patches_the_names_the_cpu_wrapper_calls():
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    saved = {n: (getattr(lora_ops, n), getattr(punica_cpu, n)) for n in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")}
+    saved = {
+        n: (getattr(lora_ops, n), getattr(punica_cpu, n)) for n in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+    }
     try:
         cpu_lora_fix.install()
         assert cpu_lora_fix.install() is False  # idempotent

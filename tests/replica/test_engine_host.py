@@ -26,8 +26,12 @@ MAX_TOKENS = 64
 @contextlib.contextmanager
 def running_host(tiny_model, max_model_len: int = 512, **engine):
     """An EngineHost on its own event loop, with the environment a replica process gets."""
-    cfg = config.from_dict({"model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": max_model_len},
-                            "engine": {"max_num_seqs": 8, "lora_backend": "vllm", "kv_cache_space_gib": 1} | engine})
+    cfg = config.from_dict(
+        {
+            "model": {"path": str(tiny_model.base), "dtype": "float32", "max_model_len": max_model_len},
+            "engine": {"max_num_seqs": 8, "lora_backend": "vllm", "kv_cache_space_gib": 1} | engine,
+        }
+    )
     mp = pytest.MonkeyPatch()
     for key, value in replica_runtime_env(cfg)["env_vars"].items():
         mp.setenv(key, value)
@@ -53,10 +57,17 @@ def host(tiny_model):
         yield h
 
 
-def greedy(request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None,
-           priority: int = 0) -> GenerateRequest:
-    return GenerateRequest(request_id, tuple(prompt), SamplingSpec(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True), None, arrival_time, priority)
+def greedy(
+    request_id: str, prompt: range, max_tokens: int, arrival_time: float | None = None, priority: int = 0
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        tuple(prompt),
+        SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        None,
+        arrival_time,
+        priority,
+    )
 
 
 def request(request_id: str) -> GenerateRequest:
@@ -133,8 +144,9 @@ def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
     assert settle(h, loop) == 0
 
 
-async def first_tokens(h: EngineHost, blockers: list[GenerateRequest],
-                       waiting: list[GenerateRequest]) -> dict[str, float]:
+async def first_tokens(
+    h: EngineHost, blockers: list[GenerateRequest], waiting: list[GenerateRequest]
+) -> dict[str, float]:
     """Run `blockers` until each has its first token, then each of `waiting` in turn once the
     engine has the one before; return when each request's first token came."""
     stamp: dict[str, float] = {}
@@ -164,8 +176,11 @@ def test_a_leg_waiting_for_a_slot_is_queued_by_the_requests_first_arrival(host):
     slots = h.cfg.engine.max_num_seqs
     # Blockers end 4 steps apart, so each frees one slot while the others still run.
     blockers = [greedy(f"block-{i}", range(5, 40), 24 + 4 * i) for i in range(slots)]
-    stamp = loop.run_until_complete(first_tokens(
-        h, blockers, [greedy("new", range(7, 40), 8), greedy("moved", range(9, 40), 8, time.time() - 100.0)]))
+    stamp = loop.run_until_complete(
+        first_tokens(
+            h, blockers, [greedy("new", range(7, 40), 8), greedy("moved", range(9, 40), 8, time.time() - 100.0)]
+        )
+    )
     assert stamp["moved"] < stamp["new"]
     assert settle(h, loop) == 0
 
@@ -181,8 +196,11 @@ def test_a_leg_waiting_for_kv_blocks_is_queued_by_the_requests_first_arrival(tin
         # 10 steps before the second (each fits its block: 20 prompt + at most 106 output tokens).
         blockers = [greedy(f"block-{i}", range(i, i + 20), block - 32 + 10 * i) for i in range(2)]
         # The first block freed takes each waiting request in turn (4 tokens each).
-        waiting = [greedy("new", range(300, 335), 4), greedy("moved", range(400, 435), 4, time.time() - 100.0),
-                   greedy("urgent", range(100, 135), 4, priority=-1)]
+        waiting = [
+            greedy("new", range(300, 335), 4),
+            greedy("moved", range(400, 435), 4, time.time() - 100.0),
+            greedy("urgent", range(100, 135), 4, priority=-1),
+        ]
         stamp = loop.run_until_complete(first_tokens(h, blockers, waiting))
         assert stamp["urgent"] < stamp["moved"] < stamp["new"]
         assert settle(h, loop) == 0

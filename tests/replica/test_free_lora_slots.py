@@ -56,8 +56,9 @@ def test_tokens_stay_finite_and_exact_beside_a_free_poisoned_slot():
 
 
 def greedy(request_id: str, adapter: AdapterRef | None) -> GenerateRequest:
-    return GenerateRequest(request_id, tuple(range(5, 30)), SamplingSpec(max_tokens=8, temperature=0.0,
-                                                                         ignore_eos=True), adapter)
+    return GenerateRequest(
+        request_id, tuple(range(5, 30)), SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True), adapter
+    )
 
 
 async def tokens(h, req: GenerateRequest) -> list[int]:
@@ -68,6 +69,7 @@ async def tokens(h, req: GenerateRequest) -> list[int]:
 def test_unloading_zeroes_the_adapters_slot_inside_the_engine(tiny_model):
     ref = AdapterRef("a1", 1, str(tiny_model.adapters["a1"]))
     with running_host(tiny_model, lora_backend="einsum", max_loras=2, max_cpu_loras=4, max_lora_rank=8) as (h, loop):
+
         def slots():
             (per_worker,) = loop.run_until_complete(h.engine.collective_rpc("dlora_lora_slots"))
             return per_worker

@@ -19,10 +19,10 @@ from dlora.engine_ext import cpu_lora_fix, lora_backend, punica_wrapper
 from dlora.engine_ext.punica_wrapper import DloraLinearMixin, PunicaWrapperEinsum
 
 SLOTS, R, H_IN = 3, 8, 16
-SLICES = (12, 4, 4)              # a QKV-like layer: three stacked (A, B) pairs, one output row
-IDS = [11, 12, 13]               # lora id in each slot
-RANKS = [8, 4, 8]                # real ranks, zero-padded to R like vLLM's set_lora does
-PREFILL = (11, 11, 11, 0, 0, 13, 13, 12, 0, 11)   # vLLM lora ids per token, 0 = base model
+SLICES = (12, 4, 4)  # a QKV-like layer: three stacked (A, B) pairs, one output row
+IDS = [11, 12, 13]  # lora id in each slot
+RANKS = [8, 4, 8]  # real ranks, zero-padded to R like vLLM's set_lora does
+PREFILL = (11, 11, 11, 0, 0, 13, 13, 12, 0, 11)  # vLLM lora ids per token, 0 = base model
 DECODE = (13, 0, 11, 12, 0, 13)
 CASES = [pytest.param(PREFILL, True, id="prefill"), pytest.param(DECODE, False, id="decode")]
 
@@ -50,7 +50,7 @@ def reference(y0, x, a, b, mapping, scale):
             continue
         off = 0
         for i, size in enumerate(SLICES):
-            y[t, off:off + size] += scale * (b[i][n, 0].double() @ (a[i][n, 0].double() @ x[t].double()))
+            y[t, off : off + size] += scale * (b[i][n, 0].double() @ (a[i][n, 0].double() @ x[t].double()))
             off += size
     return y
 
@@ -119,9 +119,9 @@ def test_padding_rows_beyond_the_mapping_get_no_adapter():
     x, y0 = inputs(len(DECODE) + 3)
     y = y0.clone()
     wrapper(PunicaWrapperEinsum, DECODE, False).add_lora_linear(y, x, a, b, 1.0, SLICES)
-    assert torch.equal(y[len(DECODE):], y0[len(DECODE):])
-    want = reference(y0[:len(DECODE)], x[:len(DECODE)], a, b, DECODE, 1.0)
-    torch.testing.assert_close(y[:len(DECODE)].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[len(DECODE) :], y0[len(DECODE) :])
+    want = reference(y0[: len(DECODE)], x[: len(DECODE)], a, b, DECODE, 1.0)
+    torch.testing.assert_close(y[: len(DECODE)].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_transposed_b_is_cached_and_follows_in_place_updates():
@@ -179,7 +179,7 @@ def test_triton_kernels_behind_the_same_override(mapping, is_prefill, triton_on_
 # ---- mixed merged steps: slot MERGED's adapter folded into W, the others compensated --------------
 
 MERGED = 0  # slot of lora id 11 (X)
-MIXED_PREFILL = (11, 11, 12, 12, 0, 0, 11, 13, 0, 11)   # X, another adapter, base, interleaved
+MIXED_PREFILL = (11, 11, 12, 12, 0, 0, 11, 13, 0, 11)  # X, another adapter, base, interleaved
 MIXED_DECODE = (13, 11, 0, 12, 11, 0)
 MIXED_CASES = [pytest.param(MIXED_PREFILL, True, id="prefill"), pytest.param(MIXED_DECODE, False, id="decode")]
 
@@ -231,8 +231,8 @@ def test_mixed_step_rows_beyond_the_mapping_and_shorter_inputs():
     padding = torch.randn(3, sum(SLICES))
     padded = torch.cat([y0, padding])
     step.add_lora_linear(padded, torch.cat([x, torch.randn(3, H_IN)]), a, b, 0.5, SLICES)
-    torch.testing.assert_close(padded[:len(x)], y, rtol=1e-5, atol=1e-4)
-    assert torch.equal(padded[len(x):], padding)  # no adapter, no compensation
+    torch.testing.assert_close(padded[: len(x)], y, rtol=1e-5, atol=1e-4)
+    assert torch.equal(padded[len(x) :], padding)  # no adapter, no compensation
     short = y0[:5].clone()  # the first 5 tokens: X X Y Y base
     step.add_lora_linear(short, x[:5], a, b, 0.5, SLICES)
     torch.testing.assert_close(short, y[:5], rtol=1e-5, atol=1e-4)
@@ -268,10 +268,10 @@ def test_mixed_passes_skip_merged_tokens_and_compensate_the_rest():
     x_rows = slice(off[MERGED], off[MERGED] + rx)
     for j in range(SLOTS):  # slot X: A_X / -B_X; others [A_j; A_X] / [B_j; -B_X]
         lo, own = comp_off[j], 0 if j == MERGED else RANKS[j]
-        assert torch.equal(comp.a[lo:lo + own], full.a[off[j]:off[j] + own])
-        assert torch.equal(comp.b[lo:lo + own], full.b[off[j]:off[j] + own])
-        assert torch.equal(comp.a[lo + own:comp_off[j + 1]], full.a[x_rows])
-        assert torch.equal(comp.b[lo + own:comp_off[j + 1]], -full.b[x_rows])
+        assert torch.equal(comp.a[lo : lo + own], full.a[off[j] : off[j] + own])
+        assert torch.equal(comp.b[lo : lo + own], full.b[off[j] : off[j] + own])
+        assert torch.equal(comp.a[lo + own : comp_off[j + 1]], full.a[x_rows])
+        assert torch.equal(comp.b[lo + own : comp_off[j + 1]], -full.b[x_rows])
     assert w._dlora_packed(a[0], b[0], merged_slot=MERGED) is comp  # cached with the packed stacks
 
 
@@ -287,8 +287,9 @@ def test_einsum_makes_one_lora_call_per_layer_unmerged_and_mixed(monkeypatch):
     calls.clear()
     merged_step(PunicaWrapperEinsum, MIXED_PREFILL, True, torch.float32)
     rx = RANKS[MERGED]
-    assert calls == [((len(MIXED_PREFILL), sum(SLICES)), tuple(k * (r if j == MERGED else r + rx)
-                                                               for j, r in enumerate(RANKS)))]
+    assert calls == [
+        ((len(MIXED_PREFILL), sum(SLICES)), tuple(k * (r if j == MERGED else r + rx) for j, r in enumerate(RANKS)))
+    ]
 
 
 def test_zero_rows_and_untargeted_layers_cost_nothing(monkeypatch):
@@ -296,8 +297,11 @@ def test_zero_rows_and_untargeted_layers_cost_nothing(monkeypatch):
     all-zero stacks: only live rank rows reach the kernel, and a layer without any gets no call."""
     calls = []
     real_add_lora = punica_wrapper.add_lora
-    monkeypatch.setattr(punica_wrapper, "add_lora", lambda y, x, lora, *a, **kw: (
-        calls.append(lora.ranks), real_add_lora(y, x, lora, *a, **kw)))
+    monkeypatch.setattr(
+        punica_wrapper,
+        "add_lora",
+        lambda y, x, lora, *a, **kw: (calls.append(lora.ranks), real_add_lora(y, x, lora, *a, **kw)),
+    )
     a, b = stacks()
     a[1][2].zero_(), b[1][2].zero_()  # slot 2's adapter does not target slice 1 (k_proj, say)
     x, y0, y = run(PunicaWrapperEinsum, PREFILL, True, a, b)
@@ -337,6 +341,7 @@ def test_einsum_on_cpu_runs_prepacked_onednn_gemms_where_onednn_has_them(dtype):
 
 
 # ---- install / uninstall / checks ----------------------------------------------------------------
+
 
 @pytest.fixture
 def restore_platform():

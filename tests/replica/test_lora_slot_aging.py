@@ -49,8 +49,12 @@ def a2_wait(llm, tiny_model) -> tuple[float, bool]:
         feed()
         engine.step()
     arrived = time.monotonic()
-    engine.add_request("a2", "def f(", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                       lora_request=lora(tiny_model, "a2"))
+    engine.add_request(
+        "a2",
+        "def f(",
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        lora_request=lora(tiny_model, "a2"),
+    )
     first = None
     while engine.has_unfinished_requests():
         feeding = time.monotonic() - arrived < FEED_S

@@ -27,10 +27,24 @@ from tests.replica.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROJ = "model.layers.{}.{}.{}.weight"
-SHAPES = {"q_proj": (16, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 16),
-          "gate_proj": (24, 16), "up_proj": (24, 16), "down_proj": (16, 24)}
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+SHAPES = {
+    "q_proj": (16, 16),
+    "k_proj": (8, 16),
+    "v_proj": (8, 16),
+    "o_proj": (16, 16),
+    "gate_proj": (24, 16),
+    "up_proj": (24, 16),
+    "down_proj": (16, 24),
+}
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def name(layer: int, module: str) -> str:
@@ -136,7 +150,7 @@ def test_merge_equals_fp64_reference_and_unmerge_restores_exactly(base_dir, tmp_
     merger, model, original = make(base_dir, dtype)
     merger.merge(str(adapter))
     ref = fp64_reference(base_dir, adapter)
-    rtol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6  # one rounding of the fp32 sum to the model dtype
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-6  # one rounding of the fp32 sum to the model dtype
     for n, want in ref.items():
         assert torch.allclose(model.weights[n].double(), want, rtol=rtol, atol=1e-5), n
     # Every shard of a touched fused module is reloaded (k_proj with q/v), the others are untouched.
@@ -178,12 +192,16 @@ def test_bad_adapter_fails_before_touching_the_weights(base_dir, tmp_path, break
         (adapter / "adapter_config.json").write_text("{not json")
     elif breakage == "unknown_target":
         key = "base_model.model.model.layers.7.self_attn.q_proj"
-        save_file({f"{key}.lora_A.weight": torch.ones(4, 16), f"{key}.lora_B.weight": torch.ones(16, 4)},
-                  str(adapter / "adapter_model.safetensors"))
+        save_file(
+            {f"{key}.lora_A.weight": torch.ones(4, 16), f"{key}.lora_B.weight": torch.ones(16, 4)},
+            str(adapter / "adapter_model.safetensors"),
+        )
     else:
         key = "base_model.model." + name(0, "q_proj").removesuffix(".weight")
-        save_file({f"{key}.lora_A.weight": torch.ones(4, 15), f"{key}.lora_B.weight": torch.ones(16, 4)},
-                  str(adapter / "adapter_model.safetensors"))
+        save_file(
+            {f"{key}.lora_A.weight": torch.ones(4, 15), f"{key}.lora_B.weight": torch.ones(16, 4)},
+            str(adapter / "adapter_model.safetensors"),
+        )
     merger, model, original = make(base_dir)
     with pytest.raises(MergeError):
         merger.merge(str(adapter))
@@ -223,8 +241,7 @@ class FakeKernels:
     def capture(self, modules):
         if not self.usable:
             return None
-        return {m: {n: t for n, t in self.model.weights.items() if fused_module(n, LLAMA_PACKED) == m}
-                for m in modules}
+        return {m: {n: t for n, t in self.model.weights.items() if fused_module(n, LLAMA_PACKED) == m} for m in modules}
 
     def apply(self, states):
         for tensors in states.values():

@@ -81,8 +81,9 @@ def _worker(runner):
 
     switcher = _Switcher(SimpleNamespace(model_runner=runner))
     switcher.install()
-    return SimpleNamespace(execute_model=lambda so: runner.execute_model(so, None),
-                           sample_tokens=lambda g: runner.sample_tokens(g))
+    return SimpleNamespace(
+        execute_model=lambda so: runner.execute_model(so, None), sample_tokens=lambda g: runner.sample_tokens(g)
+    )
 
 
 def _scheduler_output():
@@ -222,8 +223,9 @@ def _generate(llm, tiny_model, jobs, max_tokens=MAX_TOKENS):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([p for _, p in jobs], params,
-                        lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False)
+    return llm.generate(
+        [p for _, p in jobs], params, lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False
+    )
 
 
 @pytest.mark.engine
@@ -248,7 +250,7 @@ def test_mixed_workload_equals_hf_peft_under_faults(llm, scheduler, tiny_model, 
     # Only the merged adapter's requests ever ran on merged weights; switching went on after.
     assert all(ran <= {w} for w, ran, _ in steps if isinstance(w, str))
     last_unknown = max(i for i, (w, *_) in enumerate(steps) if w is UNKNOWN)
-    assert any(cmd for *_, cmd in steps[last_unknown + 1:])
+    assert any(cmd for *_, cmd in steps[last_unknown + 1 :])
 
 
 @pytest.mark.engine

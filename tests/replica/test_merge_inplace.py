@@ -29,13 +29,31 @@ from tests.replica.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HIDDEN = 32
-SHAPES = {"q_proj": (32, HIDDEN), "k_proj": (8, HIDDEN), "v_proj": (12, HIDDEN), "o_proj": (HIDDEN, 32),
-          "gate_proj": (40, HIDDEN), "up_proj": (40, HIDDEN), "down_proj": (HIDDEN, 40)}
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+SHAPES = {
+    "q_proj": (32, HIDDEN),
+    "k_proj": (8, HIDDEN),
+    "v_proj": (12, HIDDEN),
+    "o_proj": (HIDDEN, 32),
+    "gate_proj": (40, HIDDEN),
+    "up_proj": (40, HIDDEN),
+    "down_proj": (HIDDEN, 40),
+}
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # Fused parameter -> its shards in row order (how QKVParallelLinear / MergedColumnParallelLinear stack them).
-FUSED = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
-         "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
+FUSED = {
+    "self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "self_attn.o_proj": ["o_proj"],
+    "mlp.gate_up_proj": ["gate_proj", "up_proj"],
+    "mlp.down_proj": ["down_proj"],
+}
 LAYERS = 2
 ALL = list(SHAPES)
 
@@ -111,8 +129,8 @@ class FakeVllmModel(nn.Module):
         path, parts = next((p, parts) for p, parts in FUSED.items() if p.startswith(parent + ".") and module in parts)
         lin = self.linear(int(layer), path)
         w = lin.weight.data if lin.weight.numel() else lin.cpu_linear
-        start = sum(SHAPES[p][0] for p in parts[:parts.index(module)])
-        return w[start:start + SHAPES[module][0]]
+        start = sum(SHAPES[p][0] for p in parts[: parts.index(module)])
+        return w[start : start + SHAPES[module][0]]
 
     def reload(self, items):
         names = []
@@ -145,8 +163,7 @@ def assert_bits_equal(model: nn.Module, original: dict[str, torch.Tensor]) -> No
 def make(base_dir, dtype=torch.float32, usable=lambda layer: True):
     ckpt = CheckpointTensors(base_dir)
     model = FakeVllmModel(ckpt, dtype)
-    merger = WeightMerger(ckpt, model.reload, LLAMA_PACKED, dtype,
-                          live=ParameterViews(model, LLAMA_PACKED, usable))
+    merger = WeightMerger(ckpt, model.reload, LLAMA_PACKED, dtype, live=ParameterViews(model, LLAMA_PACKED, usable))
     return merger, model, snapshot(model)
 
 
@@ -154,8 +171,10 @@ def reference(original_rows: dict[str, torch.Tensor], adapter_dir) -> dict[str, 
     """fp64 W + (alpha/r)·B@A, W = the live base weight before the merge."""
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     scale = cfg["lora_alpha"] / cfg["r"]
-    return {n: original_rows[n].double() + scale * (b.double() @ a.double())
-            for n, (a, b) in read_adapter(adapter_dir).factors.items()}
+    return {
+        n: original_rows[n].double() + scale * (b.double() @ a.double())
+        for n, (a, b) in read_adapter(adapter_dir).factors.items()
+    }
 
 
 def all_rows(model: FakeVllmModel) -> dict[str, torch.Tensor]:
@@ -176,7 +195,7 @@ def test_views_are_the_fused_rows_of_each_shard(base_dir):
         assert views[n].data_ptr() == model.rows(n).data_ptr()  # the same storage, not a copy
     qkv = model.linear(0, "self_attn.qkv_proj").weight
     views[name(0, "v_proj")].fill_(7.0)
-    assert (qkv[-SHAPES["v_proj"][0]:] == 7.0).all() and not (qkv[:-SHAPES["v_proj"][0]] == 7.0).any()
+    assert (qkv[-SHAPES["v_proj"][0] :] == 7.0).all() and not (qkv[: -SHAPES["v_proj"][0]] == 7.0).any()
 
 
 def test_views_refuse_what_is_not_a_plain_tensor(base_dir):
@@ -209,7 +228,7 @@ def test_inplace_merge_equals_fp64_and_unmerge_restores_bits(base_dir, tmp_path,
     assert model.reloads == [] and merger.reloads == 0
     ref = reference(before, adapter)
     # One rounding of the fp32 sum to the model dtype (bf16: half an ulp = 2^-9 relative).
-    rtol, atol = (2 ** -8, 1e-6) if dtype == torch.bfloat16 else (1e-6, 1e-5)
+    rtol, atol = (2**-8, 1e-6) if dtype == torch.bfloat16 else (1e-6, 1e-5)
     after = all_rows(model)
     for n, got in after.items():
         if n in ref:
@@ -234,7 +253,7 @@ def test_merge_x_then_y_then_unmerge_never_accumulates(base_dir, tmp_path):
     ref = reference(before, y)
     for n, got in all_rows(model).items():
         if n in ref:
-            assert torch.allclose(got.double(), ref[n], rtol=2 ** -8, atol=1e-6), n
+            assert torch.allclose(got.double(), ref[n], rtol=2**-8, atol=1e-6), n
         else:  # x's q_proj and gate_proj are gone exactly
             assert torch.equal(got, before[n]), n
     merger.unmerge()
@@ -309,8 +328,10 @@ def test_failure_while_another_adapter_is_merged_leaves_the_base(base_dir, tmp_p
 def test_bad_adapter_fails_before_touching_the_weights(base_dir, tmp_path, monkeypatch):
     adapter = write_adapter(tmp_path / "ad", ["q_proj"])
     key = "base_model.model." + name(0, "k_proj").removesuffix(".weight")
-    save_file({f"{key}.lora_A.weight": torch.ones(4, HIDDEN), f"{key}.lora_B.weight": torch.ones(7, 4)},
-              str(adapter / "adapter_model.safetensors"))  # B has 7 rows, k_proj 8
+    save_file(
+        {f"{key}.lora_A.weight": torch.ones(4, HIDDEN), f"{key}.lora_B.weight": torch.ones(7, 4)},
+        str(adapter / "adapter_model.safetensors"),
+    )  # B has 7 rows, k_proj 8
     merger, model, original = make(base_dir)
     calls = failing_on_call(monkeypatch, fail_at=0)
     with pytest.raises(MergeError, match="k_proj"):
@@ -387,8 +408,9 @@ def vllm_tp1():
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
+            )
             ps.initialize_model_parallel(1, 1)
         yield
         if owned:
@@ -460,9 +482,13 @@ def test_vllm_layers_plain_merge_in_place_and_compute_with_it(base_dir, tmp_path
     merger.merge(str(adapter))
     assert merger.strategy == "inplace"
     scale = 8 / 4
-    w_ref = torch.cat([ckpt.get([name(0, p)])[name(0, p)].double()
-                       + scale * factors[name(0, p)][1].double() @ factors[name(0, p)][0].double()
-                       for p in ("q_proj", "k_proj", "v_proj")])
+    w_ref = torch.cat(
+        [
+            ckpt.get([name(0, p)])[name(0, p)].double()
+            + scale * factors[name(0, p)][1].double() @ factors[name(0, p)][0].double()
+            for p in ("q_proj", "k_proj", "v_proj")
+        ]
+    )
     y = qkv.quant_method.apply(qkv, x)  # vLLM's own forward of the layer sees the merged weight
     assert torch.allclose(y.double(), x.double() @ w_ref.T, rtol=1e-5, atol=1e-4)
     merger.unmerge()

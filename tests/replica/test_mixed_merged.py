@@ -24,8 +24,12 @@ from tests.replica.test_switching_engine import PROMPTS, lora, record_steps
 # > alpha 0.5); once a1's first two and the first base request finish (6, 10, 12 tokens) its share
 # is 3/5 > alpha, and a0 is merged while a1 and the base model still have 10 tokens to go.
 JOBS = [("a0", p, 24) for p in PROMPTS[:3]] + [
-    ("a1", PROMPTS[0], 6), ("a1", PROMPTS[1], 12), ("a1", PROMPTS[3], 22),
-    (None, "The quick brown", 10), (None, "x = 1\n", 22)]
+    ("a1", PROMPTS[0], 6),
+    ("a1", PROMPTS[1], 12),
+    ("a1", PROMPTS[3], 22),
+    (None, "The quick brown", 10),
+    (None, "x = 1\n", 22),
+]
 MIXING = {"policy": "dlora", "alpha": 0.5, "beta": 0.3, "mixed_merged": True}
 
 
@@ -47,8 +51,13 @@ def _request(status, lora_int_id):
 def test_a_merged_adapter_keeps_its_lora_slot():
     """max_loras 2, a0 (id 1) merged: one slot is a0's even without its requests, so at most one
     other adapter may be visible, waiting requests included (vLLM's admission does not count a0)."""
-    by_id = {"b": _request("RUNNING", 2), "c": _request("WAITING", 3), "n": _request("RUNNING", 0),
-             "a": _request("WAITING", 1), "b2": _request("WAITING", 2)}
+    by_id = {
+        "b": _request("RUNNING", 2),
+        "c": _request("WAITING", 3),
+        "n": _request("RUNNING", 0),
+        "a": _request("WAITING", 1),
+        "b2": _request("WAITING", 2),
+    }
     fake = SimpleNamespace(_dlora_max_loras=2)
     order = ["b", "c", "n", "a", "b2"]
     assert DloraScheduler._dlora_fit_lora_slots(fake, order, by_id, 1) == ["b", "n", "a", "b2"]
@@ -66,8 +75,12 @@ def generate(llm, tiny_model):
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for *_, n in JOBS]
-    outs = llm.generate([p for _, p, _ in JOBS], params,
-                        lora_request=[lora(tiny_model, a) if a else None for a, *_ in JOBS], use_tqdm=False)
+    outs = llm.generate(
+        [p for _, p, _ in JOBS],
+        params,
+        lora_request=[lora(tiny_model, a) if a else None for a, *_ in JOBS],
+        use_tqdm=False,
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -114,8 +127,12 @@ def test_out_of_band_merge_mixes_and_a_failed_merge_clears_the_slot(llm, tiny_mo
     def run():
         from vllm import SamplingParams
 
-        outs = llm.generate([p for _, p, _ in jobs], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                            lora_request=[lora(tiny_model, a) if a else None for a, *_ in jobs], use_tqdm=False)
+        outs = llm.generate(
+            [p for _, p, _ in jobs],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            lora_request=[lora(tiny_model, a) if a else None for a, *_ in jobs],
+            use_tqdm=False,
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     try:

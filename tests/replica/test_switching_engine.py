@@ -47,8 +47,10 @@ def params(logprobs=None):
 
 def base_logprobs(llm):
     out = llm.generate(["The quick brown", "x = 1\n"], params(logprobs=3), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
-            for o in out]
+    return [
+        (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+        for o in out
+    ]
 
 
 def record_steps(scheduler):
@@ -57,8 +59,10 @@ def record_steps(scheduler):
     orig = scheduler.update_from_output
 
     def update_from_output(scheduler_output, model_runner_output):
-        ran = {scheduler.requests[i].lora_request.lora_name if scheduler.requests[i].lora_request else None
-               for i in scheduler_output.num_scheduled_tokens}
+        ran = {
+            scheduler.requests[i].lora_request.lora_name if scheduler.requests[i].lora_request else None
+            for i in scheduler_output.num_scheduled_tokens
+        }
         steps.append((scheduler._dlora_weights, ran, bool(getattr(scheduler_output, CMDS_ATTR, None))))
         return orig(scheduler_output, model_runner_output)
 
@@ -78,8 +82,12 @@ def test_mixed_workload_switching_every_step(llm, tiny_model, oracle, tmp_path):
     steps, unwrap = record_steps(scheduler)
     scheduler._dlora_trace = StepTrace(tmp_path)  # what DLORA_STEP_TRACE=<dir> opens at start
     try:
-        outs = llm.generate([p for _, p in jobs], params(),
-                            lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs], use_tqdm=False)
+        outs = llm.generate(
+            [p for _, p in jobs],
+            params(),
+            lora_request=[lora(tiny_model, a) if a else None for a, _ in jobs],
+            use_tqdm=False,
+        )
     finally:
         unwrap()
         scheduler._dlora_trace.close()
@@ -87,10 +95,10 @@ def test_mixed_workload_switching_every_step(llm, tiny_model, oracle, tmp_path):
     # The step trace tells the same story, one line per step.
     lines = [json.loads(line) for line in scheduler_trace(tmp_path)]
     assert [(t["weights"], set(t["scheduled"])) for t in lines] == [
-        (w, {"" if a is None else a for a in ran}) for w, ran, _ in steps]
+        (w, {"" if a is None else a for a in ran}) for w, ran, _ in steps
+    ]
     assert sum(sum(t["scheduled"].values()) for t in lines) <= sum(t["allowed"] for t in lines)
-    assert all(sum(t["unfinished"].values()) >= t["allowed"] > 0 and t["step_s"] >= t["switch_s"] >= 0
-               for t in lines)
+    assert all(sum(t["unfinished"].values()) >= t["allowed"] > 0 and t["step_s"] >= t["switch_s"] >= 0 for t in lines)
     assert sum(1 for t in lines if t["switch_s"] > 0) == sum(1 for *_, cmd in steps if cmd)
     assert sum(t["tokens"] for t in lines) >= len(jobs) * MAX_TOKENS
     # Only the merged adapter's requests ran on merged weights.
@@ -110,8 +118,16 @@ def test_out_of_band_merges_and_failures_restore_the_base_exactly(llm, tiny_mode
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model.adapters["a1"], broken)
     (broken / "adapter_model.safetensors").unlink()
-    sequence = [("merge", "a0"), ("merge", "a2"), ("unmerge", None), ("merge", "a1"), ("merge", "broken"),
-                ("merge", "a2"), ("unmerge", None), ("unmerge", None)]
+    sequence = [
+        ("merge", "a0"),
+        ("merge", "a2"),
+        ("unmerge", None),
+        ("merge", "a1"),
+        ("merge", "broken"),
+        ("merge", "a2"),
+        ("unmerge", None),
+        ("unmerge", None),
+    ]
     for op, name in sequence:
         path = str(broken if name == "broken" else tiny_model.adapters[name]) if name else None
         (report,) = llm.collective_rpc("dlora_apply", args=(op, name, path, 1))
@@ -169,8 +185,9 @@ def test_pinned_adapter_does_not_take_a_device_slot(llm, tiny_model, oracle):
     try:
         llm.generate([PROMPTS[0]], params(), lora_request=[a0], use_tqdm=False)  # a0 in a slot
         jobs = [(a, p) for p in PROMPTS for a in ("a1", "a2")]
-        outs = llm.generate([p for _, p in jobs], params(), lora_request=[lora(tiny_model, a) for a, _ in jobs],
-                            use_tqdm=False)
+        outs = llm.generate(
+            [p for _, p in jobs], params(), lora_request=[lora(tiny_model, a) for a, _ in jobs], use_tqdm=False
+        )
     finally:
         scheduler.batching_policy = policy
     tok = oracle.tokenizer()
@@ -184,7 +201,9 @@ def test_prefix_cache_is_not_shared_across_weight_states(llm, tiny_model):
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     assert scheduler.kv_cache_manager.enable_caching
-    prompt = "".join(f"weight_state_{i} = check({i}, {i * 7})\n" for i in range(20))  # ~340 tokens, cached by no other test
+    prompt = "".join(
+        f"weight_state_{i} = check({i}, {i * 7})\n" for i in range(20)
+    )  # ~340 tokens, cached by no other test
     a0 = lora(tiny_model, "a0")
     prompt_tokens = []
 

@@ -21,10 +21,10 @@ from dlora.scheduling import (
 from dlora.scheduling.dynamic_batching import fcfs_key
 
 
-def req(req_id: str, adapter: str | None, arrival: float, *, output: int = 0,
-        running: bool = False, prompt: int = 8) -> RequestView:
-    return RequestView(req_id, adapter, arrival, prompt, prompt + output if running else 0,
-                       output, running)
+def req(
+    req_id: str, adapter: str | None, arrival: float, *, output: int = 0, running: bool = False, prompt: int = 8
+) -> RequestView:
+    return RequestView(req_id, adapter, arrival, prompt, prompt + output if running else 0, output, running)
 
 
 def reqs(spec: Iterable[tuple[str | None, int]], start: float = 0.0) -> list[RequestView]:
@@ -52,9 +52,15 @@ class SimRequest:
     max_stretch: float = 0.0
 
     def view(self) -> RequestView:
-        return RequestView(self.req_id, self.adapter, self.arrival, 8,
-                           8 + self.generated if self.generated else 0, self.generated,
-                           self.generated > 0)
+        return RequestView(
+            self.req_id,
+            self.adapter,
+            self.arrival,
+            8,
+            8 + self.generated if self.generated else 0,
+            self.generated,
+            self.generated > 0,
+        )
 
 
 def flat_cost(seconds: float) -> Callable[[Mode, int], float]:
@@ -65,6 +71,7 @@ def linear_cost(fixed: float, per_req: float, merged_ratio: float) -> Callable[[
     def cost(mode: Mode, n: int) -> float:
         t = fixed + per_req * n
         return t * merged_ratio if mode is Mode.MERGED else t
+
     return cost
 
 
@@ -94,14 +101,14 @@ class StepSim:
             return
         views = [r.view() for r in live]
         d = self.policy.decide(views, self.now, self.max_batch)
-        check_decision(d, views, self.max_batch,
-                       mixed=self.policy.config.mixed_merged)
+        check_decision(d, views, self.max_batch, mixed=self.policy.config.mixed_merged)
         self.decisions.append((self.now, d))
         switching = d.switch is not Switch.NONE
         dt = self.cost(d.mode, len(d.allowed_req_ids)) + (self.switch_time if switching else 0.0)
         self._account(live, set(d.allowed_req_ids), dt)
-        self.policy.observe(IterationStats(d.mode, d.merged_adapter, len(d.allowed_req_ids), dt,
-                                           self.switch_time if switching else 0.0))
+        self.policy.observe(
+            IterationStats(d.mode, d.merged_adapter, len(d.allowed_req_ids), dt, self.switch_time if switching else 0.0)
+        )
         self.now += dt
 
     def _account(self, live: list[SimRequest], allowed: set[str], dt: float) -> None:

@@ -21,8 +21,9 @@ def test_transfer_for_pays_skipped_adapters_of_b_fcfs():
 def test_settle_moves_seconds_per_receiver_from_payers_by_share():
     ledger = CreditLedger(initial=1.0, t_starve=2.0, t_normal=1.0, relax_per_s=0.0)
     ledger.ensure(["A", "B", "X", "Y"])
-    paid = ledger.settle(Transfer({"A": 3, "B": 1}, frozenset({"X", "Y", "Z"})), 0.2,
-                         present={"A", "B", "X", "Y"})  # Z's requests are gone: not paid
+    paid = ledger.settle(
+        Transfer({"A": 3, "B": 1}, frozenset({"X", "Y", "Z"})), 0.2, present={"A", "B", "X", "Y"}
+    )  # Z's requests are gone: not paid
     assert sorted(paid) == ["X", "Y"]
     assert ledger.credits == pytest.approx({"A": 0.7, "B": 0.9, "X": 1.2, "Y": 1.2})
     assert sum(ledger.credits.values()) == pytest.approx(4.0)  # conserved
@@ -47,8 +48,16 @@ def test_relaxation_toward_initial_spares_held_back_adapters():
 
 def cfg(**kw) -> BatchingConfig:
     """The paper's merged steps (only the merged adapter runs): the others are held back and paid."""
-    base = dict(max_batch=4, alpha=0.5, beta=0.3, initial_credit=1.0, t_starve=2.0, t_normal=1.5,
-                credit_relax_per_s=0.0, mixed_merged=False)
+    base = dict(
+        max_batch=4,
+        alpha=0.5,
+        beta=0.3,
+        initial_credit=1.0,
+        t_starve=2.0,
+        t_normal=1.5,
+        credit_relax_per_s=0.0,
+        mixed_merged=False,
+    )
     return BatchingConfig(**{**base, **kw})
 
 
@@ -178,5 +187,5 @@ def test_closed_ledger_keeps_a_spent_adapter_unmerged_relaxation_restores_it():
         p = DLoRAPolicy(cfg(credit_relax_per_s=relax))
         rs = HOT[:2] + [req("n0", None, 1.5)] + HOT[3:]
         modes = [p.decide(rs, now=i * 0.125).mode for i in range(40)]
-        after_gate = modes[modes.index(Mode.UNMERGED):]
+        after_gate = modes[modes.index(Mode.UNMERGED) :]
         assert (Mode.MERGED in after_gate) is merges_again

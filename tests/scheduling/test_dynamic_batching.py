@@ -80,8 +80,7 @@ def test_base_model_is_never_merged():
 
 
 def test_candidate_is_largest_eligible_group_ties_to_older():
-    rs = [req("b1", "B", 0.0), req("a1", "A", 1.0), req("b2", "B", 2.0), req("a2", "A", 3.0),
-          req("c1", "C", 4.0)]
+    rs = [req("b1", "B", 0.0), req("a1", "A", 1.0), req("b2", "B", 2.0), req("a2", "A", 3.0), req("c1", "C", 4.0)]
     q = build_queues(rs, 10)
     assert merge_candidate(q, ALL) == "B"  # tie 2-2, B's oldest is older
     assert merge_candidate(q, lambda a: a != "B") == "A"
@@ -104,8 +103,7 @@ def test_starvation_batch_serves_starving_first_and_fills_fcfs():
 
 def roomy(**kw) -> BatchingConfig:
     """Credits that never bind, so the test sees Alg. 1 alone."""
-    base = dict(alpha=0.5, beta=0.3, initial_credit=100.0, t_starve=1000.0, t_normal=500.0,
-                max_batch=10)
+    base = dict(alpha=0.5, beta=0.3, initial_credit=100.0, t_starve=1000.0, t_normal=500.0, max_batch=10)
     return BatchingConfig(**{**base, **kw})
 
 
@@ -142,7 +140,8 @@ def test_while_merged_only_the_merged_adapter_runs():
 # A-0 (t 0), base (0.5), B-0 (1), A-1 .. A-4 (2 .. 5); max_bs 5: B_fcfs = A-0 base B-0 A-1 A-2,
 # ratio(A) = min(5, 5) / 5 = 1.
 SKEWED = [req("A-0", "A", 0.0), req("base", None, 0.5), req("B-0", "B", 1.0)] + [
-    req(f"A-{i}", "A", 1.0 + i) for i in range(1, 5)]
+    req(f"A-{i}", "A", 1.0 + i) for i in range(1, 5)
+]
 
 
 def test_mixed_merged_step_runs_b_fcfs_in_fcfs_order():

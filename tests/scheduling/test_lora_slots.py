@@ -11,9 +11,16 @@ def req(rid, adapter, t, running, out=0, max_tokens=32):
 
 
 # a0 and a1 hold both slots of max_loras 2; a0 has 30 tokens left, a1 has 4; c waits since t=1
-BUSY = [req("a0-1", "a0", 0.0, True, out=2), req("a1-1", "a1", 0.0, True, out=28),
-        req("c-1", "c", 1.0, False), req("a0-2", "a0", 0.5, False), req("a1-2", "a1", 0.5, False),
-        req("a1-3", "a1", 2.0, False), req("base", None, 2.5, True), req("a0-3", "a0", 3.0, False)]
+BUSY = [
+    req("a0-1", "a0", 0.0, True, out=2),
+    req("a1-1", "a1", 0.0, True, out=28),
+    req("c-1", "c", 1.0, False),
+    req("a0-2", "a0", 0.5, False),
+    req("a1-2", "a1", 0.5, False),
+    req("a1-3", "a1", 2.0, False),
+    req("base", None, 2.5, True),
+    req("a0-3", "a0", 3.0, False),
+]
 
 
 def test_remaining_work_counts_running_requests_to_their_caps():
@@ -46,8 +53,11 @@ def test_the_drained_adapter_stays_until_the_blocked_request_is_admitted():
     aging = LoraSlotAging(max_loras=2, starve_s=2.0)
     aging.held_back(BUSY, now=3.0)
     # a1's request advanced while a0's finished tokens: a0 now has less left, a1 stays drained
-    later = [req("a0-1", "a0", 0.0, True, out=31), req("a1-1", "a1", 0.0, True, out=29),
-             *(v for v in BUSY if not v.running)]
+    later = [
+        req("a0-1", "a0", 0.0, True, out=31),
+        req("a1-1", "a1", 0.0, True, out=29),
+        *(v for v in BUSY if not v.running),
+    ]
     assert aging.held_back(later, now=3.5) == {"a1-3"}
     assert aging.drains == 1
     # a1's last request finished: a slot is free, c-1 is admitted, nothing is held any more
@@ -55,7 +65,12 @@ def test_the_drained_adapter_stays_until_the_blocked_request_is_admitted():
     assert aging.held_back(freed, now=3.6) == frozenset()
     assert aging.draining is None
     # c runs now; d's starvation starts a new drain, of a0 (1 token left against c's 32)
-    after = [req("a0-1", "a0", 0.0, True, out=31), req("c-1", "c", 1.0, True),
-             req("d-1", "d", 3.0, False), req("c-2", "c", 4.0, False), req("a0-4", "a0", 4.0, False)]
+    after = [
+        req("a0-1", "a0", 0.0, True, out=31),
+        req("c-1", "c", 1.0, True),
+        req("d-1", "d", 3.0, False),
+        req("c-2", "c", 4.0, False),
+        req("a0-4", "a0", 4.0, False),
+    ]
     assert aging.held_back(after, now=5.5) == {"a0-4"}
     assert (aging.draining, aging.drains) == ("a0", 2)

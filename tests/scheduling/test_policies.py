@@ -35,8 +35,7 @@ def test_merged_serves_oldest_model_and_never_mixes():
     p = MergedPolicy(BatchingConfig(max_batch=8))
     rs = [req("b0", "B", 0.0), req("a0", "A", 1.0), req("b1", "B", 2.0), req("n0", None, 3.0)]
     d = p.decide(rs, 0.0)
-    assert (d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) == (
-        Mode.MERGED, "B", Switch.MERGE, ("b0", "b1"))
+    assert (d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) == (Mode.MERGED, "B", Switch.MERGE, ("b0", "b1"))
     rs = rs[1:3] + rs[3:]  # b0 done: B still has b1, stays merged
     assert p.decide(rs, 1.0).allowed_req_ids == ("b1",)
     rs = [r for r in rs if r.adapter != "B"]  # B's queue empty: oldest is A -> UNMERGE then MERGE
@@ -90,6 +89,7 @@ def test_dlora_is_deterministic():
         random_workload(sim, 7)
         sim.run_to_completion()
         return [(t, d) for t, d in sim.decisions]
+
     assert run() == run()
 
 
@@ -131,8 +131,16 @@ def flood(config: BatchingConfig, cold: dict[str, float], horizon: float = 30.0)
 
 
 def flood_config(**kw) -> BatchingConfig:
-    base = dict(max_batch=8, alpha=0.6, beta=0.3, initial_credit=1.0, t_starve=2.0, t_normal=1.5,
-                credit_relax_per_s=0.5, mixed_merged=False)
+    base = dict(
+        max_batch=8,
+        alpha=0.6,
+        beta=0.3,
+        initial_credit=1.0,
+        t_starve=2.0,
+        t_normal=1.5,
+        credit_relax_per_s=0.5,
+        mixed_merged=False,
+    )
     return BatchingConfig(**{**base, **kw})
 
 

@@ -52,23 +52,26 @@ def test_an_unset_merged_cost_prior_is_the_lora_backends(backend, prior):
     assert mixing.mixed_merged == (backend != "vllm")  # vLLM's ops cannot compensate
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_batch": 0}, "max_batch"),
-    ({"alpha": 0.5, "beta": 0.6}, "alpha"),
-    ({"alpha": 1.2}, "alpha"),
-    ({"beta": 0.0}, "alpha"),
-    ({"gamma_dec": 0.0}, "gamma_dec"),
-    ({"gamma_mul": 1.0}, "gamma_mul"),
-    ({"break_period_iters": 0}, "break_period_iters"),
-    ({"switch_cost_s": -1.0}, "switch_cost_s"),
-    ({"merged_cost_ratio": 0.0}, "merged_cost_ratio"),
-    ({"t_normal": 2.0, "t_starve": 2.0}, "t_normal"),
-    ({"initial_credit": 3.0}, "initial_credit"),
-    ({"initial_credit": 1.5, "t_normal": 1.5}, "initial_credit"),
-    ({"min_credit_to_merge": 1.5}, "min_credit_to_merge"),
-    ({"credit_relax_per_s": -0.1}, "credit_relax_per_s"),
-    ({"merged_max_iters": 0}, "merged_max_iters"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_batch": 0}, "max_batch"),
+        ({"alpha": 0.5, "beta": 0.6}, "alpha"),
+        ({"alpha": 1.2}, "alpha"),
+        ({"beta": 0.0}, "alpha"),
+        ({"gamma_dec": 0.0}, "gamma_dec"),
+        ({"gamma_mul": 1.0}, "gamma_mul"),
+        ({"break_period_iters": 0}, "break_period_iters"),
+        ({"switch_cost_s": -1.0}, "switch_cost_s"),
+        ({"merged_cost_ratio": 0.0}, "merged_cost_ratio"),
+        ({"t_normal": 2.0, "t_starve": 2.0}, "t_normal"),
+        ({"initial_credit": 3.0}, "initial_credit"),
+        ({"initial_credit": 1.5, "t_normal": 1.5}, "initial_credit"),
+        ({"min_credit_to_merge": 1.5}, "min_credit_to_merge"),
+        ({"credit_relax_per_s": -0.1}, "credit_relax_per_s"),
+        ({"merged_max_iters": 0}, "merged_max_iters"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_key(kwargs, field):
     with pytest.raises(ValueError, match=f"scheduling.{field}="):
         BatchingConfig(**kwargs)

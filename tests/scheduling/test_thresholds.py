@@ -116,8 +116,9 @@ def test_merged_steps_that_held_nobody_back_do_not_tune_beta(switch_cost):
 
 def test_with_mixing_every_merged_step_tunes_beta():
     # Mixed merged steps run B_fcfs: the same batch in both modes, and it is the question beta asks.
-    t = AdaptiveThresholds(BatchingConfig(alpha=0.9, beta=0.6, break_period_iters=4, mixed_merged=True),
-                           cost_with(M, 0.006))
+    t = AdaptiveThresholds(
+        BatchingConfig(alpha=0.9, beta=0.6, break_period_iters=4, mixed_merged=True), cost_with(M, 0.006)
+    )
     for _ in range(4):
         t.record(PeriodSample(M, 10, 0.06, 10), "A", 0.02)
     assert t.beta == pytest.approx(0.55)
@@ -163,8 +164,9 @@ def test_policy_feeds_measured_switch_time_into_t_m():
 
 def _one_hot_adapter_sim(switch_time: float, **cfg) -> DLoRAPolicy:
     """A steady 9 A + 1 other long requests: ratio 0.9, not > alpha 0.9 at first."""
-    config = BatchingConfig(max_batch=10, break_period_iters=8, initial_credit=50.0,
-                            t_starve=100.0, t_normal=60.0, **cfg)
+    config = BatchingConfig(
+        max_batch=10, break_period_iters=8, initial_credit=50.0, t_starve=100.0, t_normal=60.0, **cfg
+    )
     p = DLoRAPolicy(config)
     sim = StepSim(p, 10, flat_cost(0.05), switch_time=switch_time)
     for i in range(9):

@@ -27,8 +27,12 @@ def roots(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model, roots, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("safety")
-    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
-                              **{"engine.lora_backend": "einsum", "server.adapter_roots": [str(roots)]})
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp / "state",
+        harness.free_port(),
+        **{"engine.lora_backend": "einsum", "server.adapter_roots": [str(roots)]},
+    )
     server = harness.launch(tmp, cfg)
     yield server
     server.stop()
@@ -62,8 +66,10 @@ BREAKAGES = {
     "huge_alpha": (lambda d: _config(d, "lora_alpha", "1e30"), "<= 4096"),
     "zero_alpha": (lambda d: _config(d, "lora_alpha", "0"), "> 0"),
     "rank_zero": (lambda d: _config(d, "r", "0"), "rank r=0 must be a positive integer"),
-    "pickle_bin": (lambda d: (d / "adapter_model.bin").write_bytes(b"\x80\x04K\x01."),
-                   "adapter_model.bin is a pickle file"),
+    "pickle_bin": (
+        lambda d: (d / "adapter_model.bin").write_bytes(b"\x80\x04K\x01."),
+        "adapter_model.bin is a pickle file",
+    ),
 }
 
 
@@ -104,7 +110,10 @@ def test_source_deleted_after_registration_is_served_from_the_snapshot(server, t
     shutil.copytree(tiny_model.adapters["a2"], filler)
     url = server.url
     try:
-        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": str(src)}, headers={}).status_code == 200
+        assert (
+            admin(url, "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": str(src)}, headers={}).status_code
+            == 200
+        )
         snap = listed(url)["mine"]["path"]
         assert snap != str(src) and os.path.isdir(snap) and "/state/adapters/mine-" in snap
         assert complete(url, "mine").status_code == 200
@@ -113,8 +122,12 @@ def test_source_deleted_after_registration_is_served_from_the_snapshot(server, t
         # mine), so its next request makes vLLM read its files again.
         for model in ("a1", "a2"):
             assert complete(url, model).status_code == 200
-        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "filler", "lora_path": str(filler)},
-                     headers={}).status_code == 200
+        assert (
+            admin(
+                url, "/v1/load_lora_adapter", {"lora_name": "filler", "lora_path": str(filler)}, headers={}
+            ).status_code
+            == 200
+        )
         assert listed(url)["mine"]["state"] == "registered"  # evicted: no longer resident
         r = complete(url, "mine")
         assert r.status_code == 200, r.text
@@ -131,8 +144,10 @@ def test_a_deleted_snapshot_fails_only_its_own_adapter(server, tiny_model, oracl
     shutil.copytree(tiny_model.adapters["a3"], src)
     url = server.url
     try:
-        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "fragile", "lora_path": str(src)},
-                     headers={}).status_code == 200
+        assert (
+            admin(url, "/v1/load_lora_adapter", {"lora_name": "fragile", "lora_path": str(src)}, headers={}).status_code
+            == 200
+        )
         assert complete(url, "fragile").status_code == 200
         shutil.rmtree(listed(url)["fragile"]["path"])
         r = complete(url, "fragile")

@@ -20,8 +20,11 @@ def admin(url, path, body, headers=AUTH):
 
 
 def complete(url, model, **extra):
-    return httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": model, "prompt": "def f(", "max_tokens": 6, "temperature": 0, "return_token_ids": True} | extra)
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={"model": model, "prompt": "def f(", "max_tokens": 6, "temperature": 0, "return_token_ids": True} | extra,
+    )
 
 
 def test_load_serve_unload_round_trip(tiny_server, tiny_model, oracle):
@@ -57,7 +60,9 @@ def test_auth_is_required_for_admin_routes(tiny_server, tiny_model):
 
 
 def test_duplicate_name_is_409(tiny_server, tiny_model):
-    r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "a0", "lora_path": str(tiny_model.adapters["a1"])})
+    r = admin(
+        tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "a0", "lora_path": str(tiny_model.adapters["a1"])}
+    )
     assert r.status_code == 409 and r.json()["error"]["param"] == "lora_name"
 
 
@@ -66,17 +71,23 @@ def test_path_outside_roots_is_403(tiny_server, tiny_model, tmp_path):
     shutil.copytree(tiny_model.adapters["a3"], outside)
     r = admin(tiny_server.url, "/v1/load_lora_adapter", {"lora_name": "sneaky", "lora_path": str(outside)})
     assert r.status_code == 403, r.text
-    r = admin(tiny_server.url, "/v1/load_lora_adapter",
-              {"lora_name": "sneaky", "lora_path": str(tiny_model.base.parent / ".." / "elsewhere")})
+    r = admin(
+        tiny_server.url,
+        "/v1/load_lora_adapter",
+        {"lora_name": "sneaky", "lora_path": str(tiny_model.base.parent / ".." / "elsewhere")},
+    )
     assert r.status_code == 403
 
 
-@pytest.mark.parametrize("breakage, reason", [
-    ("missing_config", "adapter_config.json not found"),
-    ("corrupt_weights", "safetensors"),
-    ("rank_too_big", "exceeds the configured max_lora_rank"),
-    ("not_a_dir", "not a directory"),
-])
+@pytest.mark.parametrize(
+    "breakage, reason",
+    [
+        ("missing_config", "adapter_config.json not found"),
+        ("corrupt_weights", "safetensors"),
+        ("rank_too_big", "exceeds the configured max_lora_rank"),
+        ("not_a_dir", "not a directory"),
+    ],
+)
 def test_bad_adapter_files_are_400_with_reason_and_harm_nobody(tiny_server, tiny_model, breakage, reason):
     bad = tiny_model.base.parent / f"bad-{breakage}"
     shutil.rmtree(bad, ignore_errors=True)
@@ -113,9 +124,19 @@ def test_unload_refuses_while_requests_are_in_flight(tiny_server):
     result = {}
 
     def long_stream():
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
-                "model": "a2", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": "a2",
+                "prompt": "x",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as r:
             tokens = 0
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -139,7 +160,10 @@ def test_pinning_beyond_the_host_lora_cache_is_400_and_unpinned_still_loads(tiny
     url = tiny_server.url
     path = str(tiny_model.adapters["a1"])
     try:
-        assert admin(url, "/v1/load_lora_adapter", {"lora_name": "pin1", "lora_path": path, "pinned": True}).status_code == 200
+        assert (
+            admin(url, "/v1/load_lora_adapter", {"lora_name": "pin1", "lora_path": path, "pinned": True}).status_code
+            == 200
+        )
         r = admin(url, "/v1/load_lora_adapter", {"lora_name": "pin2", "lora_path": path, "pinned": True})
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -20,17 +20,31 @@ MAX_CHOICES = 256
 MAX_PENDING = 260
 DEADLINE_S = 4.0
 # 16 prompts x n=16 = 256 completions of 480 tokens, 8 at a time: minutes of work, far past the deadline.
-BIG = {"model": "tiny-base", "prompt": [[i + 1, 2, 3] for i in range(16)], "n": 16, "max_tokens": 480,
-       "ignore_eos": True, "temperature": 1.0}
+BIG = {
+    "model": "tiny-base",
+    "prompt": [[i + 1, 2, 3] for i in range(16)],
+    "n": 16,
+    "max_tokens": 480,
+    "ignore_eos": True,
+    "temperature": 1.0,
+}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("admission")
-    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{
-        "server.max_body_bytes": MAX_BODY, "server.max_choices_per_request": MAX_CHOICES,
-        "server.max_pending_requests": MAX_PENDING, "server.request_timeout_s": DEADLINE_S,
-        "engine.max_num_seqs": 8})
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp / "state",
+        harness.free_port(),
+        **{
+            "server.max_body_bytes": MAX_BODY,
+            "server.max_choices_per_request": MAX_CHOICES,
+            "server.max_pending_requests": MAX_PENDING,
+            "server.request_timeout_s": DEADLINE_S,
+            "engine.max_num_seqs": 8,
+        },
+    )
     srv = harness.launch(tmp, cfg)
     yield srv
     srv.stop()
@@ -68,8 +82,9 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
         for _ in range(MAX_BODY // 1024 + 8):
             yield b" " * 1024
 
-    assert_openai_error(httpx.post(url, content=chunked(), headers={"content-type": "application/json"},
-                                   timeout=30), 413)
+    assert_openai_error(
+        httpx.post(url, content=chunked(), headers={"content-type": "application/json"}, timeout=30), 413
+    )
     ok = httpx.post(url, json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200, ok.text
 
@@ -100,8 +115,9 @@ def stream_lines(url: str, body: dict, lines: list, started: threading.Event) ->
 
 def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(server):
     url = server.url
-    warm = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2},
-                      timeout=60)  # the first request imports the request checks' modules
+    warm = httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2}, timeout=60
+    )  # the first request imports the request checks' modules
     assert warm.status_code == 200, warm.text
     lines: list = []
     started = threading.Event()
@@ -119,8 +135,9 @@ def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(
     assert metric(url, "dlora_admitted_completions") == MAX_CHOICES
 
     # 256 + 8 > 260: refused whole, up front, with a hint when to retry
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2},
-                   timeout=30)
+    r = httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2}, timeout=30
+    )
     err = assert_openai_error(r, 429)
     assert r.headers["retry-after"] == "1" and "server.max_pending_requests" in err["message"]
     assert metric(url, 'dlora_admission_refused_total{reason="overloaded"}') >= 1
@@ -146,6 +163,7 @@ def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(
         assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
         time.sleep(0.25)
     assert metric(url, "dlora_admitted_completions") == 0
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2},
-                   timeout=60)
+    r = httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text

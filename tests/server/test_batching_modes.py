@@ -27,8 +27,15 @@ MAX_TOKENS = 20
 
 FORCED = {
     "merged": {"policy": "merged", "merged_max_iters": 1},
-    "dlora": {"policy": "dlora", "alpha": 0.2, "beta": 0.1, "t_starve": 0.12, "t_normal": 0.08,
-              "initial_credit": 0.04, "break_period_iters": 4},
+    "dlora": {
+        "policy": "dlora",
+        "alpha": 0.2,
+        "beta": 0.1,
+        "t_starve": 0.12,
+        "t_normal": 0.08,
+        "initial_credit": 0.04,
+        "break_period_iters": 4,
+    },
 }
 FORCED["dlora-mixed"] = {**FORCED["dlora"], "mixed_merged": True}
 ENGINE = {"dlora-mixed": {"engine.lora_backend": "einsum"}}  # mixed merged steps need dlora's kernels
@@ -48,9 +55,16 @@ def server(request, tiny_model, tmp_path_factory):
         # pull an adapter's files from under a running engine.
         (tmp / "not-a-dir").write_text("")
         state = tmp / "not-a-dir" / "state"
-    srv = harness.launch(tmp, harness.tiny_config(tiny_model, state, harness.free_port(),
-                                                  scheduling=FORCED[request.param],
-                                                  **{"server.adapter_roots": roots, **ENGINE.get(request.param, {})}))
+    srv = harness.launch(
+        tmp,
+        harness.tiny_config(
+            tiny_model,
+            state,
+            harness.free_port(),
+            scheduling=FORCED[request.param],
+            **{"server.adapter_roots": roots, **ENGINE.get(request.param, {})},
+        ),
+    )
     srv.scratch = tmp
     yield request.param, srv
     srv.stop()
@@ -60,21 +74,36 @@ def server(request, tiny_model, tmp_path_factory):
 def expected(oracle):
     """HF + PEFT greedy ids per (adapter, prompt), computed once for all servers."""
     tok = oracle.tokenizer()
-    return {(a, p): oracle.greedy(a, tok(p)["input_ids"], MAX_TOKENS)
-            for a in (None, *ADAPTERS) for p in PROMPTS + BASE_PROMPTS}
+    return {
+        (a, p): oracle.greedy(a, tok(p)["input_ids"], MAX_TOKENS)
+        for a in (None, *ADAPTERS)
+        for p in PROMPTS + BASE_PROMPTS
+    }
 
 
 def completions(url, jobs, **extra):
     """All (model, prompt) jobs at once; returns the choices in order."""
+
     async def run():
         async with httpx.AsyncClient(timeout=180) as c:
+
             async def one(model, prompt):
-                r = await c.post(f"{url}/v1/completions", json={
-                    "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "return_token_ids": True, **extra})
+                r = await c.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "return_token_ids": True,
+                        **extra,
+                    },
+                )
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]
+
             return await asyncio.gather(*(one(m, p) for m, p in jobs))
+
     return asyncio.run(run())
 
 
@@ -144,8 +173,7 @@ def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_mode
     _, srv = server
     copy = srv.scratch / "a3copy"
     shutil.copytree(tiny_model.adapters["a1"], copy)
-    r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)},
-                   timeout=120)
+    r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)}, timeout=120)
     assert r.status_code == 200, r.text
     shutil.rmtree(copy)  # registered and loaded by the engine, served from here: a merge must now fail
     # Alone, a1copy is the only adapter `merged` can pick, so its merge is attempted (and fails) for
@@ -171,21 +199,38 @@ def test_batching_collector_renders_the_engine_state():
 
     m = Metrics()
     buckets = (0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2)
-    state = BatchingState("dlora", "merged", "a0", 3, 1,
-                          {"merge": SwitchTimes(2, 0.05, buckets, (0.02, 0.03)),
-                           "unmerge": SwitchTimes(1, 0.01, (0, 1) + (1,) * 9, (0.01,))},
-                          {"a0": 0.5, "": 1.25}, ("",), 0.9, 0.6, 0.02, preemptions=7)
+    state = BatchingState(
+        "dlora",
+        "merged",
+        "a0",
+        3,
+        1,
+        {
+            "merge": SwitchTimes(2, 0.05, buckets, (0.02, 0.03)),
+            "unmerge": SwitchTimes(1, 0.01, (0, 1) + (1,) * 9, (0.01,)),
+        },
+        {"a0": 0.5, "": 1.25},
+        ("",),
+        0.9,
+        0.6,
+        0.02,
+        preemptions=7,
+    )
     m.batching.update("0", state)
     text = m.render().decode()
-    for line in ['dlora_batching_mode{replica="0"} 1.0', 'dlora_merged_adapter{adapter="a0",replica="0"} 1.0',
-                 'dlora_switches_total{replica="0"} 3.0', 'dlora_merge_failures_total{replica="0"} 1.0',
-                 'dlora_preemptions_total{replica="0"} 7.0',
-                 'dlora_switch_seconds_bucket{le="0.02",op="merge",replica="0"} 1.0',
-                 'dlora_switch_seconds_count{op="merge",replica="0"} 2.0',
-                 'dlora_switch_seconds_sum{op="unmerge",replica="0"} 0.01',
-                 'dlora_adapter_credit{adapter="",replica="0"} 1.25',
-                 'dlora_adapter_credit{adapter="a0",replica="0"} 0.5',
-                 'dlora_batching_threshold{replica="0",threshold="beta"} 0.6']:
+    for line in [
+        'dlora_batching_mode{replica="0"} 1.0',
+        'dlora_merged_adapter{adapter="a0",replica="0"} 1.0',
+        'dlora_switches_total{replica="0"} 3.0',
+        'dlora_merge_failures_total{replica="0"} 1.0',
+        'dlora_preemptions_total{replica="0"} 7.0',
+        'dlora_switch_seconds_bucket{le="0.02",op="merge",replica="0"} 1.0',
+        'dlora_switch_seconds_count{op="merge",replica="0"} 2.0',
+        'dlora_switch_seconds_sum{op="unmerge",replica="0"} 0.01',
+        'dlora_adapter_credit{adapter="",replica="0"} 1.25',
+        'dlora_adapter_credit{adapter="a0",replica="0"} 0.5',
+        'dlora_batching_threshold{replica="0",threshold="beta"} 0.6',
+    ]:
         assert line in text, line
     m.batching.update("0", None)  # replica down: its series disappear
     assert "dlora_batching_mode{" not in m.render().decode()

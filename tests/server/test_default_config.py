@@ -87,8 +87,12 @@ def oracle_answers(shipped):
     model_dir = resolve_model_path(shipped["model"]["path"])
     dtype = getattr(torch, shipped["model"]["dtype"])
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = {p: tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS}
+    prompts = {
+        p: tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for p in PROMPTS
+    }
     adapters = {None: None} | {a["name"]: (CONFIG.parent / a["path"]).resolve() for a in shipped["adapters"]}
     answers = {}
     for name, path in adapters.items():
@@ -110,9 +114,17 @@ def default_server(tmp_path_factory):
 
 
 def served_greedy(server, model: str, prompt_ids: list[int]) -> list[int]:
-    r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 

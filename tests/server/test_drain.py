@@ -35,14 +35,22 @@ class Stream:
         return self
 
     def _read(self) -> None:
-        body = {"model": self.model, "prompt": "def f(", "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": "def f(",
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=180) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        self.events.append(line[len("data: "):])
+                        self.events.append(line[len("data: ") :])
         except BaseException as e:  # the test thread reports it
             self.error = e
         finally:
@@ -60,8 +68,9 @@ def launch(tiny_model, tmp_path):
     servers = []
 
     def start(drain_timeout_s: float) -> harness.ServerProcess:
-        cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port(),
-                                  **{"server.drain_timeout_s": drain_timeout_s})
+        cfg = harness.tiny_config(
+            tiny_model, tmp_path / "state", harness.free_port(), **{"server.drain_timeout_s": drain_timeout_s}
+        )
         servers.append(harness.launch(tmp_path, cfg))
         return servers[-1]
 
@@ -74,8 +83,9 @@ def start_streams(url: str) -> list[Stream]:
     streams = [Stream(url, m).start() for m in MODELS]
     deadline = time.monotonic() + 120
     while not all(len(s.events) >= 3 for s in streams):  # every stream is generating
-        assert time.monotonic() < deadline and not any(s.done.is_set() for s in streams), \
-            [(s.events[-3:], s.error) for s in streams]
+        assert time.monotonic() < deadline and not any(s.done.is_set() for s in streams), [
+            (s.events[-3:], s.error) for s in streams
+        ]
         time.sleep(0.02)
     return streams
 
@@ -91,10 +101,14 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(launch):
     time.sleep(0.3)  # the handler runs on the server's next loop turn
 
     health = httpx.get(f"{server.url}/health", timeout=10)
-    refused = httpx.post(f"{server.url}/v1/completions", timeout=10,
-                         json={"model": "tiny-base", "prompt": "x", "max_tokens": 2})
-    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
-                      json={"model": "a1", "messages": [{"role": "user", "content": "hi"}]})
+    refused = httpx.post(
+        f"{server.url}/v1/completions", timeout=10, json={"model": "tiny-base", "prompt": "x", "max_tokens": 2}
+    )
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=10,
+        json={"model": "a1", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert not any(s.done.is_set() for s in streams), "the streams ended before the drain could be observed"
 
     assert health.status_code == 503 and health.json()["status"] == "draining"

@@ -38,10 +38,20 @@ RAW_EXAMPLES = 600
 # Server internals a client must never see: Python tracebacks and paths, Ray and its actors.
 LEAKS = re.compile(r'Traceback|File "|\.py\b|\bray\b|\bactor|ActorID', re.IGNORECASE)
 GREEDY = {
-    COMPLETIONS: {"model": "a0", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
-                  "return_token_ids": True},
-    CHAT: {"model": "a1", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8,
-           "temperature": 0, "return_token_ids": True},
+    COMPLETIONS: {
+        "model": "a0",
+        "prompt": "The quick brown fox",
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    },
+    CHAT: {
+        "model": "a1",
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    },
 }
 # The same kind of body every test server accepts: the seed of the byte-level mutations.
 VALID_RAW = {
@@ -68,11 +78,38 @@ def nested(depth: int) -> Raw:
     return Raw("[" * depth + "]" * depth)
 
 
-LITERALS = [Raw(t) for t in (
-    "1e999", "-1e999", "-0", "-0.0", "NaN", "-NaN", "Infinity", "-Infinity", "1e-400", "4.9e-324",
-    str(2**64), str(-(2**63) - 1), str(2**63), "9" * 5000, "-" + "9" * 5000, "1E2", "0.0", "2.5",
-    '"\\ud800"', '"a\\udfff"', '"\\udc00\\ud800"', '"\\u0000"', "true", "false", "null", "[]", "{}",
-)] + [nested(d) for d in (64, 500, 990, 3000, 100_000)]
+LITERALS = [
+    Raw(t)
+    for t in (
+        "1e999",
+        "-1e999",
+        "-0",
+        "-0.0",
+        "NaN",
+        "-NaN",
+        "Infinity",
+        "-Infinity",
+        "1e-400",
+        "4.9e-324",
+        str(2**64),
+        str(-(2**63) - 1),
+        str(2**63),
+        "9" * 5000,
+        "-" + "9" * 5000,
+        "1E2",
+        "0.0",
+        "2.5",
+        '"\\ud800"',
+        '"a\\udfff"',
+        '"\\udc00\\ud800"',
+        '"\\u0000"',
+        "true",
+        "false",
+        "null",
+        "[]",
+        "{}",
+    )
+] + [nested(d) for d in (64, 500, 990, 3000, 100_000)]
 
 
 def render(value: Any) -> bytes:
@@ -103,10 +140,16 @@ def surrogate_text() -> st.SearchStrategy[str]:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20) | st.sampled_from(LITERALS) | surrogate_text(),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=10) | surrogate_text(), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | st.sampled_from(LITERALS)
+    | surrogate_text(),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10) | surrogate_text(), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -117,8 +160,12 @@ json_values = st.recursive(
 
 # Prompts the tiny model takes: text, and token ids within its vocabulary of 2048.
 token_ids = st.lists(st.integers(0, 2047), min_size=1, max_size=8)
-prompts = st.text(max_size=40) | token_ids | st.lists(st.text(max_size=20), min_size=1, max_size=3) \
+prompts = (
+    st.text(max_size=40)
+    | token_ids
+    | st.lists(st.text(max_size=20), min_size=1, max_size=3)
     | st.lists(token_ids, min_size=1, max_size=3)
+)
 
 
 @st.composite
@@ -144,8 +191,11 @@ def cheap(draw, body: dict) -> dict:
     body["stream"] = draw(st.booleans())  # the schema's optional field is too seldom true
     if "prompt" in body:
         # The schema's token ids are mostly out of the vocabulary: the 400 says so before any work.
-        body["prompt"] = draw(st.sampled_from([body["prompt"]] * 2 + [None, None, None]).flatmap(
-            lambda p: st.just(p) if p is not None else prompts))
+        body["prompt"] = draw(
+            st.sampled_from([body["prompt"]] * 2 + [None, None, None]).flatmap(
+                lambda p: st.just(p) if p is not None else prompts
+            )
+        )
     return body
 
 
@@ -165,29 +215,51 @@ def mutation(fields: list[str]) -> st.SearchStrategy:
         set_to(st.sampled_from(LITERALS)),
         set_to(surrogate_text() | st.lists(surrogate_text(), min_size=1, max_size=2)),
         st.tuples(st.text(max_size=12) | surrogate_text(), json_values).map(
-            lambda kv: lambda b: b | {kv[0]: kv[1]}),  # an extra field
+            lambda kv: lambda b: b | {kv[0]: kv[1]}
+        ),  # an extra field
         st.tuples(st.booleans(), st.booleans()).map(
-            lambda s: lambda b: b | {"stream": s[0], "stream_options": {"include_usage": s[1]}}),
+            lambda s: lambda b: b | {"stream": s[0], "stream_options": {"include_usage": s[1]}}
+        ),
         json_values.map(lambda v: lambda b: v),  # not an object at all
     )
 
 
 def chat_specific() -> st.SearchStrategy:
     """Mutations of a chat body's messages, which the generic ones only replace as a whole."""
-    part = st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "image_url"]) | json_values},
-                                 optional={"text": json_values | surrogate_text()})
+    part = st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "text", "image_url"]) | json_values},
+        optional={"text": json_values | surrogate_text()},
+    )
     content = json_values | surrogate_text() | st.lists(part | json_values, max_size=3)
     message = st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]) | json_values},
-        optional={"content": content, "name": json_values})
+        optional={"content": content, "name": json_values},
+    )
     return st.lists(message | json_values, max_size=3).map(lambda ms: lambda b: b | {"messages": ms})
 
 
 # The JSON-schema keywords of pydantic's schemas for these bodies. A keyword outside this set fails
 # the test rather than be ignored: the generated bodies would silently stop matching the schema.
-SCHEMA_KEYWORDS = {"$ref", "anyOf", "enum", "type", "title", "default", "minimum", "maximum", "exclusiveMinimum",
-                   "exclusiveMaximum", "minLength", "maxLength", "items", "minItems", "maxItems", "properties",
-                   "required", "additionalProperties"}
+SCHEMA_KEYWORDS = {
+    "$ref",
+    "anyOf",
+    "enum",
+    "type",
+    "title",
+    "default",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "items",
+    "minItems",
+    "maxItems",
+    "properties",
+    "required",
+    "additionalProperties",
+}
 
 
 def from_json_schema(schema: dict, components: dict) -> st.SearchStrategy:
@@ -210,10 +282,14 @@ def from_json_schema(schema: dict, components: dict) -> st.SearchStrategy:
     if kind == "integer":
         return _integers(schema)
     if kind == "number":
-        return st.floats(schema.get("minimum", schema.get("exclusiveMinimum")),
-                         schema.get("maximum", schema.get("exclusiveMaximum")),
-                         exclude_min="exclusiveMinimum" in schema, exclude_max="exclusiveMaximum" in schema,
-                         allow_nan=False, allow_infinity=False)
+        return st.floats(
+            schema.get("minimum", schema.get("exclusiveMinimum")),
+            schema.get("maximum", schema.get("exclusiveMaximum")),
+            exclude_min="exclusiveMinimum" in schema,
+            exclude_max="exclusiveMaximum" in schema,
+            allow_nan=False,
+            allow_infinity=False,
+        )
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
@@ -227,8 +303,10 @@ def from_json_schema(schema: dict, components: dict) -> st.SearchStrategy:
         if not props:
             return st.dictionaries(st.text(max_size=10), json_values, max_size=4)
         required = set(schema.get("required", ()))
-        return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
-                                     optional={k: v for k, v in props.items() if k not in required})
+        return st.fixed_dictionaries(
+            {k: v for k, v in props.items() if k in required},
+            optional={k: v for k, v in props.items() if k not in required},
+        )
     raise ValueError(f"the fuzzer does not know the schema type {kind!r}")
 
 
@@ -269,23 +347,57 @@ def raw_requests(draw) -> tuple[str, bytes, str | None]:
     it in a form the JSON parser or the content-type check may trip on."""
     path = draw(st.sampled_from([COMPLETIONS, CHAT]))
     valid = VALID_RAW[path]
-    body = draw(st.one_of(
-        st.binary(max_size=64),
-        st.sampled_from([b"", b" ", b"{", b"}", b"{}", b"[]", b"null", b"0", b'"x"', b"\x00", b"\xff\xfe\xfd",
-                         b"\xef\xbb\xbf" + valid, valid.decode().encode("utf-16"), valid.decode().encode("utf-32"),
-                         b"[" * 100_000, b'{"a":' * 50_000, valid[:-1] + b', "max_tokens": 3}',
-                         valid[:-1] + b', "prompt": ["x"], "prompt": 5}']),
-        st.integers(0, len(valid) - 1).map(lambda k: valid[:k]),  # truncated
-        st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=4)).map(
-            lambda t: valid[:t[0]] + t[1] + valid[t[0]:]),  # bytes inserted
-        st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf"]).map(
-            lambda bad: valid.replace(b'"hi"', b'"h' + bad + b'i"')),  # invalid UTF-8 inside a string
-    ))
-    content_type = draw(st.sampled_from([
-        "application/json", "application/json", None, "text/plain", "application/x-www-form-urlencoded",
-        "multipart/form-data; boundary=xyz", "application/json; charset=utf-16", "application/merge-patch+json",
-        "application/jsonx", "*/*", "application/json; charset=\xff",
-    ]))
+    body = draw(
+        st.one_of(
+            st.binary(max_size=64),
+            st.sampled_from(
+                [
+                    b"",
+                    b" ",
+                    b"{",
+                    b"}",
+                    b"{}",
+                    b"[]",
+                    b"null",
+                    b"0",
+                    b'"x"',
+                    b"\x00",
+                    b"\xff\xfe\xfd",
+                    b"\xef\xbb\xbf" + valid,
+                    valid.decode().encode("utf-16"),
+                    valid.decode().encode("utf-32"),
+                    b"[" * 100_000,
+                    b'{"a":' * 50_000,
+                    valid[:-1] + b', "max_tokens": 3}',
+                    valid[:-1] + b', "prompt": ["x"], "prompt": 5}',
+                ]
+            ),
+            st.integers(0, len(valid) - 1).map(lambda k: valid[:k]),  # truncated
+            st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=4)).map(
+                lambda t: valid[: t[0]] + t[1] + valid[t[0] :]
+            ),  # bytes inserted
+            st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf"]).map(
+                lambda bad: valid.replace(b'"hi"', b'"h' + bad + b'i"')
+            ),  # invalid UTF-8 inside a string
+        )
+    )
+    content_type = draw(
+        st.sampled_from(
+            [
+                "application/json",
+                "application/json",
+                None,
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                "multipart/form-data; boundary=xyz",
+                "application/json; charset=utf-16",
+                "application/merge-patch+json",
+                "application/jsonx",
+                "*/*",
+                "application/json; charset=\xff",
+            ]
+        )
+    )
     return path, body, content_type
 
 
@@ -334,15 +446,17 @@ def assert_error_shape(obj: Any, status: int, request: bytes, where: str) -> Non
 
 
 def assert_sane(answer: Answer, request: bytes) -> None:
-    where = f"status {answer.status} after {answer.seconds:.1f}s; body sent: {request[:2000]!r}; " \
-            f"answer: {answer.text[:2000]!r}"
+    where = (
+        f"status {answer.status} after {answer.seconds:.1f}s; body sent: {request[:2000]!r}; "
+        f"answer: {answer.text[:2000]!r}"
+    )
     assert answer.seconds < REQUEST_BOUND_S, where
     assert answer.status < 500, where
     if answer.events:
         assert answer.status == 200 and answer.events[-1] == "data: [DONE]", where
         for event in answer.events[:-1]:
             assert event.startswith("data: "), where
-            chunk = json.loads(event[len("data: "):])
+            chunk = json.loads(event[len("data: ") :])
             if "error" in chunk:
                 assert chunk["error"]["code"] < 500, where
                 assert_error_shape(chunk, chunk["error"]["code"], request, where)
@@ -425,12 +539,15 @@ def exchange(client: httpx.Client, path: str, body: bytes, content_type: str | N
     try:
         answer = send(client, path, body, content_type)
     except httpx.TimeoutException as e:
-        raise AssertionError(f"no answer within {REQUEST_BOUND_S}s ({type(e).__name__}); body sent: {body[:2000]!r}") from e
+        raise AssertionError(
+            f"no answer within {REQUEST_BOUND_S}s ({type(e).__name__}); body sent: {body[:2000]!r}"
+        ) from e
     assert_sane(answer, body)
 
 
-FUZZ_SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False,
-                     suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = dict(
+    deadline=None, derandomize=True, database=None, print_blob=False, suppress_health_check=list(HealthCheck)
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,8 +557,7 @@ FUZZ_SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @settings(max_examples=SCHEMA_EXAMPLES, **FUZZ_SETTINGS)
 @given(data=st.data())
-def test_bodies_from_the_schema_and_mutated_never_get_a_5xx(client, openapi, before_fuzzing, budget_schema,
-                                                           path, data):
+def test_bodies_from_the_schema_and_mutated_never_get_a_5xx(client, openapi, before_fuzzing, budget_schema, path, data):
     # Drawn whether or not the budget is spent: Hypothesis requires the same draws for the same choices.
     body, _ = data.draw(request_bodies(openapi, path), label="body")
     if budget_schema.spent():
@@ -452,10 +568,22 @@ def test_bodies_from_the_schema_and_mutated_never_get_a_5xx(client, openapi, bef
 @settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
 @given(request=raw_requests())
 # Bodies that once got a 500, run every time.
-@example(request=(CHAT, b'{"model": "a0", "messages": [{"role": "system", "content": [{"type": "text", "text": null}]}], '
-                        b'"max_tokens": 1}', "application/json"))
-@example(request=(CHAT, b'{"model": "a0", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], '
-                        b'"max_tokens": 1, "stream": true}', "application/json"))
+@example(
+    request=(
+        CHAT,
+        b'{"model": "a0", "messages": [{"role": "system", "content": [{"type": "text", "text": null}]}], '
+        b'"max_tokens": 1}',
+        "application/json",
+    )
+)
+@example(
+    request=(
+        CHAT,
+        b'{"model": "a0", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], '
+        b'"max_tokens": 1, "stream": true}',
+        "application/json",
+    )
+)
 def test_raw_bytes_and_wrong_content_types_never_get_a_5xx(client, before_fuzzing, budget_raw, request):
     if budget_raw.spent():
         return

@@ -47,7 +47,7 @@ FP32_TIE = 1e-2
 # every model), so 0.3 gives 2x headroom. It still catches a bf16-only fault: a dropped or
 # mis-scaled adapter moves these logprobs by whole units (the adapters rewrite the answers).
 BF16_TOP1_TOL = 0.3  # the chosen token's logprob
-BF16_TIE = 0.5        # two logits closer than 4 bf16 steps at magnitude 16-32 are a tie for bf16
+BF16_TIE = 0.5  # two logits closer than 4 bf16 steps at magnitude 16-32 are a tie for bf16
 BF16_MIN_OVERLAP = TOP_K - 1  # of HF's top-k, at most one may be swapped for its runner-up
 
 VARIANTS = {
@@ -72,9 +72,18 @@ def served(request, tmp_path_factory):
 
 
 def served_logprobs(server, model: str, prompt_ids: list[int]) -> dict:
-    r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": model, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": TOP_K, "return_token_ids": True})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": TOP_K,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])

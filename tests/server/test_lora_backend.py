@@ -25,8 +25,9 @@ MODELS = ["tiny-base", "a0", "a1", "a2"]
 @pytest.fixture(scope="module")
 def einsum_server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("einsum")
-    server = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
-                                                     **{"engine.lora_backend": "einsum"}))
+    server = harness.launch(
+        tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{"engine.lora_backend": "einsum"})
+    )
     yield server
     server.stop()
 
@@ -46,15 +47,16 @@ def test_concurrent_mixed_batch_equals_hf_peft(einsum_server, oracle):
     """Base + a0, a1, a2 in flight at once (max_loras=2: adapters swap slots between steps)."""
     jobs = [(m, p) for m in MODELS for p in PROMPTS]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        choices = list(pool.map(lambda job: complete(einsum_server.url, model=job[0], prompt=job[1])["choices"][0],
-                                jobs))
+        choices = list(
+            pool.map(lambda job: complete(einsum_server.url, model=job[0], prompt=job[1])["choices"][0], jobs)
+        )
     for (model, _), choice in zip(jobs, choices):
         assert choice["token_ids"] == oracle.greedy(_adapter(model), choice["prompt_token_ids"], MAX_TOKENS), model
 
 
 def test_the_einsum_wrapper_is_the_one_in_use(einsum_server):
     complete(einsum_server.url, model="a1", prompt=PROMPTS[3])  # at least one LoRA batch has run
-    built = "Using PunicaWrapperEinsum"                         # vLLM's selector, at model load
+    built = "Using PunicaWrapperEinsum"  # vLLM's selector, at model load
     ran = "dlora LoRA backend einsum (PunicaWrapperEinsum) applies its first LoRA batch"
     deadline = time.monotonic() + 20  # Ray forwards worker logs to the driver asynchronously
     while True:

@@ -30,8 +30,10 @@ def test_greedy_ids_equal_hf_peft(tiny_server, oracle, model):
 
 
 def test_adapters_change_the_output(tiny_server):
-    outs = {m: complete(tiny_server.url, model=m, prompt=PROMPTS[0])["choices"][0]["token_ids"]
-            for m in ["tiny-base", "a0", "a1", "a2"]}
+    outs = {
+        m: complete(tiny_server.url, model=m, prompt=PROMPTS[0])["choices"][0]["token_ids"]
+        for m in ["tiny-base", "a0", "a1", "a2"]
+    }
     assert len({tuple(v) for v in outs.values()}) == 4
 
 
@@ -41,11 +43,21 @@ def test_concurrent_mixed_batch_equals_hf_peft(tiny_server, oracle):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
+
             async def one(m, p):
-                r = await c.post(f"{tiny_server.url}/v1/completions", json={
-                    "model": m, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+                r = await c.post(
+                    f"{tiny_server.url}/v1/completions",
+                    json={
+                        "model": m,
+                        "prompt": p,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "return_token_ids": True,
+                    },
+                )
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]
+
             return await asyncio.gather(*(one(m, p) for m, p in jobs))
 
     for (model, _), choice in zip(jobs, asyncio.run(run())):
@@ -60,7 +72,7 @@ def sse_events(url, path, body):
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -68,13 +80,20 @@ def sse_events(url, path, body):
 def test_completion_stream_reassembles_to_the_whole_text(tiny_server):
     body = {"model": "a1", "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0}
     whole = complete(tiny_server.url, **body)
-    chunks = sse_events(tiny_server.url, "/v1/completions",
-                        body | {"stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse_events(
+        tiny_server.url, "/v1/completions", body | {"stream": True, "stream_options": {"include_usage": True}}
+    )
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == whole["choices"][0]["text"]
-    assert chunks[-1]["usage"] == whole["usage"] == {"prompt_tokens": len(whole["choices"][0]["prompt_token_ids"]),
-                                                      "completion_tokens": 20,
-                                                      "total_tokens": whole["usage"]["total_tokens"]}
+    assert (
+        chunks[-1]["usage"]
+        == whole["usage"]
+        == {
+            "prompt_tokens": len(whole["choices"][0]["prompt_token_ids"]),
+            "completion_tokens": 20,
+            "total_tokens": whole["usage"]["total_tokens"],
+        }
+    )
     finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finals[-1] == "length" and set(finals[:-1]) == {None}
 
@@ -133,8 +152,11 @@ def test_priority_is_vllms_request_field(tiny_server, oracle):
     change what is generated; queue order under it is tested on the engine (test_engine_host.py)."""
     choice = complete(tiny_server.url, model="a2", prompt=PROMPTS[2], priority=-3)["choices"][0]
     assert choice["token_ids"] == oracle.greedy("a2", choice["prompt_token_ids"], MAX_TOKENS)
-    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=120, json={
-        "model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "priority": 5})
+    r = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions",
+        timeout=120,
+        json={"model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "priority": 5},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
 
 
@@ -153,11 +175,13 @@ def test_openai_client(tiny_server):
     assert {"tiny-base", "a0"} <= {m.id for m in client.models.list()}
     c = client.completions.create(model="a0", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert c.usage.completion_tokens == 8 and c.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
-    stream = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=8, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="a1", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == chat.choices[0].message.content
     import openai
 
@@ -165,20 +189,23 @@ def test_openai_client(tiny_server):
         client.completions.create(model="no-such-adapter", prompt="x", max_tokens=2)
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
-    ({"model": "a0", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": "a0", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "a0", "prompt": "x", "n": 0}, 400, "n"),
-    ({"model": "a0", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"model": "a0", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
-    ({"model": "a0"}, 400, "prompt"),
-    ({"prompt": "x"}, 400, "model"),
-    ({"model": "a0", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
-    ({"model": "a0", "prompt": "word " * 600}, 400, "messages"),
-    ({"model": "a0", "prompt": [999999]}, 400, "prompt"),
-    ({"model": "a0", "prompt": "x", "priority": "high"}, 400, "priority"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
+        ({"model": "a0", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "a0", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "a0", "prompt": "x", "n": 0}, 400, "n"),
+        ({"model": "a0", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"model": "a0", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ({"model": "a0"}, 400, "prompt"),
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": "a0", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+        ({"model": "a0", "prompt": "word " * 600}, 400, "messages"),
+        ({"model": "a0", "prompt": [999999]}, 400, "prompt"),
+        ({"model": "a0", "prompt": "x", "priority": "high"}, 400, "priority"),
+    ],
+)
 def test_completion_errors_are_openai_shaped(tiny_server, body, status, param):
     r = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == status, r.text
@@ -187,13 +214,17 @@ def test_completion_errors_are_openai_shaped(tiny_server, body, status, param):
 
 
 def test_malformed_json_and_bad_chat(tiny_server):
-    r = httpx.post(f"{tiny_server.url}/v1/completions", content=b'{"model": "a0", "prompt": ',
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        content=b'{"model": "a0", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", json={"model": "a0", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(f"{tiny_server.url}/v1/chat/completions",
-                   json={"model": "a0", "messages": [{"role": "wizard", "content": "x"}]})
+    r = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions", json={"model": "a0", "messages": [{"role": "wizard", "content": "x"}]}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
 
 
@@ -201,10 +232,15 @@ def test_health_and_metrics(tiny_server):
     assert httpx.get(f"{tiny_server.url}/health").json()["status"] == "ok"
     complete(tiny_server.url, model="a1", prompt=PROMPTS[0], max_tokens=4)
     text = httpx.get(f"{tiny_server.url}/metrics").text
-    for needle in ['dlora_requests_total{adapter="a1",status="ok"}', 'dlora_time_to_first_token_seconds_bucket',
-                   'dlora_time_per_output_token_seconds_count{adapter="a1"}', 'dlora_e2e_request_latency_seconds',
-                   'dlora_requests_running{adapter="a1"} 0.0', 'dlora_adapters_resident{replica="0"}',
-                   'dlora_replica_healthy{replica="0"} 1.0']:
+    for needle in [
+        'dlora_requests_total{adapter="a1",status="ok"}',
+        "dlora_time_to_first_token_seconds_bucket",
+        'dlora_time_per_output_token_seconds_count{adapter="a1"}',
+        "dlora_e2e_request_latency_seconds",
+        'dlora_requests_running{adapter="a1"} 0.0',
+        'dlora_adapters_resident{replica="0"}',
+        'dlora_replica_healthy{replica="0"} 1.0',
+    ]:
         assert needle in text, needle
 
 

@@ -23,8 +23,12 @@ JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "
 
 @pytest.fixture
 def two_replica_server(tiny_model, tmp_path):
-    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port(),
-                              **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}})
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp_path / "state",
+        harness.free_port(),
+        **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
+    )
     server = harness.launch(tmp_path, cfg)
     yield server
     server.stop()
@@ -62,8 +66,15 @@ def replica_pids(server_pid: int) -> list[int]:
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, progress: dict) -> list[int]:
     """The streamed token ids (return_token_ids), checked to end with one finish and [DONE]."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
     ids: list[int] = []
     events: list[str] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -71,7 +82,7 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, p
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            events.append(line[len("data: "):])
+            events.append(line[len("data: ") :])
             if events[-1] != "[DONE]":
                 chunk = json.loads(events[-1])
                 assert "error" not in chunk, chunk
@@ -83,8 +94,9 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, p
 
 def resubmissions(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("dlora_request_resubmissions_total "))
+    return next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("dlora_request_resubmissions_total ")
+    )
 
 
 def test_sigkilled_replica_process_loses_no_token(two_replica_server):

@@ -16,8 +16,10 @@ def test_restart_keeps_registered_adapters(tiny_model, tmp_path):
 
     server = harness.launch(tmp_path / "first", cfg)
     try:
-        r = httpx.post(f"{server.url}/v1/load_lora_adapter",
-                       json={"lora_name": "late", "lora_path": str(tiny_model.adapters["a3"]), "pinned": True})
+        r = httpx.post(
+            f"{server.url}/v1/load_lora_adapter",
+            json={"lora_name": "late", "lora_path": str(tiny_model.adapters["a3"]), "pinned": True},
+        )
         assert r.status_code == 200, r.text
         before = httpx.post(f"{server.url}/v1/completions", json=body | {"model": "late"}, timeout=60).json()
     finally:

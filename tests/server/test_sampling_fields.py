@@ -46,8 +46,9 @@ def first_new_token(ids: list[int], start: int) -> int:
     return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
 
 
-def tiny_greedy_masked(oracle, adapter, prompt_ids, max_tokens, masked: set[int], min_tokens: int,
-                       stop_ids: set[int]) -> list[int]:
+def tiny_greedy_masked(
+    oracle, adapter, prompt_ids, max_tokens, masked: set[int], min_tokens: int, stop_ids: set[int]
+) -> list[int]:
     """HF greedy with `masked` ids impossible for the first `min_tokens` steps, ending at a stop id."""
     import torch
 
@@ -73,7 +74,7 @@ def test_stop_token_ids_end_at_the_first_such_id(tiny_server, oracle, model):
         full = oracle.greedy(adapter, ids, TINY_MAX_TOKENS)
         at = first_new_token(full, 3)
         choice = complete(tiny_server.url, model=model, prompt=prompt, stop_token_ids=[full[at], 5])
-        assert choice["token_ids"] == full[:at + 1]  # the stop id is the last token, as EOS would be
+        assert choice["token_ids"] == full[: at + 1]  # the stop id is the last token, as EOS would be
         assert choice["finish_reason"] == "stop" and choice["stop_reason"] == full[at]
         assert choice["text"] == oracle.tokenizer().decode(full[:at])  # its text is not part of the answer
 
@@ -85,8 +86,9 @@ def test_min_tokens_suppresses_stop_ids_until_reached(tiny_server, oracle):
     full = oracle.greedy(None, ids, TINY_MAX_TOKENS)
     stop = full[1]
     min_tokens = 6
-    want = tiny_greedy_masked(oracle, None, ids, TINY_MAX_TOKENS, {stop, oracle.tokenizer().eos_token_id},
-                              min_tokens, {stop})
+    want = tiny_greedy_masked(
+        oracle, None, ids, TINY_MAX_TOKENS, {stop, oracle.tokenizer().eos_token_id}, min_tokens, {stop}
+    )
     assert want[:2] != full[:2]  # masking changed the answer, so the comparison below means something
     choice = complete(tiny_server.url, model="tiny-base", prompt=ids, stop_token_ids=[stop], min_tokens=min_tokens)
     assert choice["token_ids"] == want
@@ -130,12 +132,13 @@ def test_echo_in_a_stream_comes_once_before_the_answer(tiny_server):
     body = {"model": "a0", "prompt": TINY_PROMPTS[0], "temperature": 0, "max_tokens": TINY_MAX_TOKENS}
     whole = post(tiny_server.url, "/v1/completions", **body, echo=True)["choices"][0]["text"]
     texts = []
-    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body | {"echo": True, "stream": True},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/v1/completions", json=body | {"echo": True, "stream": True}, timeout=120
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                texts.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+                texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
     assert texts[0].startswith(TINY_PROMPTS[0])
     assert "".join(texts) == whole
 
@@ -169,8 +172,14 @@ def shipped_server(tmp_path_factory):
     server.stop()
 
 
-def penalized(logits, prompt_ids: list[int], output_ids: list[int], presence_penalty: float = 0.0,
-              frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
+def penalized(
+    logits,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+):
     """The logits vLLM samples each output step from (vllm/model_executor/layers/utils.py,
     apply_penalties): the repetition penalty on every token seen in the prompt or the output so
     far (positive logits divided, others multiplied, as HF's RepetitionPenaltyLogitsProcessor), then
@@ -229,9 +238,17 @@ def test_min_tokens_suppresses_eos(shipped_server, shipped_oracle):
 def test_chat_logprobs_equal_hf_log_softmax(shipped_server, shipped_oracle, model):
     tok = shipped_oracle.tokenizer()
     question = "How do I boil an egg?"
-    resp = post(shipped_server.url, "/v1/chat/completions", model=model or shipped_oracle.served_name,
-                messages=[{"role": "user", "content": question}], temperature=0, max_tokens=20,
-                logprobs=True, top_logprobs=5, return_token_ids=True)
+    resp = post(
+        shipped_server.url,
+        "/v1/chat/completions",
+        model=model or shipped_oracle.served_name,
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=20,
+        logprobs=True,
+        top_logprobs=5,
+        return_token_ids=True,
+    )
     prompt_ids, choice = resp["prompt_token_ids"], resp["choices"][0]
     assert prompt_ids == shipped_oracle.chat_ids(question)
     ids, content = choice["token_ids"], choice["logprobs"]["content"]

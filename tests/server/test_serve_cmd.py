@@ -16,20 +16,28 @@ from tests import harness
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dlora.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "dlora.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--port", "99999"], "server.port=99999"),
-    (["--model", "/nonexistent/model"], "model.path='/nonexistent/model'"),
-    (["--config", "/nonexistent.yaml"], "'/nonexistent.yaml' does not exist"),
-    (["--max-lora-rank", "7"], "engine.max_lora_rank=7"),
-    # More KV cache than the machine has: refused before Ray or vLLM start (vLLM would refuse it
-    # inside the replica, after loading the model).
-    (["--kv-cache-space-gib", "1000000"], "engine.kv_cache_space_gib=1000000: more than this machine's memory"),
-    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--port", "99999"], "server.port=99999"),
+        (["--model", "/nonexistent/model"], "model.path='/nonexistent/model'"),
+        (["--config", "/nonexistent.yaml"], "'/nonexistent.yaml' does not exist"),
+        (["--max-lora-rank", "7"], "engine.max_lora_rank=7"),
+        # More KV cache than the machine has: refused before Ray or vLLM start (vLLM would refuse it
+        # inside the replica, after loading the model).
+        (["--kv-cache-space-gib", "1000000"], "engine.kv_cache_space_gib=1000000: more than this machine's memory"),
+        (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    ],
+)
 def test_bad_values_exit_2_with_one_line(args, needle):
     r = serve(*args)
     assert r.returncode == 2, r.stderr
@@ -97,7 +105,8 @@ def test_port_in_use_is_one_line_exit_2_before_anything_starts(tiny_model, tmp_p
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"dlora serve: error: server.port={port}: address already in use on 127.0.0.1 (another process listens "
-        "there; choose another with --port)"]
+        "there; choose another with --port)"
+    ]
     # No Ray, no replica (either would have logged on stderr): the time is the interpreter's start
     # and the config's imports, far below a replica's start even on a busy machine.
     assert elapsed < 30, elapsed

@@ -3,8 +3,12 @@ from dlora.server.state import router_config
 
 
 def test_router_config_takes_the_engines_adapter_and_batch_limits():
-    cfg = from_dict({"engine": {"max_loras": 3, "max_cpu_loras": 9, "max_num_seqs": 24},
-                     "cluster": {"dispatch": "round_robin", "placement": "static"}})
+    cfg = from_dict(
+        {
+            "engine": {"max_loras": 3, "max_cpu_loras": 9, "max_num_seqs": 24},
+            "cluster": {"dispatch": "round_robin", "placement": "static"},
+        }
+    )
     rc = router_config(cfg)
     assert (rc.batch_adapter_slots, rc.adapter_slots, rc.max_batch) == (3, 9, 24)
     assert (rc.dispatch, rc.static_placement) == ("round_robin", True)

@@ -19,8 +19,12 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i
 @pytest.fixture(scope="module")
 def two_replica_server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two")
-    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(),
-                              **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}})
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp / "state",
+        harness.free_port(),
+        **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
+    )
     cfg["engine"]["num_kv_blocks"] = KV_BLOCKS
     server = harness.launch(tmp, cfg)
     yield server
@@ -29,17 +33,25 @@ def two_replica_server(tiny_model, tmp_path_factory):
 
 def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     url = two_replica_server.url
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas_healthy": 2, "replicas": 2,
-                                                 "replicas_given_up": []}
+    assert httpx.get(f"{url}/health").json() == {
+        "status": "ok",
+        "replicas_healthy": 2,
+        "replicas": 2,
+        "replicas_given_up": [],
+    }
     jobs = [(m, p) for m in ["tiny-base", "a0", "a1", "a2"] for p in PROMPTS]
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as c:
+
             async def one(m, p):
-                r = await c.post(f"{url}/v1/completions", json={
-                    "model": m, "prompt": p, "max_tokens": 24, "temperature": 0, "return_token_ids": True})
+                r = await c.post(
+                    f"{url}/v1/completions",
+                    json={"model": m, "prompt": p, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+                )
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]
+
             return await asyncio.gather(*(one(m, p) for m, p in jobs))
 
     for (model, _), choice in zip(jobs, asyncio.run(run())):
@@ -51,8 +63,11 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
         assert f'dlora_replica_healthy{{replica="{rid}"}} 1.0' in text
         assert f'dlora_replica_kv_usage{{replica="{rid}"}}' in text
         assert f'dlora_adapters_resident{{replica="{rid}"}} 3.0' in text
-    capacity = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("dlora_replica_kv_capacity_tokens{")}
+    capacity = {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dlora_replica_kv_capacity_tokens{")
+    }
     assert capacity.keys() == {"0", "1"} and capacity["0"] == capacity["1"] > 0  # same engine config
     block = capacity["0"] / KV_BLOCKS  # the engine allocated exactly engine.num_kv_blocks blocks
     assert block in (16, 32, 64, 128), capacity
@@ -63,14 +78,20 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
 
 def _total(text: str, name: str) -> float:
     """A metric summed over its label sets (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def _histograms(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
-    return {f"{h}_{part}": _total(text, f"dlora_{h}_{part}") for part in ("count", "sum")
-            for h in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")}
+    return {
+        f"{h}_{part}": _total(text, f"dlora_{h}_{part}")
+        for part in ("count", "sum")
+        for h in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")
+    }
 
 
 def test_queue_time_is_observed_once_per_request_and_is_part_of_its_ttft(two_replica_server):
@@ -80,9 +101,15 @@ def test_queue_time_is_observed_once_per_request_and_is_part_of_its_ttft(two_rep
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as c:
-            rs = await asyncio.gather(*(c.post(f"{url}/v1/completions", json={
-                "model": m, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0})
-                for i, m in enumerate(models)))
+            rs = await asyncio.gather(
+                *(
+                    c.post(
+                        f"{url}/v1/completions",
+                        json={"model": m, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0},
+                    )
+                    for i, m in enumerate(models)
+                )
+            )
             assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
 
     asyncio.run(run())

@@ -47,28 +47,38 @@ def jobs(body: CompletionRequest):
 
 # --- values anywhere in the body -------------------------------------------------------------------
 
-@pytest.mark.parametrize("body, param", [
-    (completion(model="a\ud800"), "model"),
-    (completion(prompt="x\udfff"), "prompt"),
-    (completion(prompt=["fine", "bad\ud800"]), "prompt.1"),
-    (completion(stop=["ok", "\ud83d"]), "stop.1"),
-    (completion(user="\udc00"), "user"),
-    (chat(messages=[{"role": "user", "content": "a\ud800b"}]), "messages.0.content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]), "messages.0.content.0.text"),
-    (chat(chat_template_kwargs={"flag\ud800": True}), "chat_template_kwargs"),
-])
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (completion(model="a\ud800"), "model"),
+        (completion(prompt="x\udfff"), "prompt"),
+        (completion(prompt=["fine", "bad\ud800"]), "prompt.1"),
+        (completion(stop=["ok", "\ud83d"]), "stop.1"),
+        (completion(user="\udc00"), "user"),
+        (chat(messages=[{"role": "user", "content": "a\ud800b"}]), "messages.0.content"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
+            "messages.0.content.0.text",
+        ),
+        (chat(chat_template_kwargs={"flag\ud800": True}), "chat_template_kwargs"),
+    ],
+)
 def test_lone_surrogates_are_refused_naming_where_without_echoing_them(body, param):
     err = refused(check_values, body)
     assert err.param == param
     err.message.encode("utf-8")  # the message itself must be sendable
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"repetition_penalty": math.inf}, "repetition_penalty"),
-    ({"repetition_penalty": json.loads("1e309")}, "repetition_penalty"),  # what JSON parsing makes of it
-    ({"top_k": 2**70}, "top_k"),
-    ({"min_tokens": 2**64}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": json.loads("1e309")}, "repetition_penalty"),  # what JSON parsing makes of it
+        ({"top_k": 2**70}, "top_k"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+    ],
+)
 def test_non_finite_floats_and_integers_beyond_int64_are_refused(fields, param):
     assert refused(check_values, completion(**fields)).param == param
 
@@ -94,6 +104,7 @@ def test_seed_and_priority_must_fit_int64_as_in_vllm(field, value):
 
 # --- the operator's policy -------------------------------------------------------------------------
 
+
 def test_client_priority_is_refused_unless_allowed():
     strict, open_ = ServerConfig(), ServerConfig(allow_client_priority=True)
     err = refused(check_policy, completion(priority=-1), strict)
@@ -103,10 +114,13 @@ def test_client_priority_is_refused_unless_allowed():
     check_policy(chat(priority=7), open_)
 
 
-@pytest.mark.parametrize("body, param", [
-    (chat(chat_template_kwargs={"chat_template": "{{ 'pwned' }}"}), "chat_template_kwargs.chat_template"),
-    (chat(chat_template="{{ 'pwned' }}"), "chat_template"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (chat(chat_template_kwargs={"chat_template": "{{ 'pwned' }}"}), "chat_template_kwargs.chat_template"),
+        (chat(chat_template="{{ 'pwned' }}"), "chat_template"),
+    ],
+)
 def test_request_templates_are_refused_unless_trusted(body, param):
     err = refused(check_policy, body, ServerConfig())
     assert err.param == param and "trust_request_chat_template" in err.message
@@ -116,8 +130,10 @@ def test_request_templates_are_refused_unless_trusted(body, param):
 @pytest.mark.parametrize("key", ["tokenize", "return_dict", "messages"])
 def test_template_kwargs_cannot_change_what_rendering_returns(key):
     body = chat(chat_template_kwargs={key: True, "enable_thinking": True})
-    assert refused(check_policy, body, ServerConfig(trust_request_chat_template=True)).param == \
-        f"chat_template_kwargs.{key}"
+    assert (
+        refused(check_policy, body, ServerConfig(trust_request_chat_template=True)).param
+        == f"chat_template_kwargs.{key}"
+    )
 
 
 def test_other_template_kwargs_are_allowed():
@@ -126,19 +142,23 @@ def test_other_template_kwargs_are_allowed():
 
 # --- sampling values, by the SamplingParams the engine builds ---------------------------------------
 
-@pytest.mark.parametrize("spec, param, words", [
-    (SamplingSpec(max_tokens=4, stop=("",)), "stop", "empty string"),
-    (SamplingSpec(max_tokens=4, stop=("a", "")), "stop", "empty string"),
-    (SamplingSpec(max_tokens=4, min_tokens=5), "min_tokens", "max_tokens"),
-    (SamplingSpec(max_tokens=4, stop_token_ids=(VOCAB,)), "stop_token_ids", "out-of-vocab"),
-    (SamplingSpec(max_tokens=4, stop_token_ids=(3, -1)), "stop_token_ids", "out-of-vocab"),
-    (SamplingSpec(max_tokens=4, repetition_penalty=math.inf), "repetition_penalty", "finite"),
-    (SamplingSpec(max_tokens=4, repetition_penalty=0.0), "repetition_penalty", "greater than zero"),
-    (SamplingSpec(max_tokens=4, repetition_penalty=1e39), "repetition_penalty", "at most"),
-    (SamplingSpec(max_tokens=4, temperature=math.nan), "temperature", "finite"),
-    (SamplingSpec(max_tokens=4, top_k=-2), "top_k", "top_k"),
-    (SamplingSpec(max_tokens=4, seed=2**63), "seed", "seed"),
-])
+
+@pytest.mark.parametrize(
+    "spec, param, words",
+    [
+        (SamplingSpec(max_tokens=4, stop=("",)), "stop", "empty string"),
+        (SamplingSpec(max_tokens=4, stop=("a", "")), "stop", "empty string"),
+        (SamplingSpec(max_tokens=4, min_tokens=5), "min_tokens", "max_tokens"),
+        (SamplingSpec(max_tokens=4, stop_token_ids=(VOCAB,)), "stop_token_ids", "out-of-vocab"),
+        (SamplingSpec(max_tokens=4, stop_token_ids=(3, -1)), "stop_token_ids", "out-of-vocab"),
+        (SamplingSpec(max_tokens=4, repetition_penalty=math.inf), "repetition_penalty", "finite"),
+        (SamplingSpec(max_tokens=4, repetition_penalty=0.0), "repetition_penalty", "greater than zero"),
+        (SamplingSpec(max_tokens=4, repetition_penalty=1e39), "repetition_penalty", "at most"),
+        (SamplingSpec(max_tokens=4, temperature=math.nan), "temperature", "finite"),
+        (SamplingSpec(max_tokens=4, top_k=-2), "top_k", "top_k"),
+        (SamplingSpec(max_tokens=4, seed=2**63), "seed", "seed"),
+    ],
+)
 def test_vllms_sampling_rules_refuse_with_the_field_named(spec, param, words):
     err = refused(check_sampling, spec, VOCAB)
     assert err.param == param and words in err.message
@@ -150,8 +170,18 @@ def test_a_huge_list_of_bad_stop_ids_gives_a_short_message():
 
 
 def test_good_sampling_values_pass():
-    check_sampling(SamplingSpec(max_tokens=4, min_tokens=4, stop=("\n",), stop_token_ids=(0, VOCAB - 1),
-                                seed=2**63 - 1, repetition_penalty=1.3, top_k=-1), VOCAB)
+    check_sampling(
+        SamplingSpec(
+            max_tokens=4,
+            min_tokens=4,
+            stop=("\n",),
+            stop_token_ids=(0, VOCAB - 1),
+            seed=2**63 - 1,
+            repetition_penalty=1.3,
+            top_k=-1,
+        ),
+        VOCAB,
+    )
 
 
 def test_make_jobs_checks_every_sample_before_any_engine_sees_it():
@@ -164,6 +194,7 @@ def test_make_jobs_checks_every_sample_before_any_engine_sees_it():
 
 
 # --- templates off the event loop ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
@@ -181,7 +212,9 @@ def test_chat_prompt_renders_the_models_template(tokenizer):
     expected = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
     # A template flag given as a kwarg reaches the template.
-    no_prompt = asyncio.run(templates.chat_prompt(tokenizer, MESSAGES, True, {"add_generation_prompt": False}, None, 5.0))
+    no_prompt = asyncio.run(
+        templates.chat_prompt(tokenizer, MESSAGES, True, {"add_generation_prompt": False}, None, 5.0)
+    )
     assert tokenizer.decode(no_prompt).rstrip().endswith("hi")
 
 
@@ -220,6 +253,7 @@ def test_prompts_are_tokenised_off_the_loop(tokenizer):
 
 # --- what clients see of errors --------------------------------------------------------------------
 
+
 def test_engine_rejections_keep_their_message_and_param():
     err = as_api_error(RequestRejected("min_tokens must be <= max_tokens", "min_tokens"), "cmpl-1")
     assert (err.status, err.message, err.param) == (400, "min_tokens must be <= max_tokens", "min_tokens")
@@ -227,11 +261,14 @@ def test_engine_rejections_keep_their_message_and_param():
     assert as_api_error(same, "cmpl-1") is same
 
 
-@pytest.mark.parametrize("exc, status", [
-    (NoReplicaError("no replica is up (failed or rebuilding); retry later"), 503),
-    (ResubmissionLimit("the request's replica failed 3 times"), 502),
-    (RequestTimeout("the request passed its deadline of 600 s"), 504),
-])
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (NoReplicaError("no replica is up (failed or rebuilding); retry later"), 503),
+        (ResubmissionLimit("the request's replica failed 3 times"), 502),
+        (RequestTimeout("the request passed its deadline of 600 s"), 504),
+    ],
+)
 def test_cluster_errors_keep_their_status_and_message(exc, status):
     err = as_api_error(exc, "cmpl-9")
     assert err.status == status and str(exc) in err.message and "cmpl-9" in err.message
@@ -251,6 +288,7 @@ def test_anything_else_is_a_generic_500_logged_under_the_request_id(caplog):
 
 
 # --- logprobs that JSON cannot carry ---------------------------------------------------------------
+
 
 def test_non_finite_logprobs_are_floored_as_vllm_does():
     lps = [TokenLogprob(1, -math.inf, "a", ((2, math.nan, "b"), (3, -0.5, "c"))), TokenLogprob(4, -1.0, "d")]

@@ -12,9 +12,18 @@ from dlora.sim.step_costs import StepCosts, preset
 
 # Round numbers: a step costs 10 ms + 1 ms per sequence + 0.1 ms per prompt token; the LoRA term
 # adds 5 ms per step with adapter tokens + 2 ms per adapter sequence + 0.1 ms per adapter prompt token.
-COSTS = StepCosts(fixed_s=0.010, per_seq_s=0.001, per_prefill_token_s=0.0001, lora_fixed_s=0.005,
-                  lora_per_seq_s=0.002, lora_per_prefill_token_s=0.0001, merge_cold_s=0.1,
-                  merge_cached_s=0.001, unmerge_s=0.002, merged_cache_entries=1)
+COSTS = StepCosts(
+    fixed_s=0.010,
+    per_seq_s=0.001,
+    per_prefill_token_s=0.0001,
+    lora_fixed_s=0.005,
+    lora_per_seq_s=0.002,
+    lora_per_prefill_token_s=0.0001,
+    merge_cold_s=0.1,
+    merge_cached_s=0.001,
+    unmerge_s=0.002,
+    merged_cache_entries=1,
+)
 
 
 def sim(policy="unmerged", costs=COSTS, config=None, **engine):
@@ -90,8 +99,9 @@ def test_skew_workload_matches_the_benchmark_shares_and_lengths():
 
 def test_step_costs_validation_and_presets():
     with pytest.raises(ValueError, match="fixed_s"):
-        StepCosts(fixed_s=-1, per_seq_s=0, per_prefill_token_s=0, lora_fixed_s=0, lora_per_seq_s=0,
-                  lora_per_prefill_token_s=0)
+        StepCosts(
+            fixed_s=-1, per_seq_s=0, per_prefill_token_s=0, lora_fixed_s=0, lora_per_seq_s=0, lora_per_prefill_token_s=0
+        )
     with pytest.raises(ValueError, match="cpu-einsum"):
         preset("nope")
     einsum = preset("cpu-einsum")

@@ -11,19 +11,20 @@ from dlora.sim.cluster import ClusterSimSpec, cluster_config, simulate, static_s
 
 # Two replicas of two slots, 20 tokens at 5 ms: 0.1 s per request, 40 req/s in all. Zipf(3) over
 # 4 adapters sends 85% of the requests to a0, which static placement keeps on replica 1 alone.
-SPEC = ClusterSimSpec(replicas=2, adapters=4, max_running=2, step_s=0.005, load_s=0.0, output_len=20, alpha=3.0,
-                      cv=1.0)
+SPEC = ClusterSimSpec(replicas=2, adapters=4, max_running=2, step_s=0.005, load_s=0.0, output_len=20, alpha=3.0, cv=1.0)
 
 
 def test_capacity_and_service_time_of_fixed_and_unknown_lengths():
     assert SPEC.service_s == pytest.approx(0.1) and SPEC.capacity_rps == pytest.approx(40.0)
     eos = dataclasses.replace(SPEC, eos_means=(10,))
-    assert eos.mean_output_len == pytest.approx(10 * (1 - 0.9 ** 20))  # geometric(1/10) capped at 20
+    assert eos.mean_output_len == pytest.approx(10 * (1 - 0.9**20))  # geometric(1/10) capped at 20
 
 
 def test_balancer_intervals_scale_with_the_service_time():
-    fast, slow = cluster_config(SPEC, "proactive_migration"), cluster_config(
-        dataclasses.replace(SPEC, step_s=0.05), "proactive_migration")
+    fast, slow = (
+        cluster_config(SPEC, "proactive_migration"),
+        cluster_config(dataclasses.replace(SPEC, step_s=0.05), "proactive_migration"),
+    )
     assert slow.monitor_interval_s == pytest.approx(10 * fast.monitor_interval_s)
     assert slow.migration_interval_s == pytest.approx(10 * fast.migration_interval_s)
     assert fast.migration and not cluster_config(SPEC, "proactive").migration

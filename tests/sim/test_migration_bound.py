@@ -5,8 +5,14 @@ import pytest
 from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays, simulate
 from dlora.sim.step_costs import StepCosts
 
-ONE_SECOND_STEPS = StepCosts(fixed_s=1.0, per_seq_s=0.0, per_prefill_token_s=0.0, lora_fixed_s=0.0,
-                             lora_per_seq_s=0.0, lora_per_prefill_token_s=0.0)
+ONE_SECOND_STEPS = StepCosts(
+    fixed_s=1.0,
+    per_seq_s=0.0,
+    per_prefill_token_s=0.0,
+    lora_fixed_s=0.0,
+    lora_per_seq_s=0.0,
+    lora_per_prefill_token_s=0.0,
+)
 
 
 def model(**kw) -> ReplicaModel:
@@ -69,8 +75,14 @@ def test_a_step_that_loads_an_adapter_lasts_longer():
 
 
 def test_prefill_and_batch_size_set_the_step_time():
-    costs = StepCosts(fixed_s=0.5, per_seq_s=0.25, per_prefill_token_s=0.125, lora_fixed_s=0.0,
-                      lora_per_seq_s=0.0, lora_per_prefill_token_s=0.0)
+    costs = StepCosts(
+        fixed_s=0.5,
+        per_seq_s=0.25,
+        per_prefill_token_s=0.125,
+        lora_fixed_s=0.0,
+        lora_per_seq_s=0.0,
+        lora_per_prefill_token_s=0.0,
+    )
     # step 1: both admitted, 2 seqs, 8 prompt tokens: 0.5 + 0.5 + 1.0 = 2.0 s; the third (slot-bound) starts then
     jobs = [job(0, 1), job(0, 1), job(0, 1)]
     assert queue_delays(jobs, 1, model(max_running=2, costs=costs), "late_binding") == [0.0, 0.0, 2.0]

@@ -44,7 +44,7 @@ def start_times(view: ReplicaView, p: CostParams, kv_high: float) -> dict[str, f
     frees = sorted(r.remaining_output_tokens * step for r in view.requests if r.running)
     slots = usable_slots(view, kv_high)
     # Over the slot count (KV shrank it), the first finishers free no usable slot.
-    frees = frees[max(0, len(frees) - slots):] + [0.0] * max(0, slots - len(frees))
+    frees = frees[max(0, len(frees) - slots) :] + [0.0] * max(0, slots - len(frees))
     heapq.heapify(frees)
     # Batch slots are held by the adapters of running requests (a queued one holds none yet).
     runs = dataclasses.replace(view, requests=tuple(r for r in view.requests if r.running))

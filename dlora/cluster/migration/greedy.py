@@ -33,14 +33,16 @@ def _may_overflow(p: MigrationProblem) -> list[bool]:
     return [w > v.kv_capacity_tokens and s > 0 for w, v, s in zip(worst, p.replicas, p.overflow_s)]
 
 
-
-def greedy_moves(p: MigrationProblem, deadline: float = float("inf"),
-                 clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, int, int]]:
+def greedy_moves(
+    p: MigrationProblem, deadline: float = float("inf"), clock: Callable[[], float] = time.perf_counter
+) -> list[tuple[int, int, int]]:
     """(group index, request index in group, receiver index) moves, in the order chosen."""
     load, mem = list(p.load), list(p.mem)
     nxt = [0] * len(p.groups)
     absent = [{j: p.needs_load(g.adapter, j) for j in p.receivers} for g in p.groups]  # not loaded yet
-    blocked = [{j: p.batch_blocked(g.adapter, j) for j in p.receivers} for g in p.groups]  # on the snapshot, fixed per round
+    blocked = [
+        {j: p.batch_blocked(g.adapter, j) for j in p.receivers} for g in p.groups
+    ]  # on the snapshot, fixed per round
     slots = {j: p.free_slots(j) for j in p.receivers}
     load_s = {j: p.params[j].adapter_load_s for j in p.receivers}
     may_overflow = _may_overflow(p)

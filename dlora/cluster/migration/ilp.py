@@ -179,7 +179,7 @@ def _fit_slots(p: MigrationProblem, moves: list[Move]) -> list[Move]:
     for j in p.receivers:
         new = sorted(((n, str(a)), a) for (a, jj), n in count.items() if jj == j)
         excess = len(new) - p.free_slots(j)
-        dropped.update((a, j) for _, a in new[:max(0, excess)])
+        dropped.update((a, j) for _, a in new[: max(0, excess)])
     return [m for m in moves if (p.groups[m[0]].adapter, m[2]) not in dropped]
 
 
@@ -229,7 +229,12 @@ def plan_migration(
     return MigrationPlan(
         moves=tuple((p.groups[gi].requests[ri].request_id, ids[p.groups[gi].src], ids[j]) for gi, ri, j in moves),
         loads=tuple((a, ids[j]) for a, j in loads if a is not None),
-        solver=solver, status=status, solve_ms=(clock() - t0) * 1e3, solver_ms=solver_ms,
-        objective_before=before.objective, objective_after=after.objective,
-        makespan_before=before.makespan, makespan_after=after.makespan,
+        solver=solver,
+        status=status,
+        solve_ms=(clock() - t0) * 1e3,
+        solver_ms=solver_ms,
+        objective_before=before.objective,
+        objective_after=after.objective,
+        makespan_before=before.makespan,
+        makespan_after=after.makespan,
     )

@@ -61,8 +61,15 @@ def _status(prob: pulp.LpProblem, mip: bool) -> str:
     return "timeout" if prob.sol_status == pulp.LpSolutionNoSolutionFound else f"error: sol_status {prob.sol_status}"
 
 
-def solve(prob: pulp.LpProblem, solver: str, deadline: float, *, mip: bool, gap: float = 0.05,
-          clock: Clock = time.perf_counter) -> SolveResult:
+def solve(
+    prob: pulp.LpProblem,
+    solver: str,
+    deadline: float,
+    *,
+    mip: bool,
+    gap: float = 0.05,
+    clock: Clock = time.perf_counter,
+) -> SolveResult:
     """Solve `prob` in place, giving up at `deadline` (a `clock()` value)."""
     solver = resolve_solver(solver)
     if deadline - clock() <= 0:
@@ -166,7 +173,11 @@ def _solve_highs(prob: pulp.LpProblem, deadline: float, mip: bool, gap: float, c
 
     kinds = highspy.cb.HighsCallbackType
     cmd = BatchedHiGHS(
-        mip=mip, msg=False, gapRel=gap, threads=1, timeLimit=max(1e-3, deadline - clock()),
+        mip=mip,
+        msg=False,
+        gapRel=gap,
+        threads=1,
+        timeLimit=max(1e-3, deadline - clock()),
         callbackTuple=(interrupt, None),
         callbacksToActivate=[kinds.kCallbackSimplexInterrupt, kinds.kCallbackMipInterrupt, kinds.kCallbackIpmInterrupt],
     )
@@ -196,9 +207,23 @@ def _solve_cbc(prob: pulp.LpProblem, deadline: float, mip: bool, gap: float, clo
         left = deadline - clock()
         if left <= 0:
             return "timeout"
-        args = [cmd.path, mps, "-sec", f"{max(0.001, left * _CBC_EXIT_MARGIN):.3f}", "-timeMode", "elapsed",
-                "-ratio", str(gap), "-threads", "1", "-solve" if mip else "-initialSolve",
-                "-printingOptions", "all", "-solution", sol]
+        args = [
+            cmd.path,
+            mps,
+            "-sec",
+            f"{max(0.001, left * _CBC_EXIT_MARGIN):.3f}",
+            "-timeMode",
+            "elapsed",
+            "-ratio",
+            str(gap),
+            "-threads",
+            "1",
+            "-solve" if mip else "-initialSolve",
+            "-printingOptions",
+            "all",
+            "-solution",
+            sol,
+        ]
         _run_until(args, deadline, clock)
         if not os.path.exists(sol):
             return "error: CBC wrote no solution"

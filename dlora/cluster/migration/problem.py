@@ -99,7 +99,9 @@ def _select(views: Sequence[ReplicaView], loads: Sequence[float], cfg: Migration
     return senders, receivers
 
 
-def _movable(views: Sequence[ReplicaView], senders: Sequence[int], receivers: Sequence[int], kv_high: float) -> set[str]:
+def _movable(
+    views: Sequence[ReplicaView], senders: Sequence[int], receivers: Sequence[int], kv_high: float
+) -> set[str]:
     """The running requests a plan may move: the shortest contexts first, as many as the receivers
     have free running slots (max_running minus every request already there) and as fit in their KV
     room up to `kv_high`. A running request moved where no slot or no KV is free would wait in that
@@ -148,12 +150,21 @@ def build_problem(
     sel = [views[i] for i in chosen]
     sel_pars = [pars[i] for i in chosen]
     p = MigrationProblem(
-        replicas=sel, senders=list(range(len(senders))), receivers=list(range(len(senders), len(chosen))),
-        params=sel_pars, load=[loads[i] for i in chosen], mem=[v.kv_demand_tokens for v in sel],
-        floor=max(rest, default=0.0), groups=[], adapter_tokens=cluster.adapter_tokens,
-        default_adapter_tokens=cluster.default_adapter_tokens, migration_s=cfg.migration_s,
-        overflow_s=[cfg.overflow_s_per_token if cfg.overflow_s_per_token is not None else q.per_prefill_token_s
-                    for q in sel_pars],
+        replicas=sel,
+        senders=list(range(len(senders))),
+        receivers=list(range(len(senders), len(chosen))),
+        params=sel_pars,
+        load=[loads[i] for i in chosen],
+        mem=[v.kv_demand_tokens for v in sel],
+        floor=max(rest, default=0.0),
+        groups=[],
+        adapter_tokens=cluster.adapter_tokens,
+        default_adapter_tokens=cluster.default_adapter_tokens,
+        migration_s=cfg.migration_s,
+        overflow_s=[
+            cfg.overflow_s_per_token if cfg.overflow_s_per_token is not None else q.per_prefill_token_s
+            for q in sel_pars
+        ],
         slots=[v.free_adapter_slots() for v in sel],
     )
     movable = _movable(sel, p.senders, p.receivers, cfg.kv_high)

@@ -107,8 +107,10 @@ def plan_queued(views: Sequence[ReplicaView], now: float, cfg: QueuedConfig | No
     receivers = [rc for v in views if (rc := _receiver(v, now, cfg)) is not None]
     if not receivers:
         return QueuedPlan()
-    queued = sorted(((r, v.replica_id) for v in views if v.healthy for r in v.requests
-                     if is_queued(r, now, cfg.min_wait_s)), key=lambda rv: (rv[0].queued_since, rv[0].request_id))
+    queued = sorted(
+        ((r, v.replica_id) for v in views if v.healthy for r in v.requests if is_queued(r, now, cfg.min_wait_s)),
+        key=lambda rv: (rv[0].queued_since, rv[0].request_id),
+    )
     moves, loads, oldest = [], [], 0.0
     for r, src in queued:
         able = [rc for rc in receivers if rc.can_start(r)]
@@ -131,5 +133,8 @@ def main_source(plan: QueuedPlan) -> int:
 
 def queued_trigger(plan: QueuedPlan, cfg: QueuedConfig) -> Trigger:
     """What the balancer records for a round of these moves (reason "queued")."""
-    return Trigger("queued", main_source(plan), f"{len(plan.moves)} request(s) queued >= {cfg.min_wait_s:g} s, "
-                                                f"oldest {plan.oldest_wait_s:.2f} s")
+    return Trigger(
+        "queued",
+        main_source(plan),
+        f"{len(plan.moves)} request(s) queued >= {cfg.min_wait_s:g} s, oldest {plan.oldest_wait_s:.2f} s",
+    )

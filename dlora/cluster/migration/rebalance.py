@@ -69,19 +69,22 @@ def _moved(src: ReplicaView, dst: ReplicaView, r: RequestLoad, now: float) -> tu
     left = tuple(x for x in src.requests if x.request_id != r.request_id)
     arrived = dataclasses.replace(r, running=False, queued_since=now)
     resident = dst.resident_adapters | ({r.adapter} if r.adapter is not None else set())
-    return (dataclasses.replace(src, requests=left),
-            dataclasses.replace(dst, requests=dst.requests + (arrived,), resident_adapters=resident))
+    return (
+        dataclasses.replace(src, requests=left),
+        dataclasses.replace(dst, requests=dst.requests + (arrived,), resident_adapters=resident),
+    )
 
 
-def _best_move(views: dict[int, ReplicaView], params: Mapping[int, CostParams], now: float,
-               cfg: RebalanceConfig) -> _Move | None:
+def _best_move(
+    views: dict[int, ReplicaView], params: Mapping[int, CostParams], now: float, cfg: RebalanceConfig
+) -> _Move | None:
     cost = {i: params.get(i, CostParams()) for i in views}
     waits = {i: start_times(v, cost[i], cfg.kv_high) for i, v in views.items() if v.healthy}
     if len(waits) < 2:
         return None
     tail = {i: max(w.values(), default=0.0) for i, w in waits.items()}  # the last queued request's wait
-    longest = sorted(tail, key=lambda i: -tail[i])[:cfg.top_k]
-    shortest = sorted(tail, key=lambda i: tail[i])[:cfg.top_k]
+    longest = sorted(tail, key=lambda i: -tail[i])[: cfg.top_k]
+    shortest = sorted(tail, key=lambda i: tail[i])[: cfg.top_k]
     best = None
     for s in longest:
         for d in shortest:
@@ -96,8 +99,9 @@ def _best_move(views: dict[int, ReplicaView], params: Mapping[int, CostParams], 
     return best
 
 
-def plan_rebalance(views: Sequence[ReplicaView], params: Mapping[int, CostParams], now: float,
-                   cfg: RebalanceConfig | None = None) -> QueuedPlan:
+def plan_rebalance(
+    views: Sequence[ReplicaView], params: Mapping[int, CostParams], now: float, cfg: RebalanceConfig | None = None
+) -> QueuedPlan:
     """Moves of queued requests that shorten the summed estimated wait (empty when none does).
 
     Adapters a move needs are loaded on the receiver first (`loads`), as the balancer does for
@@ -120,5 +124,9 @@ def plan_rebalance(views: Sequence[ReplicaView], params: Mapping[int, CostParams
 
 def rebalance_trigger(plan: QueuedPlan, cfg: RebalanceConfig) -> Trigger:
     """What the balancer records for a round of these moves (reason "rebalance")."""
-    return Trigger("rebalance", main_source(plan), f"{len(plan.moves)} queued request(s) start sooner elsewhere "
-                                                   f"(>= {cfg.min_gain_s:g} s saved each), oldest {plan.oldest_wait_s:.2f} s")
+    return Trigger(
+        "rebalance",
+        main_source(plan),
+        f"{len(plan.moves)} queued request(s) start sooner elsewhere "
+        f"(>= {cfg.min_gain_s:g} s saved each), oldest {plan.oldest_wait_s:.2f} s",
+    )

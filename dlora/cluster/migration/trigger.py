@@ -50,8 +50,9 @@ def check_trigger(
         return Trigger("kv", kv.replica_id, f"KV {kv.kv_fraction:.1%} >= {cfg.kv_high:.0%}")
     most, least = max(views, key=lambda v: v.num_requests), min(views, key=lambda v: v.num_requests)
     if most.num_requests - least.num_requests > cfg.count_imbalance:
-        return Trigger("count", most.replica_id,
-                       f"{most.num_requests} - {least.num_requests} requests > {cfg.count_imbalance}")
+        return Trigger(
+            "count", most.replica_id, f"{most.num_requests} - {least.num_requests} requests > {cfg.count_imbalance}"
+        )
     waits = [(oldest_wait(v, now), v.replica_id) for v in views]
     worst, best = max(waits), min(waits)
     if worst[0] >= cfg.queue_delay_s and best[0] < cfg.queue_delay_s:

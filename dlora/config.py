@@ -126,6 +126,9 @@ class ServerConfig:
     admin_token: str | None = None
     # Adapter paths given to the admin API must resolve under one of these directories.
     adapter_roots: tuple[str, ...] = ()
+    # A request naming an adapter nobody registered looks for `<root>/<name>` under adapter_roots and
+    # registers what it finds as an admin call would (off: such a name is a 404, as in vLLM by default).
+    resolve_adapters: bool = False
     # Where the adapter registry is persisted so registrations survive a restart.
     state_dir: str = "~/.cache/dlora/state"
     log_level: str = "info"

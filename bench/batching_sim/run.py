@@ -1,8 +1,9 @@
 """The batching policies on the skew benchmark's workloads in the replica simulator (dlora/sim).
 
 The real benchmark (bench/dynamic_batching_skew) measures 56-request runs per point on a machine
-whose speed drifts 10-20% within minutes, about the size of the differences its targets ask about. Here the same workloads (8 adapters, 1 req/s Poisson, 64 in / 64 out, top-adapter share
-0.12 to 0.9) go through `BatchingSim`, where the real policy objects (`dlora.scheduling`, with the
+whose speed drifts 10-20% within minutes, about the size of the differences its targets ask about.
+Here the same workloads (8 adapters, 1 req/s Poisson, 64 in / 64 out, top-adapter share 0.12 to
+0.9) go through `BatchingSim`, where the real policy objects (`dlora.scheduling`, with the
 parameters of configs/default.yaml's `scheduling:`) decide every step and step times come from
 cost models fitted to measured steps. Each point is run over `--seeds` workload seeds, each with
 seeded per-step noise (`--noise`, log-normal sd), and three cost regimes are compared:

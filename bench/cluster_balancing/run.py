@@ -74,7 +74,8 @@ that writes under ~/.cache/dlora/bench-run/cluster/ unless --out is given.
 
     .venv/bin/python -m bench.cluster_balancing.run
     .venv/bin/python -m bench.cluster_balancing.run --quick
-    .venv/bin/python -m bench.cluster_balancing.run --workload sharegpt-eos --out bench/cluster_balancing/runs/DATE-sharegpt-eos.json
+    .venv/bin/python -m bench.cluster_balancing.run --workload sharegpt-eos \
+        --out bench/cluster_balancing/runs/DATE-sharegpt-eos.json
 """
 
 from __future__ import annotations
@@ -438,8 +439,9 @@ def calibrate_capacity(args, server_args: tuple, calibration: list, run_kw: dict
         "output_throughput": r["output_throughput"],
     }
     print(
-        f"capacity calibration: {got['steady_request_rate']:.2f} req/s sustained ({got['steady_output_tokens_per_s']:.0f} "
-        f"tok/s; over the whole calibration run {got['request_throughput']:.2f} req/s, {got['output_throughput']:.0f} tok/s)",
+        f"capacity calibration: {got['steady_request_rate']:.2f} req/s sustained "
+        f"({got['steady_output_tokens_per_s']:.0f} tok/s; over the whole calibration run "
+        f"{got['request_throughput']:.2f} req/s, {got['output_throughput']:.0f} tok/s)",
         flush=True,
     )
     return got

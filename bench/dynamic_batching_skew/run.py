@@ -434,7 +434,8 @@ def main() -> int:
                 p90 = m["p90_latency_per_output_token_ms"] or float("nan")
                 print(
                     f"[{time.monotonic() - t_start:5.0f}s] alpha {alpha:>4} (top {top_share:.2f}) rep "
-                    f"{'-' if rep is None else rep} {system:8s} lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  "
+                    f"{'-' if rep is None else rep} {system:8s} "
+                    f"lat/token {m['avg_latency_per_output_token_ms']:8.1f} ms  "
                     f"P90 {p90:8.1f} ms  {m['output_throughput']:6.1f} tok/s, {m['failed']} failed{extra}",
                     flush=True,
                 )

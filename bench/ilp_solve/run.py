@@ -6,11 +6,12 @@
 For each (requests, replicas, adapters) up to 1,000 x 32 x 128 and each seed it builds a skewed
 snapshot (`dlora.bench.synthetic_cluster.skewed_cluster`: Zipf(1.1) adapters, Dirichlet(0.7) request
 split) and times `plan_migration` with HiGHS, CBC and the greedy alone, `--reps` times each,
-alternating the planner order between runs (percentiles are over seeds x reps). `solve_ms` is the whole planning call (problem + PuLP model + solver + rounding;
-plus the greedy when the solver hit the limit), `solver_ms` the PuLP model and solver part.
-The default config is used (top-K = 2, time limit 50 ms, y relaxed and rounded); the largest
-size is also run with top-K = 4, with binary y, and with an extreme skew (Dirichlet(0.05)). Quality is the planned makespan relative to
-before (lower is better). Writes bench/ilp_solve/result.json and result.png.
+alternating the planner order between runs (percentiles are over seeds x reps). `solve_ms` is
+the whole planning call (problem + PuLP model + solver + rounding; plus the greedy when the solver
+hit the limit), `solver_ms` the PuLP model and solver part. The default config is used (top-K = 2,
+time limit 50 ms, y relaxed and rounded); the largest size is also run with top-K = 4, with binary
+y, and with an extreme skew (Dirichlet(0.05)). Quality is the planned makespan relative to before
+(lower is better). Writes bench/ilp_solve/result.json and result.png.
 """
 
 from __future__ import annotations

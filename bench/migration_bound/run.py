@@ -65,7 +65,8 @@ REGIMES = (
         "sharegpt-eos-32",
         ("--workload", "sharegpt-eos", "--adapters", "32", "--max-cpu-loras", "8", "--max-loras", "8"),
         ReplicaModel(max_running=16, max_loras=8, adapter_slots=8),
-        "2026-11-25 at 0.7 load: 0.84-1.17x per rep (bench/cluster_balancing/runs/2026-11-25-sharegpt-eos-adapters32*.json)",
+        "2026-11-25 at 0.7 load: 0.84-1.17x per rep "
+        "(bench/cluster_balancing/runs/2026-11-25-sharegpt-eos-adapters32*.json)",
     ),
     Regime(
         "sharegpt-eos-8-kv20",

@@ -325,7 +325,6 @@ def plot(result: dict, png: Path) -> None:
             ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], color=colour, label=f"{mode} (n={len(ttfts)})"
         )
         cdf.axvline(percentile(ttfts, 99), color=colour, linestyle=":", linewidth=1)
-    cdf.set_xscale("log")
     cdf.set_xlabel("good request TTFT (ms), dotted: p99")
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("good traffic TTFT, pooled over reps")

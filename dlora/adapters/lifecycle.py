@@ -12,11 +12,14 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlora.adapters import snapshot
 from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
+from dlora.adapters.resolver import AdapterResolver
 from dlora.adapters.snapshot import Snapshot, SnapshotError
 from dlora.adapters.validate import (
     AdapterInfo,
@@ -40,16 +43,25 @@ class AdapterBusyError(RuntimeError):
     pass
 
 
+class AdapterResolveError(RuntimeError):
+    """A resolver found the name, but the files it found failed validation (the reason is logged,
+    not told to the client: it may name server paths)."""
+
+
 class AdapterUnavailableError(AdapterNotFoundError):
     """Registered, but its snapshot was damaged or removed: its requests are refused (as an unknown
     model) rather than handed to an engine that would die re-reading it."""
 
 
 SNAPSHOT_SUBDIR = "adapters"
+# A name whose found files failed validation is not tried again for this long: a client repeating
+# it must not make the server copy and hash the same bad files on every request.
+RESOLVE_RETRY_S = 30.0
+RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last request has finished
 
 
 def ref_of(rec: AdapterRecord) -> AdapterRef:
-    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path)
+    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version)
 
 
 @dataclass
@@ -65,7 +77,14 @@ class AdapterManager:
     max_pinned: int | None = None
     # Where validated copies are kept (`<state_dir>/adapters`); None: serve the sources as given.
     snapshot_root: Path | None = None
+    # Tried in order for a name nobody registered (`server.resolve_adapters`); empty: never.
+    resolvers: tuple[AdapterResolver, ...] = ()
+    # Told each resolution's outcome once ("registered", "not_found", "refused"), for /metrics.
+    on_resolve: Callable[[str], None] = field(default=lambda outcome: None, repr=False)
     _snapshots: dict[str, Snapshot] = field(default_factory=dict, repr=False)
+    _resolving: dict[str, asyncio.Future] = field(default_factory=dict, repr=False)
+    _failed_at: dict[str, float] = field(default_factory=dict, repr=False)
+    _retiring: set[asyncio.Task] = field(default_factory=set, repr=False)  # replaced versions
     _reported: set[str] = field(default_factory=set, repr=False)  # names whose damage was logged
 
     def __post_init__(self) -> None:
@@ -86,8 +105,7 @@ class AdapterManager:
     def lookup(self, name: str) -> AdapterRecord:
         rec = self.registry.get(name)
         snap = self._snapshots.get(name)
-        problem = snap.problem() if snap is not None else None
-        if problem is not None:
+        if snap is not None and (problem := snap.problem()) is not None:
             if name not in self._reported:  # once, not per request
                 self._reported.add(name)
                 log.error(
@@ -99,31 +117,115 @@ class AdapterManager:
             raise AdapterUnavailableError(name)
         return rec
 
+    async def lookup_or_resolve(self, name: str) -> AdapterRecord:
+        """`lookup`, and for a name nobody registered, the resolvers' answer, registered as an admin
+        registration would be. Concurrent first requests for one name share one registration.
+        Raises AdapterNotFoundError when no resolver finds it, AdapterResolveError when the files
+        found are refused."""
+        try:
+            return self.lookup(name)
+        except AdapterUnavailableError:
+            raise
+        except AdapterNotFoundError:
+            if not self.resolvers or name == self.base_model_name:
+                raise
+        pending = self._resolving.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(self._resolve(name))
+            self._resolving[name] = pending
+            pending.add_done_callback(lambda _: self._resolving.pop(name, None))
+        # Shielded: a waiter whose client went away must not cancel the others' registration.
+        return await asyncio.shield(pending)
+
+    async def _resolve(self, name: str) -> AdapterRecord:
+        failed_at = self._failed_at.get(name)
+        if failed_at is not None and time.monotonic() - failed_at < RESOLVE_RETRY_S:
+            raise AdapterResolveError(name)
+        path = None
+        for resolver in self.resolvers:
+            path = await asyncio.to_thread(resolver.resolve, name)
+            if path is not None:
+                break
+        if path is None:
+            self.on_resolve("not_found")
+            raise AdapterNotFoundError(name)
+        try:
+            rec = await self.register(name, path, source="resolver")
+        except AdapterExistsError:  # registered meanwhile by an admin call
+            return self.lookup(name)
+        except (AdapterValidationError, AdapterForbiddenError) as e:
+            self._failed_at[name] = time.monotonic()
+            self.on_resolve("refused")
+            log.warning("adapter %s found at %s but refused: %s", name, path, e)
+            raise AdapterResolveError(name) from None
+        self._failed_at.pop(name, None)
+        self.on_resolve("registered")
+        return rec
+
     async def register(
-        self, name: str, path: str, pinned: bool = False, source: str = "api", check_roots: bool = True
+        self,
+        name: str,
+        path: str,
+        pinned: bool = False,
+        source: str = "api",
+        check_roots: bool = True,
+        version: int = 1,
+        inplace: bool = False,
     ) -> AdapterRecord:
-        """Validate, load on every healthy replica, then record; raise on any problem."""
+        """Validate, load on every healthy replica, then record; raise on any problem. With
+        `inplace`, a registered name gets a new version instead (`_update`)."""
         if not name or name == self.base_model_name:
             raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
         if check_roots and self.roots and not is_under_roots(path, self.roots):
             raise AdapterForbiddenError(f"adapter path {path!r} is outside the allowed roots {list(self.roots)}")
         async with self._lock:
+            roots = self.roots if check_roots and self.roots else None
+            if inplace and name in self.registry:
+                return await self._update(name, path, roots)
             if name in self.registry:
                 raise AdapterExistsError(name)
             self._check_pin_room(name, pinned)
-            roots = self.roots if check_roots and self.roots else None
             info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-            rec = self.registry.add(name, info, pinned=pinned, source=source)
-            try:
-                await self.router.load_everywhere(ref_of(rec), pinned=pinned)
-            except Exception as e:
-                self.registry.remove(name)
-                await self.router.unload_everywhere(rec.int_id)
-                raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
+            rec = self.registry.add(name, info, pinned=pinned, source=source, version=version)
+            await self._load_or_undo(rec, lambda: self.registry.remove(name))
             if snap is not None:
                 self._snapshots[name] = snap
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
         return rec
+
+    async def _load_or_undo(self, rec: AdapterRecord, undo_record: Callable[[], object]) -> None:
+        """Load `rec` on every healthy replica; if an engine refuses it, undo the registry change
+        and the loads that did happen, so no replica keeps a version nobody can name."""
+        try:
+            await self.router.load_everywhere(ref_of(rec), pinned=rec.pinned)
+        except Exception as e:
+            undo_record()
+            await self.router.unload_everywhere(rec.int_id)
+            raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
+
+    async def _update(self, name: str, path: str, roots: tuple[str, ...] | None) -> AdapterRecord:
+        """A new version under a new int_id, loaded everywhere before new requests may name it;
+        requests already holding the old version finish on it, then it is unloaded (`_retire`).
+        The new files get their own snapshot path, which keys vLLM's prefix cache and dlora's
+        merged-weights cache, so nothing computed with the old weights serves the new version."""
+        info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
+        old, new = self.registry.replace(name, info)
+        await self._load_or_undo(new, lambda: self.registry.replace_back(old))
+        if snap is not None:
+            self._snapshots[name] = snap
+        self._reported.discard(name)
+        task = asyncio.create_task(self._retire(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        log.info("updated adapter %s to version %d from %s", name, new.version, new.path)
+        return new
+
+    async def _retire(self, old: AdapterRecord) -> None:
+        """Unload a replaced version once no request holds it any more."""
+        while self.router.inflight_with(old.int_id):
+            await asyncio.sleep(RETIRE_POLL_S)
+        await self.router.unload_everywhere(old.int_id)
+        log.info("unloaded version %d of adapter %s", old.version, old.name)
 
     def _validated_copy(
         self, name: str, path: str, roots: tuple[str, ...] | None
@@ -211,7 +313,9 @@ class AdapterManager:
             if rec.name in self.registry:
                 continue
             try:
-                await self.register(rec.name, rec.path, rec.pinned, source="api", check_roots=False)
+                await self.register(
+                    rec.name, rec.path, rec.pinned, source="api", check_roots=False, version=rec.version
+                )
             except (AdapterValidationError, AdapterExistsError) as e:
                 problems.append(f"persisted adapter {rec.name}: {e}")
         self._prune_snapshots()

@@ -39,6 +39,8 @@ class AdapterRecord:
     pinned: bool = False
     # "config" adapters come from the YAML file and are re-read at start; "api" ones are persisted.
     source: str = "api"
+    # 1 at registration, +1 for each in-place update (`load_inplace`); each version has its own int_id.
+    version: int = 1
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -73,11 +75,27 @@ class AdapterRegistry:
     def all(self) -> list[AdapterRecord]:
         return sorted(self._records.values(), key=lambda r: r.int_id)
 
-    def add(self, name: str, info: AdapterInfo, pinned: bool = False, source: str = "api") -> AdapterRecord:
+    def add(
+        self, name: str, info: AdapterInfo, pinned: bool = False, source: str = "api", version: int = 1
+    ) -> AdapterRecord:
         """Record and persist; a failed save undoes the record (RegistryPersistError), so memory and
         disk always agree."""
         if name in self._records:
             raise AdapterExistsError(name)
+        return self._put(self._record(name, info, pinned, source, version), None)
+
+    def replace(self, name: str, info: AdapterInfo) -> tuple[AdapterRecord, AdapterRecord]:
+        """A new version of a registered adapter under a new int_id (so nothing computed with the old
+        weights, in any engine, can be taken for the new); returns (old, new). Persisted like add."""
+        old = self.get(name)
+        new = self._record(name, info, old.pinned, old.source, old.version + 1)
+        return old, self._put(new, old)
+
+    def replace_back(self, previous: AdapterRecord) -> None:
+        """Undo a `replace` whose new version no engine would load."""
+        self._put(previous, self._records.get(previous.name))
+
+    def _record(self, name: str, info: AdapterInfo, pinned: bool, source: str, version: int) -> AdapterRecord:
         rec = AdapterRecord(
             name=name,
             int_id=self._next_id,
@@ -88,13 +106,20 @@ class AdapterRegistry:
             size_bytes=info.size_bytes,
             pinned=pinned,
             source=source,
+            version=version,
         )
         self._next_id += 1  # not undone on failure: ids are never reused, a gap is harmless
-        self._records[name] = rec
+        return rec
+
+    def _put(self, rec: AdapterRecord, previous: AdapterRecord | None) -> AdapterRecord:
+        self._records[rec.name] = rec
         try:
             self.save()
         except RegistryPersistError:
-            del self._records[name]
+            if previous is None:
+                del self._records[rec.name]
+            else:
+                self._records[rec.name] = previous
             raise
         return rec
 
@@ -115,7 +140,7 @@ class AdapterRegistry:
         persistence off with a warning (registrations then last until the server stops)."""
         if not self._file:
             return []
-        records = self._read_records()
+        records = self._read_records(self._file)
         problem = store.writable_problem(self._file.parent)
         if problem is not None:
             self.unpersisted_reason = f"server.state_dir {self._file.parent} is not writable ({problem})"
@@ -125,11 +150,11 @@ class AdapterRegistry:
             )
         return records
 
-    def _read_records(self) -> list[AdapterRecord]:
+    def _read_records(self, file: Path) -> list[AdapterRecord]:
         try:
-            data = store.read(self._file)
+            data = store.read(file)
         except CorruptRegistryFile as e:
-            store.set_aside(self._file, str(e))
+            store.set_aside(file, str(e))
             return []
         if data is None:
             return []
@@ -139,7 +164,7 @@ class AdapterRegistry:
             bad.append(f"next_id {next_id!r} is not an integer")
             next_id = 1
         if bad:
-            store.set_aside(self._file, "; ".join(bad))
+            store.set_aside(file, "; ".join(bad))
         self._next_id = max(self._next_id, next_id, *(r.int_id + 1 for r in records))
         return records
 
@@ -160,7 +185,7 @@ class AdapterRegistry:
         store.write(self._file, data)
 
 
-_FIELD_KINDS = {
+_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {
     "name": str,
     "int_id": int,
     "path": str,
@@ -169,6 +194,7 @@ _FIELD_KINDS = {
     "size_bytes": int,
     "pinned": bool,
     "source": str,
+    "version": int,
 }
 
 
@@ -201,5 +227,5 @@ def check_record(rec: AdapterRecord) -> None:
         value = getattr(rec, key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"{key}={value!r} has the wrong type")
-    if not rec.name or rec.int_id < 1 or not all(isinstance(m, str) for m in rec.target_modules):
+    if not rec.name or rec.int_id < 1 or rec.version < 1 or not all(isinstance(m, str) for m in rec.target_modules):
         raise ValueError(f"invalid entry {rec.name!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 from dlora.bench.lengths import PROFILES
 from dlora.bench.report import METRICS
+from dlora.bench.workload import WorkloadError
 
 DISTRIBUTION_CHOICES = ("uniform", "distinct", "skewed", "zipf", "powerlaw", "stride", "trace")
 # WorkloadSpec field -> the flag that sets it, where the names differ.
@@ -258,11 +259,10 @@ def parse_json_object(flag: str, raw: str | None) -> dict | None:
 
 
 def workload_error(e: Exception) -> Exception:
-    """A WorkloadError as a UsageError naming the CLI flag."""
-    field_name = getattr(e, "field", None)
-    if field_name is None:
+    """A WorkloadError as a UsageError naming the CLI flag (any other error: its message)."""
+    if not isinstance(e, WorkloadError):
         return _usage_error()(str(e))
-    flag = FLAG_OF.get(field_name, "--" + field_name.replace("_", "-"))
+    flag = FLAG_OF.get(e.field, "--" + e.field.replace("_", "-"))
     return bad(flag, e.value, e.why)
 
 

@@ -195,7 +195,7 @@ def check_models(models: list[dict], wanted: list[str], base_url: str) -> None:
 
 def base_model_of(models: list[dict]) -> str:
     """The base model among /v1/models entries: the `parent` of adapters, else the first entry."""
-    ids = [m.get("id") for m in models]
+    ids: list[Any] = [m.get("id") for m in models]  # JSON values, as the server sent them
     for m in models:
         if m.get("parent") and m["parent"] in ids:
             return m["parent"]

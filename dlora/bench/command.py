@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
         if plan.sweep:
             result = run_sweep(
                 plan.base_url,
-                [(r, reqs) for r, (reqs, _) in zip(plan.rates, workloads)],
+                _sweep_points(plan, workloads),
                 plan.opts,
                 workload_specs=[spec.to_dict() if spec else None for _, spec in workloads],
                 burstiness=cv_to_burstiness(plan.cv),
@@ -220,6 +220,16 @@ def _load_tokenizer(path: str | None) -> Any:
         raise cli.bad("--tokenizer", path, f"cannot load a tokenizer ({type(e).__name__})") from None
 
 
+def _sweep_points(
+    plan: Plan, workloads: list[tuple[list[wl.Request], wl.WorkloadSpec | None]]
+) -> list[tuple[float, list[wl.Request]]]:
+    points = []
+    for rate, (requests, _) in zip(plan.rates, workloads):
+        assert rate is not None  # a sweep's rates are all given (--sweep-rates)
+        points.append((rate, requests))
+    return points
+
+
 def build_workloads(args: argparse.Namespace, plan: Plan) -> list[tuple[list[wl.Request], wl.WorkloadSpec | None]]:
     seed = cli.parse_number("--seed", args.seed, int, minimum=0)
     if args.workload_file:
@@ -237,12 +247,15 @@ def build_workloads(args: argparse.Namespace, plan: Plan) -> list[tuple[list[wl.
             retimed_spec = cli.replace_spec(spec, request_rate=rate, cv=plan.cv) if spec else None
             out.append((wl.retime(requests, rate, plan.cv, seed), retimed_spec))
         return out
+    rates: list[float] = []
     for rate in plan.rates:  # check every workload flag before talking to the server
+        assert rate is not None  # None (a workload file's own times) comes only with --workload-file
         make_spec(args, plan, ("adapter-0",), rate)
+        rates.append(rate)
     adapters = resolve_adapters(args, plan)
     tokenizer = _load_tokenizer(args.tokenizer)
     out = []
-    for rate in plan.rates:
+    for rate in rates:
         spec = make_spec(args, plan, adapters, rate)
         try:
             out.append((wl.generate_workload(spec, tokenizer), spec))

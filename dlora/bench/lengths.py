@@ -2,13 +2,13 @@
 
 Every profile is a pair of independent log-normals, except `uniform`. Means in tokens:
 
-| profile         | mean in  | mean out | where the numbers come from                                   |
-|-----------------|----------|----------|---------------------------------------------------------------|
-| `sharegpt-like` | 161      | 338      | ShareGPT after vLLM's filter (MuxServe); μ = 4.69 / 5.46, σ = 1, filtered as vLLM does |
-| `chat`          | 73.0     | 426.9    | SeaLLM Table 1, ShareGPT chatbot service                      |
-| `summarization` | 13,186.8 | 21.1     | SeaLLM Table 1, LongBench                                     |
-| `code`          | 156.5    | 66.9     | SeaLLM Table 1, HumanEval                                     |
-| `uniform`       | 260      | 260      | S-LoRA synthetic: both uniform on [8, 512]                    |
+| profile         | mean in  | mean out | where the numbers come from                                     |
+|-----------------|----------|----------|-----------------------------------------------------------------|
+| `sharegpt-like` | 161      | 338      | ShareGPT after vLLM's filter (MuxServe); μ = 4.69 / 5.46, σ = 1 |
+| `chat`          | 73.0     | 426.9    | SeaLLM Table 1, ShareGPT chatbot service                        |
+| `summarization` | 13,186.8 | 21.1     | SeaLLM Table 1, LongBench                                       |
+| `code`          | 156.5    | 66.9     | SeaLLM Table 1, HumanEval                                       |
+| `uniform`       | 260      | 260      | S-LoRA synthetic: both uniform on [8, 512]                      |
 
 The papers give only means; σ = 0.8 for `chat`, `summarization` and `code` is our assumption
 (their μ = ln(mean) − σ²/2, so the mean before any cap is the documented one).

@@ -2,14 +2,18 @@
 
 Modes, each named after the harness or paper that uses it:
 
-| mode       | share of adapter a (0-based, N adapters)                      | source                    |
-|------------|---------------------------------------------------------------|---------------------------|
-| `uniform`  | 1/N, drawn independently per request                          | vLLM `--lora-assignment random`, SGLang `uniform` |
-| `distinct` | 1/N, assigned round-robin (consecutive requests differ)       | Punica "Distinct", SGLang `distinct`, vLLM `round-robin` |
-| `skewed`   | ∝ α^(−a): adapter a gets α× the requests of adapter a+1       | SGLang/Punica `skewed` with `--lora-zipf-alpha` (default 1.5) |
-| `zipf`     | ∝ (a+1)^(−α)                                                  | MuxServe power law (α 0.9 ≈ top 20 % get 50 %) |
-| `powerlaw` | ((a+1)/N)^α − (a/N)^α, i.e. ⌊N·X⌋ with X ~ `np.random.power(α)` | S-LoRA (α = 1 is uniform, smaller is more skewed) |
-| `stride`   | Zipf(α) over `num_functions` sorted functions, function k → adapter (k // s) mod N | dLoRA's map stride on a synthetic function set |
+- `uniform`: 1/N, drawn independently per request.
+  Source: vLLM `--lora-assignment random`, SGLang `uniform`.
+- `distinct`: 1/N, assigned round-robin (consecutive requests differ).
+  Source: Punica "Distinct", SGLang `distinct`, vLLM `round-robin`.
+- `skewed`: ∝ α^(−a): adapter a gets α× the requests of adapter a+1.
+  Source: SGLang/Punica `skewed` with `--lora-zipf-alpha` (default 1.5).
+- `zipf`: ∝ (a+1)^(−α).
+  Source: MuxServe power law (α 0.9 ≈ top 20 % get 50 %).
+- `powerlaw`: ((a+1)/N)^α − (a/N)^α, i.e. ⌊N·X⌋ with X ~ `np.random.power(α)`.
+  Source: S-LoRA (α = 1 is uniform, smaller is more skewed).
+- `stride`: Zipf(α) over `num_functions` sorted functions, function k → adapter (k // s) mod N.
+  Source: dLoRA's map stride on a synthetic function set.
 
 Trace replay (dLoRA's per-interval popularity from an Azure Functions CSV) lives in `trace.py`.
 """

@@ -104,17 +104,18 @@ async def _warmup(
 
 
 async def _drive(run: _Run, base_url: str, requests: Sequence[Request], opts: RunOptions) -> None:
-    run.model = await _preflight(base_url, requests, opts)
+    model = run.model = await _preflight(base_url, requests, opts)
     url = base_url.rstrip("/") + opts.endpoint
     chat = oai.is_chat(opts.endpoint)
     sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
     async with oai.make_client(opts.max_concurrency, opts.timeout, opts.api_key) as client:
         if opts.num_warmups:
-            await _warmup(client, url, requests, run.model, opts)
+            await _warmup(client, url, requests, model, opts)
         pbar = tqdm(total=len(requests), disable=opts.disable_tqdm, file=sys.stderr, desc="bench", unit="req")
 
         async def one(req: Request) -> None:
-            queued = time.perf_counter()
+            queued, t0 = time.perf_counter(), run.t0
+            assert t0 is not None  # set before the first request is sent
             if sem is not None:
                 await sem.acquire()
             try:
@@ -122,17 +123,17 @@ async def _drive(run: _Run, base_url: str, requests: Sequence[Request], opts: Ru
                     client,
                     url,
                     req,
-                    req.adapter or run.model,
+                    req.adapter or model,
                     chat=chat,
                     ignore_eos=opts.ignore_eos,
                     extra_body=opts.extra_body,
-                    t0=run.t0,
+                    t0=t0,
                 )
             finally:
                 if sem is not None:
                     sem.release()
-            res.adapter = req.adapter or run.model
-            res.client_queue_time = res.start_time + run.t0 - queued
+            res.adapter = req.adapter or model
+            res.client_queue_time = res.start_time + t0 - queued
             run.results[req.request_id] = res
             pbar.update(1)
 
@@ -251,6 +252,7 @@ def run_benchmark(
     def result(interrupted: bool) -> dict[str, Any]:
         done = [run.results[r.request_id] for r in requests if r.request_id in run.results]
         end = run.end or time.perf_counter()
+        assert run.t0 is not None  # a run that never started sending has no result
         res = build_result(
             done,
             end - run.t0,

@@ -39,7 +39,9 @@ def iter_json_array(f: IO[str]) -> Iterator[Any]:
     decoder = json.JSONDecoder()
     buf, pos, eof = "", 0, False
     while True:
-        pos = _SEPARATORS.match(buf, pos).end()
+        separators = _SEPARATORS.match(buf, pos)
+        assert separators is not None  # the pattern matches the empty string too
+        pos = separators.end()
         if pos == len(buf):
             if eof:
                 return
@@ -138,8 +140,5 @@ def _conversations(path: str | Path | None) -> tuple[tuple[str, str], ...]:
 def _measure(pairs: Sequence[tuple[str, str]], tokenizer: Any | None) -> list[ShareGPTSample]:
     plens = count_tokens_many([p for p, _ in pairs], tokenizer)
     olens = count_tokens_many([r for _, r in pairs], tokenizer)
-    return [
-        ShareGPTSample(prompt, plen, olen)
-        for (prompt, _), plen, olen in zip(pairs, plens, olens)
-        if accept_mask(plen, olen, vllm_filter=True)
-    ]
+    keep = accept_mask(np.asarray(plens), np.asarray(olens), vllm_filter=True)
+    return [ShareGPTSample(prompt, plen, olen) for (prompt, _), plen, olen, ok in zip(pairs, plens, olens, keep) if ok]

@@ -67,7 +67,10 @@ def format_result(result: dict[str, Any], percentile_metrics: Sequence[str], per
 def _adapter_table(per_adapter: dict[str, dict], percentiles: Sequence[float]) -> list[str]:
     p = percentile_word(percentiles[-1]) if percentiles else "99"
     lines = [_header("Per Adapter", "-")]
-    head = f"{'adapter':<20} {'ok':>5} {'fail':>4} {'mean TTFT':>10} {'P' + p + ' TTFT':>10} {'mean TPOT':>10} {'ms/tok':>8} {'SLO %':>6}"
+    head = (
+        f"{'adapter':<20} {'ok':>5} {'fail':>4} {'mean TTFT':>10} {'P' + p + ' TTFT':>10} "
+        f"{'mean TPOT':>10} {'ms/tok':>8} {'SLO %':>6}"
+    )
     lines.append(head)
     rows = sorted(per_adapter.items(), key=lambda kv: -(kv[1]["completed"] + kv[1]["failed"]))
     for name, m in rows[:MAX_ADAPTER_ROWS]:

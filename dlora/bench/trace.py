@@ -58,12 +58,13 @@ def load_azure_trace(path: str | Path, start_minute: int = 0, end_minute: int = 
                 f"trace file {str(path)!r} has no per-minute columns for minutes {start_minute + 1}..{end_minute}"
             ) from None
         id_cols = [header.index(c) for c in ID_COLUMNS]
-        ids, rows = [], []
+        ids: list[str] = []
+        rows: list[list[int]] = []
         for row in reader:
-            counts = [int(float(row[c] or 0)) for c in cols]
-            if sum(counts):
+            row_counts = [int(float(row[c] or 0)) for c in cols]
+            if sum(row_counts):
                 ids.append("/".join(row[c] for c in id_cols))
-                rows.append(counts)
+                rows.append(row_counts)
     counts = np.array(rows, dtype=np.int64).reshape(len(rows), len(cols))
     order = np.argsort(-counts.sum(axis=1), kind="stable")
     return FunctionTrace(tuple(ids[i] for i in order), counts[order], start_minute)

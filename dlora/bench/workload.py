@@ -168,6 +168,7 @@ def _rngs(seed: int) -> dict[str, np.random.Generator]:
 def _adapters_and_times(spec: WorkloadSpec, rngs: dict[str, np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
     n, num_adapters = spec.num_prompts, max(1, len(spec.adapters))
     if spec.distribution == "trace":
+        assert spec.trace_file is not None  # WorkloadSpec refuses distribution "trace" without one
         ft = trace.load_azure_trace(spec.trace_file, *spec.trace_window)
         counts = trace.adapter_interval_counts(ft, num_adapters, spec.stride, spec.trace_interval)
         rates = trace.interval_rates(counts, spec.request_rate)
@@ -230,7 +231,7 @@ def generate_workload(spec: WorkloadSpec, tokenizer: Any | None = None, with_pro
     idx, times = _adapters_and_times(spec, rngs)
     lin, lout, texts = _lengths(spec, idx, rngs["lengths"], tokenizer)
     order = np.argsort(times, kind="stable")
-    names = list(spec.adapters) or [None]
+    names: list[str | None] = [*spec.adapters] or [None]
     out = []
     for rank, i in enumerate(order):
         text = texts[i]

@@ -5,8 +5,9 @@ requests stuck in one replica's queue to replicas that can start them now (`migr
 migration/queued.py: cheap, so on every tick) or, when none can and `rebalance_min_gain_s` is
 set, to busy replicas where they would start sooner (migration/rebalance.py), then checks dLoRA's
 triggers (KV pressure, request-count imbalance, queueing delay; at most one round per
-`migration_interval_s`). Such a round solves the relaxed co-migration ILP off the event loop. Either kind of round loads the
-planned adapters on their targets, then moves each planned request (abort + resubmit, see router.py).
+`migration_interval_s`). Such a round solves the relaxed co-migration ILP off the event loop.
+Either kind of round loads the planned adapters on their targets, then moves each planned request
+(abort + resubmit, see router.py).
 """
 
 from __future__ import annotations

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import ray
 
 from dlora import env
 from dlora.config import DloraConfig
 from dlora.engine_ext import lora_backend
-from dlora.replica.ray_replica import RayReplica, create_replica
+from dlora.replica.ray_replica import create_replica
+
+if TYPE_CHECKING:
+    from dlora.cluster.router import Replica
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ def join_ray(address: str) -> None:
 def join_failure(address: str, e: BaseException) -> str:
     """One line: which setting, and why joining failed. `ray start` clusters use token
     authentication by default, and Ray reports a missing token deep inside a connection error."""
-    chain, cur = [], e
+    chain: list[str] = []
+    cur: BaseException | None = e
     while cur is not None and len(chain) < 8:
         chain.append(str(cur))
         cur = cur.__cause__ or cur.__context__
@@ -77,7 +82,7 @@ def replica_cores(cfg: DloraConfig) -> list[int | None]:
     return [cores[i % len(cores)] for i in range(cfg.cluster.num_replicas)]
 
 
-def create_replicas(cfg: DloraConfig, model_path: str) -> list[RayReplica]:
+def create_replicas(cfg: DloraConfig, model_path: str) -> list[Replica]:
     init_ray(cfg)
     gpu = cluster_has_gpus(cfg.cluster.num_replicas)
     lora_backend.check(cfg.engine.lora_backend, gpu=gpu, enforce_eager=cfg.engine.enforce_eager)

@@ -116,7 +116,9 @@ class QueueTimes:
         """Observe requests that finished `expiry_s` ago with the router's bounds for missing parts."""
         now = self.clock()
         for rid in list(self._parked):
-            if now - self._requests[rid].finished_at < self.expiry_s:
+            finished_at = self._requests[rid].finished_at
+            assert finished_at is not None  # `finish` sets it before parking the request
+            if now - finished_at < self.expiry_s:
                 break
             self._observe(rid)
 

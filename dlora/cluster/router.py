@@ -342,6 +342,12 @@ class Router:
             healthy=slot.healthy,
         )
 
+    def inflight_with(self, adapter_int_id: int) -> int:
+        """Requests in flight on this adapter version (O(requests): for admin operations)."""
+        return sum(
+            1 for st in self.requests.values() if st.request.adapter and st.request.adapter.int_id == adapter_int_id
+        )
+
     def routed_counts(self) -> dict[int, int]:
         """Requests the router has on each replica now."""
         return {rid: totals.requests for rid, totals in self.totals.items()}

@@ -46,6 +46,7 @@ _NO_GPU = (
 
 
 _MISSING = object()
+_HOOK = "get_punica_wrapper"  # the Platform classmethod vLLM asks for the punica wrapper's class path
 # (platform class, what its own __dict__ held under get_punica_wrapper, backend) while patched
 _saved: tuple[type, object, str] | None = None
 
@@ -115,9 +116,9 @@ def uninstall() -> bool:
         return False
     cls, original, _ = _saved
     if original is _MISSING:
-        delattr(cls, "get_punica_wrapper")
+        delattr(cls, _HOOK)
     else:
-        cls.get_punica_wrapper = original
+        setattr(cls, _HOOK, original)
     _saved = None
     return True
 
@@ -130,5 +131,5 @@ def installed() -> str:
 def _patch(cls: type, name: str) -> None:
     global _saved
     path = WRAPPERS[name]
-    _saved = (cls, cls.__dict__.get("get_punica_wrapper", _MISSING), name)
-    cls.get_punica_wrapper = classmethod(lambda _cls: path)
+    _saved = (cls, cls.__dict__.get(_HOOK, _MISSING), name)
+    setattr(cls, _HOOK, classmethod(lambda _cls: path))

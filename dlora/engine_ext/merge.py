@@ -439,7 +439,7 @@ class WeightMerger:
         if not self._touched:
             return
         modules = self._modules(self._touched)
-        if not full and all(m in self._base_states for m in modules):
+        if not full and self._kernels is not None and all(m in self._base_states for m in modules):
             self._kernels.apply({m: self._base_states[m] for m in modules})
         else:
             self._reload(sorted(self.checkpoint.get(self._touched).items(), key=lambda kv: self._load_order(kv[0])))
@@ -447,6 +447,7 @@ class WeightMerger:
         self._touched = []
 
     def _swap_in(self, states: dict[str, Any]) -> None:
+        assert self._kernels is not None  # states are cached only when the engine captured them
         try:
             self._kernels.apply(states)
         except Exception as e:
@@ -454,6 +455,7 @@ class WeightMerger:
             raise MergeError(f"restoring cached merged weights failed, base restored: {e}") from e
 
     def _capture_base(self, modules: list[str]) -> None:
+        assert self._kernels is not None  # called only when the engine can capture states
         missing = [m for m in modules if m not in self._base_states]
         if missing:
             states = self._kernels.capture(missing)

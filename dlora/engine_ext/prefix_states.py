@@ -30,7 +30,7 @@ Records are keyed by the physical block id, with the block hash it held when rec
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Final, Union
+from typing import Final
 
 
 class _Mixed:
@@ -42,7 +42,7 @@ class _Mixed:
 
 UNMERGED: Final = ""
 MIXED: Final = _Mixed()
-State = Union[str, _Mixed]
+State = str | _Mixed
 
 
 def combine(lineage: State | None, state: State) -> State:
@@ -114,8 +114,9 @@ class PrefixStates:
         out: list[int] = []
         for block_id, block_hash in hit:
             if self.state_of(block_id, block_hash) != state:
-                block_id = self.find(block_hash, state, current_hash)
-                if block_id is None:
+                found = self.find(block_hash, state, current_hash)
+                if found is None:
                     break
+                block_id = found
             out.append(block_id)
         return out

@@ -59,7 +59,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
@@ -111,7 +111,15 @@ def _head(meta: LoRABatchMeta, num_tokens: int) -> LoRABatchMeta | None:
     return sub if sub.active_rows is None or sub.active_rows.numel() else None
 
 
-class DloraLinearMixin:
+if TYPE_CHECKING:
+    # The mixin always sits before a vLLM wrapper in the bases: it calls up into one and reads its
+    # per-step mapping. At run time it derives from object, so the MRO is the concrete class's.
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase as _WrapperBase
+else:
+    _WrapperBase = object
+
+
+class DloraLinearMixin(_WrapperBase):
     """The shared override: per-step `LoRABatchMeta`s + `add_lora_linear` on dlora_kernels.
 
     Put it before the vLLM wrapper class in the bases; `kernel_backend` names the dlora_kernels
@@ -173,7 +181,7 @@ class DloraLinearMixin:
         live = self._dlora_live_slots
         key = (a_stacked.data_ptr(), b_stacked.data_ptr(), tuple(b_stacked.shape), live)
         version = _version(a_stacked, b_stacked)
-        hit = cache.get(key)
+        hit: tuple[tuple[int, int] | None, PackedLoRA, dict[int, PackedLoRA]] | None = cache.get(key)
         if hit is None or version is None or hit[0] != version:
             hit = (version, _pack(a_stacked, b_stacked, live), {})
             if version is not None:
@@ -269,6 +277,7 @@ class DloraLinearMixin:
             self._dlora_calls_merged = compensate
         packs = tuple(self._dlora_packed(a, b, compensate) for a, b in zip(a_stacked, b_stacked))
         cols = [0, *itertools.accumulate(output_slices)]
+        calls: tuple[tuple[PackedLoRA, int, int], ...]
         if not any(p.ranks_total for p in packs):
             calls = ()
         elif self.fuse_slices and len(packs) > 1:
@@ -365,11 +374,15 @@ def _compensated(packed: PackedLoRA, merged: int) -> PackedLoRA:
     """Slot j != merged -> [A_j; A_X] / [B_j; -B_X] (rank r_j + r_X); slot merged -> A_X / -B_X."""
     offsets = packed.rank_offsets.tolist()
     a_x, b_x = (t[offsets[merged] : offsets[merged + 1]] for t in (packed.a, packed.b))
-    a_parts, b_parts, ranks = [], [], []
+    a_parts: list[torch.Tensor] = []
+    b_parts: list[torch.Tensor] = []
+    ranks: list[int] = []
     for j, r in enumerate(packed.ranks):
         own = slice(offsets[j], offsets[j + 1])
         if j == merged:
-            a_parts.append(a_x), b_parts.append(-b_x), ranks.append(r)
+            a_parts.append(a_x)
+            b_parts.append(-b_x)
+            ranks.append(r)
         else:
             a_parts += [packed.a[own], a_x]
             b_parts += [packed.b[own], -b_x]
@@ -395,7 +408,8 @@ class PunicaWrapperEinsum(DloraLinearMixin, PunicaWrapperCPU):
 def _triton_wrapper_class() -> type:
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU  # CUDA builds of vLLM
 
-    class PunicaWrapperTriton(DloraLinearMixin, PunicaWrapperGPU):
+    # vLLM marks PunicaWrapperGPU final; this subclass replaces only its LoRA linears, on purpose.
+    class PunicaWrapperTriton(DloraLinearMixin, PunicaWrapperGPU):  # type: ignore[misc]
         """vLLM's GPU wrapper with the LoRA linears on dlora's SGMV/BGMV Triton kernels."""
 
         kernel_backend = "triton"

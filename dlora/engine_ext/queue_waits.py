@@ -5,10 +5,11 @@ Runs inside vLLM's EngineCore process.
 Why in the scheduler: only the engine knows when it first scheduled a request (the router sees the
 first token, i.e. queueing *and* prefill). vLLM measures the same interval (`queued_ts` to the first
 `scheduled_ts`, its `request_queue_time_seconds`) only with log stats on (a scheduler stats
-object built and shipped every step, per-request stats in the frontend), and it drops a request that is aborted before its first token, which is exactly
-what a migration of a queued request does. Here `scheduler.py` calls `queued` when a request
-enters the scheduler and `end` with the requests each step admits and with those finished from
-outside (aborts, errors): a request that never ran waited until it was aborted.
+object built and shipped every step, per-request stats in the frontend), and it drops a request
+that is aborted before its first token, which is exactly what a migration of a queued request
+does. Here `scheduler.py` calls `queued` when a request enters the scheduler and `end` with the
+requests each step admits and with those finished from outside (aborts, errors): a request that
+never ran waited until it was aborted.
 The finished intervals go to the router with the replica's stats (`BatchingState.queue_waits`).
 Resumptions after a preemption do not count: like vLLM, the wait ends at the first scheduling.
 """

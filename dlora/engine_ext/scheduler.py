@@ -72,7 +72,7 @@ from dlora.engine_ext.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, Swi
 from dlora.engine_ext.prefix_states import MIXED, UNMERGED, PrefixStates, State
 from dlora.engine_ext.queue_waits import QueueWaits
 from dlora.engine_ext.step_trace import adapter_counts, open_trace
-from dlora.engine_ext.weight_state import UNKNOWN, Restore, Weights, split_reports, weights_after
+from dlora.engine_ext.weight_state import UNKNOWN, Restore, Unknown, Weights, split_reports, weights_after
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
 from dlora.scheduling import (
@@ -184,11 +184,11 @@ class _Step:
 
 def _known(weights: Weights) -> str | None:
     """The adapter merged, for what only knows adapters and the base (the policy, traces)."""
-    return None if weights is UNKNOWN else weights
+    return None if isinstance(weights, Unknown) else weights
 
 
 def _prefix_state(weights: Weights) -> State:
-    return MIXED if weights is UNKNOWN else (weights or UNMERGED)
+    return MIXED if isinstance(weights, Unknown) else (weights or UNMERGED)
 
 
 class DloraScheduler(Scheduler):
@@ -231,7 +231,9 @@ class DloraScheduler(Scheduler):
         if self.kv_cache_manager.enable_caching:
             self._dlora_prefix = PrefixStates()
             self._dlora_vllm_computed_blocks = self.kv_cache_manager.get_computed_blocks
-            self.kv_cache_manager.get_computed_blocks = self._dlora_computed_blocks
+            # A vLLM seam (engine_ext/__init__.py): this manager's cache hits are filtered by weight
+            # state. Replacing the method on the instance is deliberate (hence the ignore).
+            self.kv_cache_manager.get_computed_blocks = self._dlora_computed_blocks  # type: ignore[method-assign]
         log.info("dlora batching policy %r: %s", name, config)
 
     # ---- control (EngineCore utilities) ------------------------------------------------------
@@ -248,6 +250,8 @@ class DloraScheduler(Scheduler):
     def dlora_state(self) -> dict:
         snap = self.batching_policy.snapshot()
         merged = _known(self._dlora_weights)
+        num_blocks = self.cache_config.num_gpu_blocks
+        assert num_blocks is not None  # EngineCore sizes the KV cache before it builds the scheduler
         return {
             "policy": snap.policy,
             "mode": (Mode.MERGED if merged else Mode.UNMERGED).value,
@@ -267,7 +271,7 @@ class DloraScheduler(Scheduler):
             "switch_cost": snap.switch_cost,
             # queue state for the balancer's views and /metrics
             "kv_usage": self.kv_cache_manager.usage,
-            "kv_capacity_tokens": self.cache_config.num_gpu_blocks * self.block_size,
+            "kv_capacity_tokens": num_blocks * self.block_size,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "iterations": self._dlora_drain_iterations(),
@@ -358,7 +362,8 @@ class DloraScheduler(Scheduler):
         plan = _Plan(self._dlora_fit_lora_slots(allowed, by_id, lr.lora_int_id if lr else None), target)
         if target != self._dlora_weights:
             if self._dlora_weights is not None:
-                plan.cmds.append(SwitchCommand(UNMERGE, self._dlora_weights, seq=self._dlora_next_seq()))
+                # _known: the weights are known here (unknown ones take _dlora_restore_plan)
+                plan.cmds.append(SwitchCommand(UNMERGE, _known(self._dlora_weights), seq=self._dlora_next_seq()))
             if lr is not None:
                 plan.cmds.append(SwitchCommand(MERGE, target, lr.lora_path, lr.lora_int_id, self._dlora_next_seq()))
         return plan
@@ -366,6 +371,7 @@ class DloraScheduler(Scheduler):
     def _dlora_restore_plan(self) -> _Plan:
         """While the weights are unknown: nothing runs (any request could compute on the wrong
         weights and cache its KV), only the restore's UNMERGE is sent (weight_state.py)."""
+        assert self._dlora_restore is not None  # set whenever the weights become UNKNOWN
         cmd = self._dlora_restore.command(self._dlora_next_seq)  # raises WeightsUnknown at the end
         return _Plan([], UNKNOWN, [cmd] if cmd is not None else [])
 
@@ -467,6 +473,7 @@ class DloraScheduler(Scheduler):
         found = self._dlora_vllm_computed_blocks(request)
         blocks, num_tokens, _ = found
         state, ledger, kvm = self._dlora_lookup_state, self._dlora_prefix, self.kv_cache_manager
+        assert ledger is not None  # this lookup is installed only with prefix caching (__init__)
         if num_tokens == 0 or (state == UNMERGED and not ledger.any_not_unmerged):
             return found  # nothing but unmerged blocks was ever recorded: vLLM's hit as it is
         groups = blocks.blocks
@@ -505,6 +512,7 @@ class DloraScheduler(Scheduler):
         request) or were cache hits at admission, which matched this step's planned state.
         """
         ledger, lineage = self._dlora_prefix, self._dlora_lineage
+        assert ledger is not None  # called only with prefix caching (update_from_output)
         managers = [
             m for m in self.kv_cache_manager.coordinator.single_type_managers if m.kv_cache_spec.prefix_cacheable
         ]
@@ -583,16 +591,18 @@ class DloraScheduler(Scheduler):
             self.batching_policy.decide([], time.time(), self._dlora_max_batch)
 
     def _dlora_write_trace(self, step: _Step, scheduler_output, ended: float, reports, merged) -> None:
+        trace, out = step.trace, self._dlora_trace
+        assert trace is not None and out is not None  # a step gets a trace only while one is open
         snap = self.batching_policy.snapshot()
-        self._dlora_trace.write(
+        out.write(
             t=time.time(),
             step_s=round(ended - step.started, 6),
             switch_s=round(sum(r.seconds for r in reports), 6),
             before=_known(step.before),
             weights=merged,
-            unfinished=step.trace["unfinished"],
-            allowed=step.trace["allowed"],
-            scheduled=step.trace["scheduled"],
+            unfinished=trace["unfinished"],
+            allowed=trace["allowed"],
+            scheduled=trace["scheduled"],
             tokens=scheduler_output.total_num_scheduled_tokens,
             alpha=snap.alpha,
             beta=snap.beta,
@@ -600,6 +610,7 @@ class DloraScheduler(Scheduler):
         )
 
     def _dlora_settle_restore(self, received: list[SwitchReport]) -> None:
+        assert self._dlora_restore is not None  # a restoring step runs only while one is set
         if self._dlora_restore.settle(received):
             log.warning("dlora: the base weights are restored and confirmed; serving resumes")
             self._dlora_weights, self._dlora_restore = None, None

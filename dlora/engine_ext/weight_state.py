@@ -18,20 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Union
+from typing import Final
 
 from dlora.engine_ext.inband import UNMERGE, SwitchCommand, SwitchReport
 
 
-class _Unknown:
+class Unknown:
+    """The type of `UNKNOWN` (its only instance)."""
+
     __slots__ = ()
 
     def __repr__(self) -> str:
         return "UNKNOWN"
 
 
-UNKNOWN: Final = _Unknown()
-Weights = Union[str, None, _Unknown]  # an adapter merged, None for the base weights, or UNKNOWN
+UNKNOWN: Final = Unknown()
+Weights = str | None | Unknown  # an adapter merged, None for the base weights, or UNKNOWN
 
 
 class WeightsUnknown(RuntimeError):
@@ -43,7 +45,8 @@ def split_reports(
 ) -> tuple[list[SwitchReport], list[SwitchReport]]:
     """(the reports of `cmds`, the others: late reports of earlier steps), by sequence number."""
     seqs = {c.seq for c in cmds}
-    mine, other = [], []
+    mine: list[SwitchReport] = []
+    other: list[SwitchReport] = []
     for r in reports:
         (mine if r.seq in seqs else other).append(r)
     return mine, other

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
@@ -43,6 +44,10 @@ from dlora import env
 from dlora.engine_ext import cpu_lora_fix, lora_backend
 from dlora.engine_ext.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.engine_ext.merge import CheckpointTensors, MergeError, ParameterViews, WeightMerger
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 cpu_lora_fix.install()
 lora_backend.install(env.DLORA_LORA_BACKEND.get())  # engine.lora_backend, before the model is built
@@ -156,7 +161,7 @@ def _reports_on_resolve(output: AsyncModelRunnerOutput, reports: list[SwitchRepo
     def get_output():
         return _with_reports(resolve(), reports)
 
-    output.get_output = get_output
+    output.get_output = get_output  # type: ignore[method-assign]  # on purpose, this instance only
     return output
 
 
@@ -191,7 +196,7 @@ class _Switcher:
         self._merger: WeightMerger | None = None
         self.merged_adapter: str | None = None
         self.wrapper = _mixing_wrapper(self.runner)  # None: the `vllm` backend, remap instead
-        self.merged_lora = None  # the merged adapter's LoRARequest, kept active (mixing only)
+        self.merged_lora: LoRARequest | None = None  # the merged adapter's LoRARequest, kept active (mixing only)
         self.remap: frozenset[int] = frozenset()
         self.pending: list[SwitchReport] = []  # reports of the step in progress
         self.late: list[SwitchReport] = []  # held back one step (a `_Faults` delay)
@@ -312,6 +317,7 @@ class _Switcher:
     def apply(self, cmd: SwitchCommand) -> SwitchReport:
         t0 = time.perf_counter()
         if cmd.op == MERGE:
+            assert cmd.path is not None  # a MERGE names its adapter directory (the scheduler, dlora_apply)
             try:
                 self.merger().merge(cmd.path)
             except MergeError as e:
@@ -336,14 +342,23 @@ class _Switcher:
         from vllm.lora.request import LoRARequest
 
         self.merged_adapter = None if cmd is None else cmd.adapter
-        mixing = cmd is not None and self.wrapper is not None
-        self.merged_lora = LoRARequest(cmd.adapter, cmd.lora_int_id, cmd.path) if mixing else None
-        self.remap = frozenset({cmd.lora_int_id}) if cmd is not None and not mixing else frozenset()
+        self.merged_lora = None
+        self.remap = frozenset()
+        if cmd is not None and self.wrapper is not None:  # mixing: the wrapper compensates
+            assert cmd.adapter is not None and cmd.path is not None  # a MERGE names both
+            self.merged_lora = LoRARequest(cmd.adapter, cmd.lora_int_id, cmd.path)
+        elif cmd is not None:
+            self.remap = frozenset({cmd.lora_int_id})
         if self.wrapper is not None and self.merged_lora is None:
             self.wrapper.dlora_set_merged_slot(None)  # at once: no LoRA call may see a stale slot
 
 
 class DloraWorkerExtension:
+    # vLLM mixes this class into its worker (`worker_extension_cls`): the worker's model runner
+    # (on CPU a CPUModelRunner, a subclass).
+    model_runner: GPUModelRunner
+    _dlora_switcher: _Switcher  # set by dlora_install
+
     def dlora_clear_free_lora_slots(self) -> list[int]:
         """Zero the LoRA slots no adapter occupies and drop packed copies (`lora_slot_clear.py`)."""
         from dlora.engine_ext import lora_slot_clear
@@ -372,7 +387,10 @@ class DloraWorkerExtension:
         max_loras=2 and one pinned adapter, a step with two other adapters evicts one of them while
         activating the other and dies with a KeyError in `convert_mapping`.
         """
-        self.model_runner.lora_manager._adapter_manager._pin_lora_in_cpu_cache(lora_id)
+        # vLLM types `_adapter_manager` as LoRAModelManager; the model runner's LRU worker manager
+        # always holds an LRUCacheLoRAModelManager, which has the method.
+        manager = self.model_runner.lora_manager._adapter_manager
+        manager._pin_lora_in_cpu_cache(lora_id)  # type: ignore[attr-defined]
         return True
 
     def dlora_can_mix(self) -> bool:

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from dlora.config import DloraConfig
 from dlora.replica.errors import EngineNotStarted
@@ -24,6 +25,9 @@ from dlora.replica.messages import (
     SamplingSpec,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ def _lora_request(ref: AdapterRef | None):
         return None
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(ref.name, ref.int_id, ref.path)
+    return LoRARequest(ref.engine_name, ref.int_id, ref.path)
 
 
 def _convert_logprobs(token_ids: list[int], logprobs, k: int) -> list[TokenLogprob] | None:
@@ -143,7 +147,7 @@ class EngineHost:
     def __init__(self, cfg: DloraConfig, model_path: str):
         self.cfg = cfg
         self.model_path = model_path
-        self.engine = None
+        self.engine: AsyncLLM | None = None
         # request id -> set when its stream has ended (see abort)
         self._streams: dict[str, asyncio.Event] = {}
         self._retries: set[asyncio.Task] = set()

@@ -16,6 +16,14 @@ class AdapterRef:
     name: str
     int_id: int
     path: str
+    version: int = 1  # +1 per in-place update; each version is a separate adapter to the engine
+
+    @property
+    def engine_name(self) -> str:
+        """The name the engine knows this version by. The engine's batching policy tells adapters
+        apart by name (credits, the merged adapter), so two versions alive at once (the old one
+        finishing its requests) must not share one."""
+        return self.name if self.version == 1 else f"{self.name}@v{self.version}"
 
 
 @dataclass(frozen=True)

@@ -33,15 +33,15 @@ class ReplicaActor:
 
     async def start(self) -> int:
         self.host.shutdown()
-        pin = self.core is not None and hasattr(os, "sched_setaffinity")
-        previous = os.sched_getaffinity(0) if pin else None
-        if pin:
+        core = self.core if hasattr(os, "sched_setaffinity") else None  # None: no pinning
+        previous = os.sched_getaffinity(0) if core is not None else None
+        if core is not None:
             # The engine-core process inherits this thread's affinity when it is spawned ...
-            os.sched_setaffinity(0, {self.core})
+            os.sched_setaffinity(0, {core})
         try:
             await self.host.start()
         finally:
-            if pin:
+            if previous is not None:
                 # ... but this thread then runs vLLM's output handling (detokenising, streaming),
                 # which must not compete with the model on its core.
                 os.sched_setaffinity(0, previous)
@@ -198,7 +198,8 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
 
 
 def create_replica(replica_id: int, cfg: DloraConfig, model_path: str, core: int | None, gpu: bool) -> RayReplica:
-    actor = ReplicaActor.options(
+    # ray.remote is typed as returning the class itself, not the ActorClass that has .options
+    actor = ReplicaActor.options(  # type: ignore[attr-defined]
         name=f"dlora-replica-{replica_id}",
         num_cpus=0 if gpu else 1,
         num_gpus=1 if gpu else 0,

@@ -94,7 +94,7 @@ class AdmissionMiddleware:
         self.in_flight = InFlight()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = getattr(scope.get("app").state, "dlora", None) if scope["type"] == "http" else None
+        state = getattr(scope["app"].state, "dlora", None) if scope["type"] == "http" else None
         if state is None:  # not HTTP, or the server is still starting
             await self.app(scope, receive, send)
             return

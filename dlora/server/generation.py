@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dlora.adapters.lifecycle import AdapterUnavailableError, ref_of
+from dlora.adapters.lifecycle import AdapterResolveError, AdapterUnavailableError, ref_of
 from dlora.adapters.registry import AdapterNotFoundError
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError
@@ -48,12 +48,19 @@ class ChoiceResult:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
 
-def resolve_adapter(state, model: str) -> AdapterRef | None:
-    """None for the base model; 404 for a name nobody registered."""
+async def resolve_adapter(state, model: str) -> AdapterRef | None:
+    """None for the base model; 404 for a name nobody registered (and no resolver finds)."""
     if model == state.base_model_name:
         return None
     try:
-        return ref_of(state.adapters.lookup(model))
+        return ref_of(await state.adapters.lookup_or_resolve(model))
+    except AdapterResolveError:
+        raise APIError(
+            400,
+            f"The adapter `{model}` was found but could not be loaded: its files failed validation "
+            "(the server log says why).",
+            "model",
+        ) from None
     except AdapterUnavailableError:
         # Registered, but its stored copy changed or vanished: the operator must register it again.
         raise APIError(

@@ -56,6 +56,12 @@ class Metrics:
             "dlora_requests_waiting", "Requests waiting for their first token", ["adapter"], registry=r
         )
         self.adapters_registered = Gauge("dlora_adapters_registered", "Registered adapters", registry=r)
+        self.adapters_resolved = Counter(
+            "dlora_adapters_resolved",
+            "Lookups of an unregistered adapter name by server.resolve_adapters, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.adapters_resident = Gauge(
             "dlora_adapters_resident", "Adapters loaded in a replica's engine", ["replica"], registry=r
         )

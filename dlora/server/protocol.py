@@ -123,6 +123,8 @@ class LoadAdapterRequest(OpenAIModel):
     lora_name: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")]
     lora_path: Annotated[str, Field(min_length=1)]
     pinned: bool = False
+    # vLLM's field: replace a registered adapter's weights; requests already running keep the old ones.
+    load_inplace: bool = False
 
 
 class UnloadAdapterRequest(OpenAIModel):

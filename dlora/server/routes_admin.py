@@ -35,13 +35,18 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
     state = request.app.state.dlora
     try:
-        await state.adapters.register(body.lora_name, body.lora_path, pinned=body.pinned)
+        await state.adapters.register(body.lora_name, body.lora_path, pinned=body.pinned, inplace=body.load_inplace)
     except AdapterExistsError:
-        raise APIError(409, f"adapter {body.lora_name!r} is already registered; unload it first", "lora_name")
+        raise APIError(
+            409,
+            f"adapter {body.lora_name!r} is already registered; unload it first, or send load_inplace: true to "
+            "replace its weights",
+            "lora_name",
+        ) from None
     except AdapterForbiddenError as e:
-        raise APIError(403, str(e), "lora_path")
+        raise APIError(403, str(e), "lora_path") from e
     except AdapterValidationError as e:
-        raise APIError(400, f"invalid adapter {body.lora_name!r}: {e}", "lora_path")
+        raise APIError(400, f"invalid adapter {body.lora_name!r}: {e}", "lora_path") from e
     state.metrics.adapters_registered.set(len(state.adapters.registry))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -52,9 +57,9 @@ async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
     try:
         await state.adapters.unregister(body.lora_name)
     except AdapterNotFoundError:
-        raise APIError(404, f"adapter {body.lora_name!r} is not registered", "lora_name")
+        raise APIError(404, f"adapter {body.lora_name!r} is not registered", "lora_name") from None
     except AdapterBusyError as e:
-        raise APIError(409, str(e), "lora_name")
+        raise APIError(409, str(e), "lora_name") from e
     state.metrics.adapters_registered.set(len(state.adapters.registry))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -77,6 +82,7 @@ async def list_adapters(request: Request):
                 "alpha": r.alpha,
                 "target_modules": list(r.target_modules),
                 "pinned": r.pinned,
+                "version": r.version,
                 "source": r.source,
                 "state": "resident" if on else "registered",
                 "resident_on": on,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -95,7 +95,7 @@ def _sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _stream(
-    state, jobs: list[Job], label: str, chunk: Callable, usage_chunk: Callable | None, first_chunks: list[dict] = ()
+    state, jobs: list[Job], label: str, chunk: Callable, usage_chunk: Callable | None, first_chunks: Sequence[dict] = ()
 ) -> AsyncIterator[str]:
     prompt_tokens = sum(len(j.request.prompt_token_ids) for j in jobs)
     completion_tokens = 0
@@ -123,7 +123,7 @@ async def completions(body: CompletionRequest, request: Request):
 async def _completions(body: CompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
     _admit(state, body)
-    adapter = resolve_adapter(state, body.model)
+    adapter = await resolve_adapter(state, body.model)
     prompts, texts = await _tokenize_prompts(state, body.prompt)
     jobs = make_jobs(rid, prompts, body, adapter, body.logprobs, state.max_model_len, state.vocab_size)
     created, label = int(time.time()), body.model
@@ -174,7 +174,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def _chat_completions(body: ChatCompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
     _admit(state, body)
-    adapter = resolve_adapter(state, body.model)
+    adapter = await resolve_adapter(state, body.model)
     prompt = await _chat_prompt(state, body)
     jobs = make_jobs(rid, [prompt], body, adapter, body.num_logprobs(), state.max_model_len, state.vocab_size)
     created = int(time.time())

@@ -2,8 +2,9 @@
 
 Start-up failures are one line on stderr (`dlora serve: error: ...`): bad values, and a
 server.host:server.port that cannot be bound (bound first, before anything slow), are refused by
-`load_config`, `bind_listener` and `check_before_start` (exit 2), and anything that fails while the replicas start is reported as a
-`dlora.cli.StartupError` (exit 1); the traceback is logged at debug level (`--log-level debug`).
+`load_config`, `bind_listener` and `check_before_start` (exit 2), and anything that fails while
+the replicas start is reported as a `dlora.cli.StartupError` (exit 1); the traceback is logged
+at debug level (`--log-level debug`).
 Once serving, SIGTERM/SIGINT drain (dlora.server.drain) and exit 0; a second signal exits 128+signal.
 """
 

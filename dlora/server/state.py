@@ -7,14 +7,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dlora.adapters.lifecycle import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.adapters.registry import AdapterRegistry
+from dlora.adapters.resolver import FilesystemResolver
 from dlora.adapters.validate import BaseModelShapes
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.router import Router, RouterConfig
+from dlora.cluster.router import Replica, Router, RouterConfig
 from dlora.config import DloraConfig
 from dlora.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ class ServerState:
     cfg: DloraConfig
     model_path: str
     base_model_name: str
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     router: Router
     adapters: AdapterManager
     metrics: Metrics
@@ -71,7 +76,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
     )
 
 
-async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
+async def build_state(cfg: DloraConfig, replicas: list[Replica] | None = None) -> ServerState:
     """Prepare the model, start the replicas, and register the configured and persisted adapters."""
     from transformers import AutoTokenizer
 
@@ -96,12 +101,14 @@ async def build_state(cfg: DloraConfig, replicas=None) -> ServerState:
         base_model_name=name,
         max_pinned=cfg.engine.max_cpu_loras - cfg.engine.max_loras,
         snapshot_root=cfg.state_dir / SNAPSHOT_SUBDIR,
+        resolvers=(FilesystemResolver(cfg.server.adapter_roots),) if cfg.server.resolve_adapters else (),
     )
     manager_box.append(adapters)
     await router.start()
     for problem in await adapters.restore(cfg.adapters):
         log.error("%s", problem)
     metrics = Metrics()
+    adapters.on_resolve = lambda outcome: metrics.adapters_resolved.labels(outcome).inc()
     router.queue_times.observer = metrics.observe_queue_time
 
     def on_round(r) -> None:

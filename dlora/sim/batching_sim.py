@@ -121,6 +121,8 @@ class BatchingSim:
             now += self._step(live, now, rng, result)
             for rid in [rid for rid, s in live.items() if s.finished_at is not None]:
                 s = live.pop(rid)
+                # picked as finished; its first token came in that step or earlier
+                assert s.first_token_at is not None and s.finished_at is not None
                 done.append(
                     RequestResult(
                         rid, s.req.adapter, s.req.arrival, s.first_token_at, s.finished_at, s.req.output_tokens
@@ -197,7 +199,7 @@ class BatchingSim:
 
     def _compute_time(self, live: dict[str, _Live], batch: list[str], merged: str | None) -> float:
         prefill = lora_seqs = lora_prefill = 0
-        adapters = set()
+        adapters: set[str] = set()
         for rid in batch:
             s = live[rid]
             tokens = 0 if s.admitted else s.req.prompt_tokens

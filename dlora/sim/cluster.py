@@ -33,7 +33,7 @@ from dlora.bench.popularity import zipf_weights
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
-from dlora.cluster.router import Router, RouterConfig, static_home
+from dlora.cluster.router import Replica, Router, RouterConfig, static_home
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import VOCAB, ToyReplica
@@ -165,18 +165,13 @@ def make_requests(
         with_prompts=False,
     )
     ignore_eos = not spec.eos_means
-    return [
-        (
-            r.arrival_time,
-            GenerateRequest(
-                f"{r.request_id}-s{seed}",
-                tuple((i * 7919 + k) % VOCAB for k in range(spec.input_len)),
-                SamplingSpec(max_tokens=spec.output_len, ignore_eos=ignore_eos),
-                refs[r.adapter],
-            ),
-        )
-        for i, r in enumerate(work)
-    ]
+    out = []
+    for i, r in enumerate(work):
+        assert r.adapter is not None  # the workload names adapters, so no request goes to the base
+        prompt = tuple((i * 7919 + k) % VOCAB for k in range(spec.input_len))
+        sampling = SamplingSpec(max_tokens=spec.output_len, ignore_eos=ignore_eos)
+        out.append((r.arrival_time, GenerateRequest(f"{r.request_id}-s{seed}", prompt, sampling, refs[r.adapter])))
+    return out
 
 
 async def _client(router: Router, req: GenerateRequest, at: float, out: RunResult) -> None:
@@ -194,8 +189,10 @@ async def _client(router: Router, req: GenerateRequest, at: float, out: RunResul
 async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed: int = 0) -> RunResult:
     """One policy on n requests at `rate` req/s; returns every request's queueing delay."""
     refs = adapter_refs(spec)
-    eos = {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(refs)} if spec.eos_means else {}
-    replicas = [
+    eos: dict[str | None, int] = (
+        {a: spec.eos_means[i % len(spec.eos_means)] for i, a in enumerate(refs)} if spec.eos_means else {}
+    )
+    replicas: list[Replica] = [
         ToyReplica(
             i,
             step_s=spec.step_s,

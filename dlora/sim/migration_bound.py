@@ -57,6 +57,7 @@ import heapq
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
 from dlora.cluster.estimators.cost_model import CostParams
@@ -437,7 +438,7 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
     def ratio(num: str, den: str) -> float | None:
         return means[num] / means[den] if means[den] > 0 else None
 
-    out = {
+    out: dict[str, Any] = {
         "mean_queue_s": means,
         "mean_latency_s": {d: statistics.fmean(o.latency_s) for d, o in runs.items()},
         "preemptions": {d: o.preemptions for d, o in runs.items()},

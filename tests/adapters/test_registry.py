@@ -129,3 +129,35 @@ def test_failed_save_rolls_back_so_memory_matches_disk(tmp_path, monkeypatch):
     assert "kept" in reg
     assert (tmp_path / "adapters.json").read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["adapters.json"]  # no temp file left behind
+
+
+def test_an_update_is_a_new_version_under_a_new_id_and_persists(tmp_path):
+    import dataclasses
+
+    reg = AdapterRegistry(tmp_path)
+    reg.load_persisted()
+    first = reg.add("a", INFO, pinned=True)
+    newer = dataclasses.replace(INFO, path="/x/a-2", rank=4)
+    old, new = reg.replace("a", newer)
+    assert old == first and reg.get("a") == new
+    assert (new.version, new.path, new.rank, new.pinned) == (2, "/x/a-2", 4, True)
+    assert new.int_id not in {first.int_id}  # engines must never take one version for the other
+    _, third = reg.replace("a", INFO)
+    assert third.version == 3 and len({first.int_id, new.int_id, third.int_id}) == 3
+    again = AdapterRegistry(tmp_path).load_persisted()
+    assert [(r.name, r.version, r.int_id) for r in again] == [("a", 3, third.int_id)]
+    with pytest.raises(AdapterNotFoundError):
+        reg.replace("missing", INFO)
+
+
+def test_a_failed_update_save_keeps_the_old_version(tmp_path, monkeypatch):
+    from dlora.adapters import registry_store
+    from dlora.adapters.registry_store import RegistryPersistError
+
+    reg = AdapterRegistry(tmp_path)
+    reg.load_persisted()
+    first = reg.add("a", INFO)
+    monkeypatch.setattr(registry_store.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(RegistryPersistError):
+        reg.replace("a", INFO)
+    assert reg.get("a") == first

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import httpx
 import pytest
 
 from dlora.models.tiny import ADAPTER_SPECS
 from tests.conftest import ADMIN_TOKEN
+from tests.oracle import greedy_choice_errors, teacher_forced_logits
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -174,3 +176,53 @@ def test_pinning_beyond_the_host_lora_cache_is_400_and_unpinned_still_loads(tiny
     finally:
         for name in ("pin1", "pin2"):
             admin(url, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def test_load_inplace_serves_new_weights_while_running_requests_finish_on_the_old(tiny_server, tiny_model, oracle):
+    url, n_long = tiny_server.url, 400
+    body = {"lora_name": "upd", "lora_path": str(tiny_model.adapters["a3"])}
+    assert admin(url, "/v1/load_lora_adapter", body).status_code == 200
+    prompt_ids = complete(url, "upd").json()["choices"][0]["prompt_token_ids"]
+    started, done, old_tokens = threading.Event(), threading.Event(), []
+
+    def long_stream_on_version_1():
+        req = {"model": "upd", "prompt": "def f(", "max_tokens": n_long, "temperature": 0, "ignore_eos": True}
+        req |= {"stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=req, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    old_tokens.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                    started.set()
+        done.set()
+
+    t = threading.Thread(target=long_stream_on_version_1)
+    t.start()
+    assert started.wait(60)
+    assert admin(url, "/v1/load_lora_adapter", body).status_code == 409  # a re-registration is not an update
+    update = admin(
+        url, "/v1/load_lora_adapter", body | {"lora_path": str(tiny_model.adapters["a2"]), "load_inplace": True}
+    )
+    assert update.status_code == 200, update.text
+    if not done.is_set():  # the old version stays loaded while a request still runs on it
+        assert "unloaded version 1 of adapter upd" not in tiny_server.tail(400)
+    choice = complete(url, "upd").json()["choices"][0]
+    assert choice["token_ids"] == oracle.greedy("a2", prompt_ids, 6)  # new requests: the new weights
+    t.join(120)
+    # The running request: the old weights at every step (a greedy path compared step by step, so a
+    # near-tie late in 400 tokens cannot fail it), and not the new ones.
+    assert len(old_tokens) == n_long
+    assert (
+        greedy_choice_errors(teacher_forced_logits(oracle._load("a3"), prompt_ids, old_tokens), old_tokens, 1e-2) == []
+    )
+    assert (
+        greedy_choice_errors(teacher_forced_logits(oracle._load("a2"), prompt_ids, old_tokens), old_tokens, 1e-2) != []
+    )
+    listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters", headers=AUTH).json()["data"]}
+    assert listed["upd"]["version"] == 2 and listed["upd"]["rank"] == {s.name: s for s in ADAPTER_SPECS}["a2"].rank
+    for _ in range(50):  # retired once its last request finished
+        if "unloaded version 1 of adapter upd" in tiny_server.tail(400):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("version 1 of upd was never unloaded")
+    assert admin(url, "/v1/unload_lora_adapter", {"lora_name": "upd"}).status_code == 200

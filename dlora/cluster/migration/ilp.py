@@ -51,7 +51,9 @@ class MigrationPlan:
 
     moves: tuple[tuple[str, int, int], ...]  # (request_id, src replica_id, dst replica_id)
     loads: tuple[tuple[str, int], ...]  # (adapter, replica_id) to load before the moves
-    solver: str  # "highs" | "cbc" | "greedy" | "none"; "queued" or "rebalance" for a round of queued-request moves (balancer)
+    # "highs" | "cbc" | "greedy" | "none"; "queued" or "rebalance" for a round of queued-request
+    # moves (balancer)
+    solver: str
     status: str  # solver status, or why the fallback ran / nothing was planned
     solve_ms: float  # wall time of the whole planning call: problem + model + solve + rounding
     solver_ms: float = 0.0  # of which PuLP model building and the solver call (0 for greedy)

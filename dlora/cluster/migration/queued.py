@@ -111,13 +111,15 @@ def plan_queued(views: Sequence[ReplicaView], now: float, cfg: QueuedConfig | No
         ((r, v.replica_id) for v in views if v.healthy for r in v.requests if is_queued(r, now, cfg.min_wait_s)),
         key=lambda rv: (rv[0].queued_since, rv[0].request_id),
     )
-    moves, loads, oldest = [], [], 0.0
+    moves: list[tuple[str, int, int]] = []
+    loads: list[tuple[str, int]] = []
+    oldest = 0.0
     for r, src in queued:
         able = [rc for rc in receivers if rc.can_start(r)]
         if not able:
             continue
         dst = min(able, key=lambda rc: rc.rank(r.adapter))
-        if dst.take(r):
+        if dst.take(r) and r.adapter is not None:  # the base model (None) is never loaded
             loads.append((r.adapter, dst.view.replica_id))
         moves.append((r.request_id, src, dst.view.replica_id))
         oldest = max(oldest, now - r.queued_since)

@@ -108,13 +108,15 @@ def plan_rebalance(
     every plan; an adapter still absent when the request gets there is loaded by the router."""
     cfg = cfg or RebalanceConfig()
     current = {v.replica_id: v for v in views}
-    moves, loads, oldest = [], [], 0.0
+    moves: list[tuple[str, int, int]] = []
+    loads: list[tuple[str, int]] = []
+    oldest = 0.0
     for _ in range(cfg.max_moves):
         move = _best_move(current, params, now, cfg)
         if move is None:
             break
         r, dst = move.request, current[move.dst]
-        if not dst.holds(r.adapter):
+        if r.adapter is not None and not dst.holds(r.adapter):  # the base model (None) is never loaded
             loads.append((r.adapter, move.dst))
         current[move.src], current[move.dst] = _moved(current[move.src], dst, r, now)
         moves.append((r.request_id, move.src, move.dst))

@@ -1,0 +1,103 @@
+"""Adapters found by name, without an admin call (`server.resolve_adapters`), on a real server: a
+request naming an unregistered adapter under the roots is served with its own weights (checked
+against Hugging Face + PEFT); concurrent first requests register it once; unknown and unsafe names
+are 404s; found-but-bad files are a 400 that reveals no path, and hurt nobody. One server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import shutil
+
+import httpx
+import pytest
+
+from tests import harness
+from tests.server.test_adapter_safety import _nan_tensor, _symlink_escape
+from tests.server.test_admin_api import complete
+
+pytestmark = pytest.mark.engine  # a `dlora serve` process
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("resolver-root")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, root, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resolution")
+    roots = [str(tiny_model.base.parent), str(root)]  # the test model's a3 is left unregistered there
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp / "state",
+        harness.free_port(),
+        **{"server.adapter_roots": roots, "server.resolve_adapters": True},
+    )
+    srv = harness.launch(tmp, cfg)
+    yield srv
+    srv.stop()
+
+
+def resolved(url: str, outcome: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    m = re.search(rf'^dlora_adapters_resolved_total{{outcome="{outcome}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def listed(url: str) -> dict[str, dict]:
+    return {a["name"]: a for a in httpx.get(f"{url}/v1/adapters", timeout=30).json()["data"]}
+
+
+def test_an_unregistered_adapter_under_the_roots_is_served_with_its_own_weights(server, oracle):
+    assert "a3" not in listed(server.url)
+    r = complete(server.url, "a3")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
+    assert listed(server.url)["a3"]["source"] == "resolver"
+    assert "a3" in {m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]}
+
+
+def test_concurrent_first_requests_register_the_adapter_once(server, tiny_model, root, oracle):
+    shutil.copytree(tiny_model.adapters["a3"], root / "team" / "summariser")
+    before = resolved(server.url, "registered")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: complete(server.url, "team/summariser"), range(8)))
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+    for r in responses:
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
+    assert resolved(server.url, "registered") == before + 1  # counted when it happened, not on scrape
+    assert listed(server.url)["team/summariser"]["source"] == "resolver"
+
+
+@pytest.mark.parametrize(
+    "name", ["nobody", "../a3", "a3/..", "/etc", "team//summariser", "a/b/c/d/e", ".hidden", "base"]
+)
+def test_unknown_or_unsafe_names_are_404(server, name):
+    r = complete(server.url, name)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["param"] == "model"
+
+
+def test_bad_files_found_by_name_are_a_400_that_reveals_no_path_and_harm_nobody(server, tiny_model, root):
+    bad, outside = root / "broken", root.parent / "resolver-outside"
+    shutil.copytree(tiny_model.adapters["a3"], bad)
+    _nan_tensor(bad)
+    escaping = root / "escaping"
+    shutil.copytree(tiny_model.adapters["a3"], escaping)
+    _symlink_escape(escaping, outside)
+    before = resolved(server.url, "refused")
+    for name in ("broken", "escaping"):
+        r = complete(server.url, name)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model" and name in err["message"]
+        assert str(root) not in r.text and "/" not in err["message"]
+        # Asked again at once: refused from memory, the bad files are not copied and hashed again.
+        assert complete(server.url, name).status_code == 400
+    assert resolved(server.url, "refused") == before + 2
+    assert "broken" not in listed(server.url) and "escaping" not in listed(server.url)
+    assert complete(server.url, "a1").status_code == 200
+    assert complete(server.url, "tiny-base").status_code == 200

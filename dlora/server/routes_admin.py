@@ -68,7 +68,9 @@ async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
 async def list_adapters(request: Request):
     state = request.app.state.dlora
     resident: dict[int, list[int]] = {}
-    for st in await state.router.refresh_stats():
+    # As the balancer's monitor loop last read it (at most cluster.monitor_interval_s old): a read
+    # of this list must not take the replicas' measurements from the loop that feeds them to dispatch.
+    for st in state.router.reported_stats():
         for aid in st.resident_adapter_ids:
             resident.setdefault(aid, []).append(st.replica_id)
     data = []

@@ -29,6 +29,17 @@ def complete(url, model, **extra):
     )
 
 
+def adapters_once(url, ready, timeout_s: float = 10.0) -> dict[str, dict]:
+    """/v1/adapters by name, once `ready` holds (residency is as the balancer last read it, every
+    monitor interval) or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters", headers=AUTH, timeout=30).json()["data"]}
+        if ready(listed) or time.monotonic() > deadline:
+            return listed
+        time.sleep(0.2)
+
+
 def test_load_serve_unload_round_trip(tiny_server, tiny_model, oracle):
     url = tiny_server.url
     assert complete(url, "a3").status_code == 404
@@ -36,8 +47,8 @@ def test_load_serve_unload_round_trip(tiny_server, tiny_model, oracle):
     assert r.status_code == 200, r.text
     choice = complete(url, "a3").json()["choices"][0]
     assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
-    listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters", headers=AUTH).json()["data"]}
     spec = {s.name: s for s in ADAPTER_SPECS}["a3"]
+    listed = adapters_once(url, lambda listed: listed["a3"]["state"] == "resident")
     assert listed["a3"]["rank"] == spec.rank and listed["a3"]["state"] == "resident"
     assert listed["a3"]["target_modules"] == list(spec.target_modules)
     assert listed["a0"]["pinned"] is True

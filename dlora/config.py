@@ -118,6 +118,10 @@ class EngineConfig:
         )
 
 
+def _is_s3_uri(uri: str) -> bool:
+    return uri.startswith("s3://") and bool(uri[5:].split("/", 1)[0])
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -129,6 +133,10 @@ class ServerConfig:
     # A request naming an adapter nobody registered looks for `<root>/<name>` under adapter_roots and
     # registers what it finds as an admin call would (off: such a name is a 404, as in vLLM by default).
     resolve_adapters: bool = False
+    # With resolve_adapters, also look in an S3-compatible object store: s3://bucket[/prefix], where
+    # <prefix>/<name>/ holds adapter_config.json and adapter_model.safetensors (AWS_* env credentials).
+    adapter_s3_uri: str | None = None
+    adapter_s3_endpoint_url: str | None = None  # e.g. http://minio:9000; None: AWS's own endpoint
     # Where the adapter registry is persisted so registrations survive a restart.
     state_dir: str = "~/.cache/dlora/state"
     log_level: str = "info"
@@ -153,6 +161,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check_kinds(self, "server")
         _check(0 <= self.port < 65536, "server.port", self.port, "must be a TCP port (0-65535)")
+        _check(
+            self.adapter_s3_uri is None or _is_s3_uri(self.adapter_s3_uri),
+            "server.adapter_s3_uri",
+            self.adapter_s3_uri,
+            "must be s3://bucket or s3://bucket/prefix",
+        )
         _check(self.template_timeout_s > 0, "server.template_timeout_s", self.template_timeout_s, "must be > 0")
         for key in ("max_body_bytes", "max_choices_per_request", "max_pending_requests"):
             _check(getattr(self, key) >= 1, f"server.{key}", getattr(self, key), "must be a whole number >= 1")

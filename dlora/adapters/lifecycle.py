@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dlora.adapters import snapshot
 from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
-from dlora.adapters.resolver import AdapterResolver
+from dlora.adapters.resolver import AdapterResolver, AdapterSourceError
 from dlora.adapters.snapshot import Snapshot, SnapshotError
 from dlora.adapters.validate import (
     AdapterInfo,
@@ -141,26 +141,34 @@ class AdapterManager:
         failed_at = self._failed_at.get(name)
         if failed_at is not None and time.monotonic() - failed_at < RESOLVE_RETRY_S:
             raise AdapterResolveError(name)
-        path = None
-        for resolver in self.resolvers:
-            path = await asyncio.to_thread(resolver.resolve, name)
-            if path is not None:
-                break
-        if path is None:
-            self.on_resolve("not_found")
-            raise AdapterNotFoundError(name)
         try:
-            rec = await self.register(name, path, source="resolver")
+            path, resolver = await self._find(name)
+            if path is None:
+                self.on_resolve("not_found")
+                raise AdapterNotFoundError(name)
+            rec = await self.register(name, path, source="resolver", check_roots=resolver.local_roots_apply)
         except AdapterExistsError:  # registered meanwhile by an admin call
             return self.lookup(name)
         except (AdapterValidationError, AdapterForbiddenError) as e:
             self._failed_at[name] = time.monotonic()
             self.on_resolve("refused")
-            log.warning("adapter %s found at %s but refused: %s", name, path, e)
+            log.warning("adapter %s was found but refused: %s", name, e)
             raise AdapterResolveError(name) from None
+        except AdapterSourceError as e:
+            self.on_resolve("source_error")
+            log.warning("adapter %s: its source could not be asked: %s", name, e)
+            raise
         self._failed_at.pop(name, None)
         self.on_resolve("registered")
         return rec
+
+    async def _find(self, name: str) -> tuple[str | None, AdapterResolver]:
+        """The first resolver's answer that is not None (and which resolver gave it)."""
+        for resolver in self.resolvers:
+            path = await asyncio.to_thread(resolver.resolve, name)
+            if path is not None:
+                return path, resolver
+        return None, self.resolvers[-1]
 
     async def register(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dlora.adapters.lifecycle import AdapterResolveError, AdapterUnavailableError, ref_of
 from dlora.adapters.registry import AdapterNotFoundError
+from dlora.adapters.resolver import AdapterSourceError
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError
 from dlora.server.protocol import SamplingFields
@@ -54,6 +55,10 @@ async def resolve_adapter(state, model: str) -> AdapterRef | None:
         return None
     try:
         return ref_of(await state.adapters.lookup_or_resolve(model))
+    except AdapterSourceError:
+        raise APIError(
+            503, f"The adapter `{model}` could not be looked up: its source is not reachable; retry later.", "model"
+        ) from None
     except AdapterResolveError:
         raise APIError(
             400,

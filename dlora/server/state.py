@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from dlora.adapters.lifecycle import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.adapters.registry import AdapterRegistry
-from dlora.adapters.resolver import FilesystemResolver
+from dlora.adapters.resolver import AdapterResolver, FilesystemResolver
+from dlora.adapters.resolver_s3 import S3Resolver
 from dlora.adapters.validate import BaseModelShapes
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.router import Replica, Router, RouterConfig
@@ -76,6 +77,17 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
     )
 
 
+def adapter_resolvers(cfg: DloraConfig) -> tuple[AdapterResolver, ...]:
+    """Where a request's unregistered adapter name is looked up, in order (none unless enabled)."""
+    if not cfg.server.resolve_adapters:
+        return ()
+    found: list[AdapterResolver] = [FilesystemResolver(cfg.server.adapter_roots)]
+    if cfg.server.adapter_s3_uri is not None:
+        download_root = cfg.state_dir / "resolved"
+        found.append(S3Resolver(cfg.server.adapter_s3_uri, cfg.server.adapter_s3_endpoint_url, download_root))
+    return tuple(found)
+
+
 async def build_state(cfg: DloraConfig, replicas: list[Replica] | None = None) -> ServerState:
     """Prepare the model, start the replicas, and register the configured and persisted adapters."""
     from transformers import AutoTokenizer
@@ -101,7 +113,7 @@ async def build_state(cfg: DloraConfig, replicas: list[Replica] | None = None) -
         base_model_name=name,
         max_pinned=cfg.engine.max_cpu_loras - cfg.engine.max_loras,
         snapshot_root=cfg.state_dir / SNAPSHOT_SUBDIR,
-        resolvers=(FilesystemResolver(cfg.server.adapter_roots),) if cfg.server.resolve_adapters else (),
+        resolvers=adapter_resolvers(cfg),
     )
     manager_box.append(adapters)
     await router.start()

@@ -1,7 +1,8 @@
 """Adapters found by name, without an admin call (`server.resolve_adapters`), on a real server: a
-request naming an unregistered adapter under the roots is served with its own weights (checked
-against Hugging Face + PEFT); concurrent first requests register it once; unknown and unsafe names
-are 404s; found-but-bad files are a 400 that reveals no path, and hurt nobody. One server."""
+request naming an unregistered adapter under the roots, or in an S3-compatible store (moto's
+server, started here), is served with its own weights (checked against Hugging Face + PEFT);
+concurrent first requests register it once; unknown and unsafe names are 404s; found-but-bad files
+are a 400 that reveals no path, and hurt nobody. One server."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests import harness
+from tests.s3 import client, s3_server, upload_adapter
 from tests.server.test_adapter_safety import _nan_tensor, _symlink_escape
 from tests.server.test_admin_api import complete
 
@@ -25,14 +27,29 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, root, tmp_path_factory):
+def s3_endpoint(tiny_model):
+    """An S3-compatible store holding one adapter (a copy of a3) that exists nowhere on disk."""
+    with s3_server() as url:
+        store = client(url)
+        store.create_bucket(Bucket="adapters")
+        upload_adapter(store, "adapters", "tenants/from-s3", tiny_model.adapters["a3"])
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, root, s3_endpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resolution")
     roots = [str(tiny_model.base.parent), str(root)]  # the test model's a3 is left unregistered there
     cfg = harness.tiny_config(
         tiny_model,
         tmp / "state",
         harness.free_port(),
-        **{"server.adapter_roots": roots, "server.resolve_adapters": True},
+        **{
+            "server.adapter_roots": roots,
+            "server.resolve_adapters": True,
+            "server.adapter_s3_uri": "s3://adapters/tenants",
+            "server.adapter_s3_endpoint_url": s3_endpoint,
+        },
     )
     srv = harness.launch(tmp, cfg)
     yield srv
@@ -101,3 +118,11 @@ def test_bad_files_found_by_name_are_a_400_that_reveals_no_path_and_harm_nobody(
     assert "broken" not in listed(server.url) and "escaping" not in listed(server.url)
     assert complete(server.url, "a1").status_code == 200
     assert complete(server.url, "tiny-base").status_code == 200
+
+
+def test_an_adapter_only_in_the_object_store_is_fetched_and_served(server, oracle):
+    r = complete(server.url, "from-s3")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
+    assert listed(server.url)["from-s3"]["source"] == "resolver"

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,10 @@ SNAPSHOT_SUBDIR = "adapters"
 # A name whose found files failed validation is not tried again for this long: a client repeating
 # it must not make the server copy and hash the same bad files on every request.
 RESOLVE_RETRY_S = 30.0
+# A name no resolver found is not looked up again for this long (at most MISSING_REMEMBERED names):
+# a client sending made-up names must not turn each request into disk or object-store lookups.
+MISSING_RETRY_S = 5.0
+MISSING_REMEMBERED = 10_000
 RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last request has finished
 
 
@@ -84,6 +89,7 @@ class AdapterManager:
     _snapshots: dict[str, Snapshot] = field(default_factory=dict, repr=False)
     _resolving: dict[str, asyncio.Future] = field(default_factory=dict, repr=False)
     _failed_at: dict[str, float] = field(default_factory=dict, repr=False)
+    _missing_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
     _retiring: set[asyncio.Task] = field(default_factory=set, repr=False)  # replaced versions
     _reported: set[str] = field(default_factory=set, repr=False)  # names whose damage was logged
 
@@ -138,12 +144,15 @@ class AdapterManager:
         return await asyncio.shield(pending)
 
     async def _resolve(self, name: str) -> AdapterRecord:
-        failed_at = self._failed_at.get(name)
-        if failed_at is not None and time.monotonic() - failed_at < RESOLVE_RETRY_S:
+        now = time.monotonic()
+        if now - self._failed_at.get(name, -RESOLVE_RETRY_S) < RESOLVE_RETRY_S:
             raise AdapterResolveError(name)
+        if now - self._missing_at.get(name, -MISSING_RETRY_S) < MISSING_RETRY_S:
+            raise AdapterNotFoundError(name)
         try:
             path, resolver = await self._find(name)
             if path is None:
+                self._remember_missing(name)
                 self.on_resolve("not_found")
                 raise AdapterNotFoundError(name)
             rec = await self.register(name, path, source="resolver", check_roots=resolver.local_roots_apply)
@@ -159,8 +168,15 @@ class AdapterManager:
             log.warning("adapter %s: its source could not be asked: %s", name, e)
             raise
         self._failed_at.pop(name, None)
+        self._missing_at.pop(name, None)
         self.on_resolve("registered")
         return rec
+
+    def _remember_missing(self, name: str) -> None:
+        self._missing_at[name] = time.monotonic()
+        self._missing_at.move_to_end(name)
+        while len(self._missing_at) > MISSING_REMEMBERED:
+            self._missing_at.popitem(last=False)
 
     async def _find(self, name: str) -> tuple[str | None, AdapterResolver]:
         """The first resolver's answer that is not None (and which resolver gave it)."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import shutil
+import time
 
 import httpx
 import pytest
 
+from dlora.adapters.lifecycle import MISSING_RETRY_S
 from tests import harness
 from tests.s3 import client, s3_server, upload_adapter
 from tests.server.test_adapter_safety import _nan_tensor, _symlink_escape
@@ -126,3 +128,13 @@ def test_an_adapter_only_in_the_object_store_is_fetched_and_served(server, oracl
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == oracle.greedy("a3", choice["prompt_token_ids"], 6)
     assert listed(server.url)["from-s3"]["source"] == "resolver"
+
+
+def test_a_missing_name_is_remembered_briefly_then_looked_up_again(server, tiny_model, root):
+    assert complete(server.url, "late").status_code == 404
+    shutil.copytree(tiny_model.adapters["a3"], root / "late")
+    before = resolved(server.url, "not_found")
+    assert complete(server.url, "late").status_code == 404  # answered from memory: no new lookup
+    assert resolved(server.url, "not_found") == before
+    time.sleep(MISSING_RETRY_S)
+    assert complete(server.url, "late").status_code == 200

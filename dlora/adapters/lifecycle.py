@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from dlora.adapters import snapshot
 from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
-from dlora.adapters.resolver import AdapterResolver, AdapterSourceError
+from dlora.adapters.registry_store import RegistryPersistError
+from dlora.adapters.resolver import AdapterResolver, AdapterSourceError, is_resolvable_name
 from dlora.adapters.snapshot import Snapshot, SnapshotError
 from dlora.adapters.validate import (
     AdapterInfo,
@@ -69,6 +71,18 @@ def ref_of(rec: AdapterRecord) -> AdapterRef:
     return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version)
 
 
+def _recent(memory: OrderedDict[str, float], name: str, for_s: float) -> bool:
+    return time.monotonic() - memory.get(name, -for_s) < for_s
+
+
+def _remember(memory: OrderedDict[str, float], name: str) -> None:
+    """When `name` last had this outcome; the oldest of more than MISSING_REMEMBERED names go."""
+    memory[name] = time.monotonic()
+    memory.move_to_end(name)
+    while len(memory) > MISSING_REMEMBERED:
+        memory.popitem(last=False)
+
+
 @dataclass
 class AdapterManager:
     registry: AdapterRegistry
@@ -88,8 +102,9 @@ class AdapterManager:
     on_resolve: Callable[[str], None] = field(default=lambda outcome: None, repr=False)
     _snapshots: dict[str, Snapshot] = field(default_factory=dict, repr=False)
     _resolving: dict[str, asyncio.Future] = field(default_factory=dict, repr=False)
-    _failed_at: dict[str, float] = field(default_factory=dict, repr=False)
+    _failed_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
     _missing_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
+    _unreachable_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
     _retiring: set[asyncio.Task] = field(default_factory=set, repr=False)  # replaced versions
     _reported: set[str] = field(default_factory=set, repr=False)  # names whose damage was logged
 
@@ -127,13 +142,13 @@ class AdapterManager:
         """`lookup`, and for a name nobody registered, the resolvers' answer, registered as an admin
         registration would be. Concurrent first requests for one name share one registration.
         Raises AdapterNotFoundError when no resolver finds it, AdapterResolveError when the files
-        found are refused."""
+        found are refused, AdapterSourceError when a source cannot be asked."""
         try:
             return self.lookup(name)
         except AdapterUnavailableError:
             raise
         except AdapterNotFoundError:
-            if not self.resolvers or name == self.base_model_name:
+            if not self.resolvers or name == self.base_model_name or not is_resolvable_name(name):
                 raise
         pending = self._resolving.get(name)
         if pending is None:
@@ -144,47 +159,56 @@ class AdapterManager:
         return await asyncio.shield(pending)
 
     async def _resolve(self, name: str) -> AdapterRecord:
-        now = time.monotonic()
-        if now - self._failed_at.get(name, -RESOLVE_RETRY_S) < RESOLVE_RETRY_S:
+        if _recent(self._failed_at, name, RESOLVE_RETRY_S):
             raise AdapterResolveError(name)
-        if now - self._missing_at.get(name, -MISSING_RETRY_S) < MISSING_RETRY_S:
+        if _recent(self._missing_at, name, MISSING_RETRY_S):
             raise AdapterNotFoundError(name)
+        if _recent(self._unreachable_at, name, MISSING_RETRY_S):
+            raise AdapterSourceError(name)
+        found: tuple[str, AdapterResolver] | None = None
         try:
-            path, resolver = await self._find(name)
-            if path is None:
-                self._remember_missing(name)
+            found = await self._find(name)
+            if found is None:
+                _remember(self._missing_at, name)
                 self.on_resolve("not_found")
                 raise AdapterNotFoundError(name)
+            path, resolver = found
             rec = await self.register(name, path, source="resolver", check_roots=resolver.local_roots_apply)
         except AdapterExistsError:  # registered meanwhile by an admin call
             return self.lookup(name)
         except (AdapterValidationError, AdapterForbiddenError) as e:
-            self._failed_at[name] = time.monotonic()
+            _remember(self._failed_at, name)
             self.on_resolve("refused")
             log.warning("adapter %s was found but refused: %s", name, e)
             raise AdapterResolveError(name) from None
-        except AdapterSourceError as e:
+        except (AdapterSourceError, OSError, RegistryPersistError) as e:
+            _remember(self._unreachable_at, name)
             self.on_resolve("source_error")
-            log.warning("adapter %s: its source could not be asked: %s", name, e)
-            raise
-        self._failed_at.pop(name, None)
-        self._missing_at.pop(name, None)
+            log.warning("adapter %s could not be looked up: %s", name, e)
+            raise AdapterSourceError(name) from None
+        finally:
+            if found is not None and not found[1].local_roots_apply:
+                self._discard_download(name, found[0])
+        for memory in (self._failed_at, self._missing_at, self._unreachable_at):
+            memory.pop(name, None)
         self.on_resolve("registered")
         return rec
 
-    def _remember_missing(self, name: str) -> None:
-        self._missing_at[name] = time.monotonic()
-        self._missing_at.move_to_end(name)
-        while len(self._missing_at) > MISSING_REMEMBERED:
-            self._missing_at.popitem(last=False)
+    def _discard_download(self, name: str, path: str) -> None:
+        """A downloading resolver's files once registration is over: engines read the snapshot,
+        so keeping them would let clients fill the disk by naming adapters. Without snapshots the
+        engines read the download itself, which then stays while the adapter is registered."""
+        rec = self.registry.get(name) if name in self.registry else None
+        if rec is None or Path(rec.path) != Path(path):
+            shutil.rmtree(path, ignore_errors=True)
 
-    async def _find(self, name: str) -> tuple[str | None, AdapterResolver]:
-        """The first resolver's answer that is not None (and which resolver gave it)."""
+    async def _find(self, name: str) -> tuple[str, AdapterResolver] | None:
+        """The first resolver's answer that is not None, and which resolver gave it."""
         for resolver in self.resolvers:
             path = await asyncio.to_thread(resolver.resolve, name)
             if path is not None:
                 return path, resolver
-        return None, self.resolvers[-1]
+        return None
 
     async def register(
         self,
@@ -210,46 +234,63 @@ class AdapterManager:
                 raise AdapterExistsError(name)
             self._check_pin_room(name, pinned)
             info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-            rec = self.registry.add(name, info, pinned=pinned, source=source, version=version)
-            await self._load_or_undo(rec, lambda: self.registry.remove(name))
+            rec = await self._load_and_commit(self.registry.new_record(name, info, pinned, source, version))
             if snap is not None:
                 self._snapshots[name] = snap
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
         return rec
 
-    async def _load_or_undo(self, rec: AdapterRecord, undo_record: Callable[[], object]) -> None:
-        """Load `rec` on every healthy replica; if an engine refuses it, undo the registry change
-        and the loads that did happen, so no replica keeps a version nobody can name."""
+    async def _load_and_commit(self, rec: AdapterRecord) -> AdapterRecord:
+        """Load `rec` on every healthy replica, then record it: no request can name a version before
+        every engine holds it. If an engine refuses it, or recording it fails, the loads that did
+        happen are undone, so no replica keeps a version nobody can name."""
         try:
             await self.router.load_everywhere(ref_of(rec), pinned=rec.pinned)
         except Exception as e:
-            undo_record()
             await self.router.unload_everywhere(rec.int_id)
             raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
+        try:
+            return self.registry.commit(rec)
+        except BaseException:
+            await self.router.unload_everywhere(rec.int_id)
+            raise
 
     async def _update(self, name: str, path: str, roots: tuple[str, ...] | None) -> AdapterRecord:
         """A new version under a new int_id, loaded everywhere before new requests may name it;
         requests already holding the old version finish on it, then it is unloaded (`_retire`).
         The new files get their own snapshot path, which keys vLLM's prefix cache and dlora's
         merged-weights cache, so nothing computed with the old weights serves the new version."""
+        old = self.registry.get(name)
+        if self.snapshot_root is None or not self._writable(self.snapshot_root):
+            raise AdapterValidationError(
+                "an in-place update needs adapter snapshots (a writable server.state_dir): without them "
+                "both versions would be read from one path; unload the adapter and register it again"
+            )
+        if old.pinned:
+            self._check_pin_room(name, True)  # both versions are pinned until the old one is retired
         info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-        old, new = self.registry.replace(name, info)
-        await self._load_or_undo(new, lambda: self.registry.replace_back(old))
+        new = await self._load_and_commit(self.registry.next_version(name, info))
         if snap is not None:
             self._snapshots[name] = snap
         self._reported.discard(name)
-        task = asyncio.create_task(self._retire(old))
+        task = asyncio.create_task(self._retire(old, new))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
         log.info("updated adapter %s to version %d from %s", name, new.version, new.path)
         return new
 
-    async def _retire(self, old: AdapterRecord) -> None:
-        """Unload a replaced version once no request holds it any more."""
-        while self.router.inflight_with(old.int_id):
-            await asyncio.sleep(RETIRE_POLL_S)
-        await self.router.unload_everywhere(old.int_id)
-        log.info("unloaded version %d of adapter %s", old.version, old.name)
+    async def _retire(self, old: AdapterRecord, new: AdapterRecord) -> None:
+        """Unload a replaced version once no request holds it any more. A request that took the
+        old version just before the update but reaches the router only now is sent to the new one
+        (`Router.superseded`), so nothing can load the old version again."""
+        self.router.superseded[old.int_id] = ref_of(new)
+        try:
+            while self.router.inflight_with(old.int_id):
+                await asyncio.sleep(RETIRE_POLL_S)
+            await self.router.unload_everywhere(old.int_id)
+            log.info("unloaded version %d of adapter %s", old.version, old.name)
+        except Exception:
+            log.exception("version %d of adapter %s could not be unloaded", old.version, old.name)
 
     def _validated_copy(
         self, name: str, path: str, roots: tuple[str, ...] | None

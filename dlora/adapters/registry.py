@@ -82,20 +82,17 @@ class AdapterRegistry:
         disk always agree."""
         if name in self._records:
             raise AdapterExistsError(name)
-        return self._put(self._record(name, info, pinned, source, version), None)
+        return self.commit(self.new_record(name, info, pinned, source, version))
 
-    def replace(self, name: str, info: AdapterInfo) -> tuple[AdapterRecord, AdapterRecord]:
+    def next_version(self, name: str, info: AdapterInfo) -> AdapterRecord:
         """A new version of a registered adapter under a new int_id (so nothing computed with the old
-        weights, in any engine, can be taken for the new); returns (old, new). Persisted like add."""
+        weights, in any engine, can be taken for the new), not yet recorded: `commit` it once every
+        engine has loaded it."""
         old = self.get(name)
-        new = self._record(name, info, old.pinned, old.source, old.version + 1)
-        return old, self._put(new, old)
+        return self.new_record(name, info, old.pinned, old.source, old.version + 1)
 
-    def replace_back(self, previous: AdapterRecord) -> None:
-        """Undo a `replace` whose new version no engine would load."""
-        self._put(previous, self._records.get(previous.name))
-
-    def _record(self, name: str, info: AdapterInfo, pinned: bool, source: str, version: int) -> AdapterRecord:
+    def new_record(self, name: str, info: AdapterInfo, pinned: bool, source: str, version: int) -> AdapterRecord:
+        """A record with a fresh int_id, not yet in the registry."""
         rec = AdapterRecord(
             name=name,
             int_id=self._next_id,
@@ -111,8 +108,13 @@ class AdapterRegistry:
         self._next_id += 1  # not undone on failure: ids are never reused, a gap is harmless
         return rec
 
-    def _put(self, rec: AdapterRecord, previous: AdapterRecord | None) -> AdapterRecord:
+    def commit(self, rec: AdapterRecord) -> AdapterRecord:
+        """Record `rec` (in place of any record of its name) and persist it when the persisted set
+        changes; a failed save puts the previous state back (RegistryPersistError)."""
+        previous = self._records.get(rec.name)
         self._records[rec.name] = rec
+        if rec.source != "api" and (previous is None or previous.source != "api"):
+            return rec  # not in the file: nothing to write
         try:
             self.save()
         except RegistryPersistError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from dlora.adapters.resolver import AdapterSourceError, is_resolvable_name
@@ -45,21 +46,27 @@ class S3Resolver:
         self.endpoint_url = endpoint_url
         self.download_root = download_root
         self._client = None
+        self._client_lock = threading.Lock()  # lookups run on several threads; boto3 sessions are not safe
 
     def _s3(self):
         """The client, once the bucket is known to exist: a HEAD of a key in a missing bucket is a
         plain 404, which would make a misconfigured bucket look like a missing adapter."""
-        if self._client is None:
-            import boto3
-            from botocore.exceptions import BotoCoreError, ClientError
+        with self._client_lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+                from botocore.exceptions import BotoCoreError, ClientError
 
-            client = boto3.client("s3", endpoint_url=self.endpoint_url)
-            try:
-                client.head_bucket(Bucket=self.bucket)
-            except (ClientError, BotoCoreError) as e:
-                raise AdapterSourceError(f"bucket {self.bucket!r}: {e}") from None
-            self._client = client
-        return self._client
+                # Short timeouts and few retries: a request waits on this lookup, and a store that
+                # is down must cost it seconds, not minutes.
+                config = Config(connect_timeout=2, read_timeout=30, retries={"max_attempts": 2})
+                client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+                try:
+                    client.head_bucket(Bucket=self.bucket)
+                except (ClientError, BotoCoreError) as e:
+                    raise AdapterSourceError(f"bucket {self.bucket!r}: {e}") from None
+                self._client = client
+            return self._client
 
     def _key(self, name: str, file: str) -> str:
         return "/".join(p for p in (self.prefix, name, file) if p)
@@ -83,7 +90,8 @@ class S3Resolver:
         try:
             return int(self._s3().head_object(Bucket=self.bucket, Key=key)["ContentLength"])
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            # 403: with read but no list permission, S3 answers a missing key with 403, not 404.
+            if e.response.get("Error", {}).get("Code") in ("403", "404", "NoSuchKey", "NotFound", "AccessDenied"):
                 return None
             raise AdapterSourceError(f"s3://{self.bucket}/{key}: {e}") from None
         except BotoCoreError as e:

@@ -187,6 +187,9 @@ class Router:
         self.queue_times = QueueTimes(clock)
         # Per replica, its requests' sums for dispatch (kept by _recount, rebuilt exactly by views()).
         self.totals: dict[int, LoadTotals] = {s.replica_id: LoadTotals() for s in self.slots}
+        # Adapter versions replaced in place (old int_id -> the version that replaced it): a request
+        # that took an old version before the update is sent on the new one (AdapterManager._retire).
+        self.superseded: dict[int, AdapterRef] = {}
         # Each replica's last stats read by refresh_stats (the balancer's loop): what /metrics shows.
         self.reported: dict[int, ReplicaStats] = {}
 
@@ -416,6 +419,8 @@ class Router:
         """Stream a request's deltas; migrations and replica failures are hidden by resubmission."""
         if req.arrival_time is None:  # every leg carries it: a moved request keeps its place in line
             req = dataclasses.replace(req, arrival_time=time.time())
+        while req.adapter is not None and req.adapter.int_id in self.superseded:
+            req = dataclasses.replace(req, adapter=self.superseded[req.adapter.int_id])
         state = RequestState(req, arrival=self.clock())
         self.arrivals.append((state.arrival, state.adapter))
         adapter = state.adapter or ""

@@ -138,16 +138,17 @@ def test_an_update_is_a_new_version_under_a_new_id_and_persists(tmp_path):
     reg.load_persisted()
     first = reg.add("a", INFO, pinned=True)
     newer = dataclasses.replace(INFO, path="/x/a-2", rank=4)
-    old, new = reg.replace("a", newer)
-    assert old == first and reg.get("a") == new
+    new = reg.next_version("a", newer)
+    assert reg.get("a") == first  # not served before it is committed (after every engine loaded it)
+    assert reg.commit(new) == new and reg.get("a") == new
     assert (new.version, new.path, new.rank, new.pinned) == (2, "/x/a-2", 4, True)
-    assert new.int_id not in {first.int_id}  # engines must never take one version for the other
-    _, third = reg.replace("a", INFO)
+    assert new.int_id != first.int_id  # engines must never take one version for the other
+    third = reg.commit(reg.next_version("a", INFO))
     assert third.version == 3 and len({first.int_id, new.int_id, third.int_id}) == 3
     again = AdapterRegistry(tmp_path).load_persisted()
     assert [(r.name, r.version, r.int_id) for r in again] == [("a", 3, third.int_id)]
     with pytest.raises(AdapterNotFoundError):
-        reg.replace("missing", INFO)
+        reg.next_version("missing", INFO)
 
 
 def test_a_failed_update_save_keeps_the_old_version(tmp_path, monkeypatch):
@@ -159,5 +160,5 @@ def test_a_failed_update_save_keeps_the_old_version(tmp_path, monkeypatch):
     first = reg.add("a", INFO)
     monkeypatch.setattr(registry_store.os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "full")))
     with pytest.raises(RegistryPersistError):
-        reg.replace("a", INFO)
+        reg.commit(reg.next_version("a", INFO))
     assert reg.get("a") == first

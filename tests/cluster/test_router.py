@@ -586,3 +586,22 @@ def test_the_balancer_moves_the_newest_queued_requests_to_a_busy_replica_where_t
         assert {r.trigger.reason for r in off.rounds} <= {"queued"}
 
     asyncio.run(run())
+
+
+def test_a_request_for_a_superseded_adapter_version_runs_on_the_version_that_replaced_it():
+    """An in-place update unloads the old version once no request holds it; a request that took the
+    old version just before the update but reaches the router only now must not load it again."""
+
+    async def run():
+        replicas = [RecordingReplica(0, step_s=0.001)]
+        router = Router(replicas)
+        await router.start()
+        v1, v2, v3 = AdapterRef("a", 1, "/x/a-1"), AdapterRef("a", 7, "/x/a-2", 2), AdapterRef("a", 9, "/x/a-3", 3)
+        router.superseded[v1.int_id] = v2
+        router.superseded[v2.int_id] = v3  # updated twice meanwhile: the newest version
+        assert await collect(router, request("late", adapter=v1, n=5)) == reference_tokens("a", (1, 2, 3), 5)
+        assert [leg.adapter for leg in replicas[0].legs] == [v3]
+        assert set(replicas[0].loaded) == {v3.int_id}
+        assert router.inflight_with(v3.int_id) == 0
+
+    asyncio.run(run())

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests import harness
-from tests.server.test_admin_api import admin, complete
+from tests.server.test_admin_api import adapters_once, admin, complete
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
@@ -128,7 +128,8 @@ def test_source_deleted_after_registration_is_served_from_the_snapshot(server, t
             ).status_code
             == 200
         )
-        assert listed(url)["mine"]["state"] == "registered"  # evicted: no longer resident
+        # Evicted: no longer resident (as the balancer reads it, every monitor interval).
+        assert adapters_once(url, lambda found: found["mine"]["state"] == "registered")["mine"]["state"] == "registered"
         r = complete(url, "mine")
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 from tests import harness
 
@@ -15,24 +20,43 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AW
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[str]:
-    """Start the server and put the credentials in this process's environment (inherited by any
-    server the test starts); yields the endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
+    """Start the server in its own process and put the credentials in this process's environment
+    (inherited by any server the test starts); yields the endpoint URL. Its own process, not a
+    thread: moto's server imports Flask, whose module-level proxies raise when vLLM, starting an
+    engine later in the same test process, inspects every loaded module."""
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
     port = harness.free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        yield f"http://127.0.0.1:{port}"
+        _wait_until_up(url, proc)
+        yield url
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(30)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the S3 server exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the S3 server at {url} did not answer within {timeout_s} s")
 
 
 def client(endpoint: str):

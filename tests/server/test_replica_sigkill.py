@@ -17,7 +17,7 @@ from tests import harness
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
-MAX_TOKENS = 160
+MAX_TOKENS = 400  # long enough that no stream ends before every stream is under way
 JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
 
 

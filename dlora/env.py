@@ -67,7 +67,7 @@ DLORA_RAY_TEMP_DIR: EnvVar[str | None] = EnvVar(
     "DLORA_RAY_TEMP_DIR",
     None,
     _opt_str,
-    "Ray's session/log directory (default: Ray's own)",
+    "Ray's temporary and log directory (default: Ray's own)",
 )
 DLORA_TEST_KEEP_LOGS = EnvVar(
     "DLORA_TEST_KEEP_LOGS",

@@ -46,7 +46,7 @@ class S3Resolver:
         self.endpoint_url = endpoint_url
         self.download_root = download_root
         self._client = None
-        self._client_lock = threading.Lock()  # lookups run on several threads; boto3 sessions are not safe
+        self._client_lock = threading.Lock()  # lookups run on several threads; boto3 client creation is not thread-safe
 
     def _s3(self):
         """The client, once the bucket is known to exist: a HEAD of a key in a missing bucket is a
@@ -60,7 +60,7 @@ class S3Resolver:
                 # Short timeouts and few retries: a request waits on this lookup, and a store that
                 # is down must cost it seconds, not minutes.
                 config = Config(connect_timeout=2, read_timeout=30, retries={"max_attempts": 2})
-                client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+                client = boto3.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
                 try:
                     client.head_bucket(Bucket=self.bucket)
                 except (ClientError, BotoCoreError) as e:

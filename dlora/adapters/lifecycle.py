@@ -32,6 +32,7 @@ from dlora.adapters.validate import (
     inspect_adapter,
     is_under_roots,
 )
+from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
 from dlora.cluster.router import Router
 from dlora.replica.messages import AdapterRef
 
@@ -68,7 +69,7 @@ RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last requ
 
 
 def ref_of(rec: AdapterRecord) -> AdapterRef:
-    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version)
+    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version, size_bytes=rec.size_bytes)
 
 
 def _recent(memory: OrderedDict[str, float], name: str, for_s: float) -> bool:
@@ -220,8 +221,8 @@ class AdapterManager:
         version: int = 1,
         inplace: bool = False,
     ) -> AdapterRecord:
-        """Validate, load on every healthy replica, then record; raise on any problem. With
-        `inplace`, a registered name gets a new version instead (`_update`)."""
+        """Validate, load (on one replica, on every one if pinned: `Router.place`), then record;
+        raise on any problem. With `inplace`, a registered name gets a new version instead (`_update`)."""
         if not name or name == self.base_model_name:
             raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
         if check_roots and self.roots and not is_under_roots(path, self.roots):
@@ -240,12 +241,17 @@ class AdapterManager:
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
         return rec
 
-    async def _load_and_commit(self, rec: AdapterRecord) -> AdapterRecord:
-        """Load `rec` on every healthy replica, then record it: no request can name a version before
-        every engine holds it. If an engine refuses it, or recording it fails, the loads that did
-        happen are undone, so no replica keeps a version nobody can name."""
+    async def _load_and_commit(self, rec: AdapterRecord, replacing: int | None = None) -> AdapterRecord:
+        """Load `rec` where it starts out (`Router.place`: one replica, or every one if pinned; a
+        new version where the one it is `replacing` is loaded), then record it: an engine has
+        accepted it before any request can name it, and other replicas load it when a request
+        needs it there. If an engine refuses it, or recording it fails, the loads that did happen
+        are undone, so no replica keeps a version nobody can name."""
         try:
-            await self.router.load_everywhere(ref_of(rec), pinned=rec.pinned)
+            await self.router.place(ref_of(rec), pinned=rec.pinned, replacing=replacing)
+        except (AdapterTooLarge, HostCacheFull) as e:
+            await self.router.unload_everywhere(rec.int_id)
+            raise AdapterValidationError(str(e)) from None
         except Exception as e:
             await self.router.unload_everywhere(rec.int_id)
             raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
@@ -256,7 +262,7 @@ class AdapterManager:
             raise
 
     async def _update(self, name: str, path: str, roots: tuple[str, ...] | None) -> AdapterRecord:
-        """A new version under a new int_id, loaded everywhere before new requests may name it;
+        """A new version under a new int_id, loaded where the old one is before new requests may name it;
         requests already holding the old version finish on it, then it is unloaded (`_retire`).
         The new files get their own snapshot path, which keys vLLM's prefix cache and dlora's
         merged-weights cache, so nothing computed with the old weights serves the new version."""
@@ -269,7 +275,7 @@ class AdapterManager:
         if old.pinned:
             self._check_pin_room(name, True)  # both versions are pinned until the old one is retired
         info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-        new = await self._load_and_commit(self.registry.next_version(name, info))
+        new = await self._load_and_commit(self.registry.next_version(name, info), replacing=old.int_id)
         if snap is not None:
             self._snapshots[name] = snap
         self._reported.discard(name)

@@ -66,12 +66,16 @@ class RunOptions:
     timeout: float = 6 * 3600.0
     disable_tqdm: bool = False
     print_result: bool = True
+    # False: send adapters /v1/models does not list, e.g. ones a server finds by name on their first
+    # request (dlora's server.resolve_adapters)
+    check_adapters: bool = True
 
 
 async def _preflight(base_url: str, requests: Sequence[Request], opts: RunOptions) -> str:
     models = await oai.fetch_models(base_url, opts.api_key)
     model = opts.model or oai.base_model_of(models)
-    oai.check_models(models, sorted({model} | {r.adapter for r in requests if r.adapter}), base_url)
+    adapters = {r.adapter for r in requests if r.adapter} if opts.check_adapters else set()
+    oai.check_models(models, sorted({model} | adapters), base_url)
     return model
 
 

@@ -32,7 +32,7 @@ def adapter_entries(adapters: list[Path]) -> list[dict]:
 
 
 def vllm_server_command(base: Path, adapters: list[Path], port: int, s: EngineSettings) -> list[str]:
-    """vLLM's OpenAI server on the base model with adapter i served as `a{i}`."""
+    """vLLM's OpenAI server on the base model with adapter i served as `a{i}` (no adapters: LoRA off)."""
     cmd = [
         sys.executable,
         "-m",
@@ -49,17 +49,13 @@ def vllm_server_command(base: Path, adapters: list[Path], port: int, s: EngineSe
         s.dtype,
         "--max-model-len",
         str(s.max_model_len),
-        "--enable-lora",
-        "--max-loras",
-        str(s.max_loras),
-        "--max-lora-rank",
-        str(s.max_lora_rank),
         "--max-num-seqs",
         str(s.max_num_seqs),
         "--disable-log-stats",
-        "--lora-modules",
-        *[f"a{i}={p}" for i, p in enumerate(adapters)],
     ]
+    if adapters:
+        cmd += ["--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank)]
+        cmd += ["--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
     return cmd + (["--enforce-eager"] if s.enforce_eager else [])
 
 
@@ -93,3 +89,18 @@ def shipped_server_config(port: int, state_dir: str) -> dict:
     cfg["server"]["adapter_roots"] = [str(REPO_ROOT / "adapters")]
     cfg["adapters"] = [{**a, "path": str((REPO_ROOT / "configs" / a["path"]).resolve())} for a in cfg["adapters"]]
     return cfg
+
+
+def shipped_engine_settings() -> EngineSettings:
+    """configs/default.yaml's model and engine sizes, as vLLM flags take them."""
+    cfg = shipped_server_config(0, "")
+    model, engine = cfg["model"], cfg["engine"]
+    return EngineSettings(
+        max_model_len=model["max_model_len"],
+        max_loras=engine["max_loras"],
+        max_lora_rank=engine["max_lora_rank"],
+        max_num_seqs=engine["max_num_seqs"],
+        kv_cache_space_gib=engine["kv_cache_space_gib"],
+        enforce_eager=engine["enforce_eager"],
+        dtype=model["dtype"],
+    )

@@ -15,9 +15,18 @@ from pathlib import Path
 import httpx
 import yaml
 
+from dlora.sim.step_costs import QKVO
 
-def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[float] | None = None) -> list[Path]:
-    """n random rank-r q/k/v/o PEFT adapters for the base model (deterministic, cached).
+
+def make_random_adapters(
+    base: Path,
+    out: Path,
+    n: int,
+    rank: int,
+    scales: list[float] | None = None,
+    target_modules: tuple[str, ...] = QKVO,
+) -> list[Path]:
+    """n random rank-r PEFT adapters on `target_modules` for the base model (deterministic, cached).
 
     `scales[i]` is adapter i's lora_alpha / r (default 2 for all: strong enough to garble the
     model, which then rarely emits EOS; smaller scales keep it answering and stopping).
@@ -27,7 +36,11 @@ def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[
     from transformers import AutoModelForCausalLM
 
     scales = scales or [2.0] * n
-    paths = [out / (f"r{rank}-{i}" if sc == 2.0 else f"r{rank}-s{sc:g}-{i}") for i, sc in enumerate(scales)]
+    # q/k/v/o adapters keep their directory names; other module sets get their own
+    modules = "" if tuple(target_modules) == QKVO else "-" + "-".join(m.removesuffix("_proj") for m in target_modules)
+    paths = [
+        out / (f"r{rank}{modules}-{i}" if sc == 2.0 else f"r{rank}{modules}-s{sc:g}-{i}") for i, sc in enumerate(scales)
+    ]
     for i, p in enumerate(paths):
         if (p / "adapter_model.safetensors").is_file():
             continue
@@ -37,7 +50,7 @@ def make_random_adapters(base: Path, out: Path, n: int, rank: int, scales: list[
         cfg = LoraConfig(
             r=rank,
             lora_alpha=scales[i] * rank,  # type: ignore[arg-type]
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_modules=list(target_modules),
             init_lora_weights=False,
         )
         get_peft_model(model, cfg).save_pretrained(str(p))

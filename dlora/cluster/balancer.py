@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dlora.cluster.host_cache import HostCacheFull
 from dlora.cluster.migration.ilp import MigrationPlan, plan_migration
 from dlora.cluster.migration.problem import MigrationConfig
 from dlora.cluster.migration.queued import QueuedConfig, plan_queued, queued_trigger
@@ -162,11 +163,24 @@ class Balancer:
             moved += await self.router.migrate(request_id, dst)
         return moved
 
+    def _registered(self, names) -> dict[str, AdapterRef]:
+        """What engines need for each of `names` still registered (an unloaded one is skipped)."""
+        refs = {}
+        for name in names:
+            try:
+                refs[name] = self.adapter_ref(name)
+            except KeyError:  # AdapterNotFoundError: unloaded since its requests came
+                continue
+        return refs
+
     async def maybe_preload(self) -> PlacementPlan | None:
         """Long-term preload: copy adapters to raise the minimum burst tolerance (placement.py).
 
-        Memory is counted in adapter slots here: each replica may hold `adapter_slots` adapters
-        (vLLM's host cache), every adapter takes one, and a request takes one unit of capacity.
+        Memory is counted in the unit the replicas' host caches count in: bytes when the router
+        has a budget (`host_cache_bytes`: each adapter takes its size), else adapter slots (each
+        replica holds `adapter_slots`, every adapter takes one). Replica memory is twice the
+        adapter budget; a request takes one unit, which scales every tolerance alike and so
+        changes no choice.
         """
         now = self.router.clock()
         if self.last_preload_at is not None and now - self.last_preload_at < self.cfg.placement_interval_s:
@@ -175,21 +189,26 @@ class Balancer:
         rates = self.router.adapter_rates(self.cfg.placement_interval_s)
         if not rates:
             return None
-        slots = self.router.cfg.adapter_slots
+        refs = self._registered(rates)
+        budget = self.router.cfg.host_cache_bytes or self.router.cfg.adapter_slots
         replicas = [
             PlacementReplica(
                 s.replica_id,
-                memory_tokens=2 * slots,
-                adapter_budget_tokens=slots,
+                memory_tokens=2 * budget,
+                adapter_budget_tokens=budget,
                 resident=frozenset(s.loaded.values()),
             )
             for s in self.router.slots
             if s.healthy
         ]
-        demands = [AdapterDemand(a, r, size_tokens=1) for a, r in rates.items()]
+        in_bytes = self.router.cfg.host_cache_bytes is not None
+        demands = [AdapterDemand(a, rates[a], size_tokens=ref.size_bytes if in_bytes else 1) for a, ref in refs.items()]
         plan = plan_placement(replicas, demands, tokens_per_request=1.0)
         for adapter, replica_id in plan.loads:
-            await self.router.load_on(replica_id, self.adapter_ref(adapter))
+            try:
+                await self.router.load_on(replica_id, refs[adapter])
+            except HostCacheFull as e:  # its adapters are busy now; the next round may find room
+                log.info("preload of %s on replica %d skipped: %s", adapter, replica_id, e)
         self.preloads.append(plan)
         self.on_preload(plan)
         if plan.loads:

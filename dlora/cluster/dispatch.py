@@ -3,7 +3,8 @@
 Why pending time and not request counts: a burst for one adapter piles onto the few replicas
 holding it, while sending it elsewhere costs an adapter load. dLoRA sends each request to the
 replica with the shortest *estimated pending time*: the replica's queued + running work (cost
-model), plus the adapter load time where the adapter is absent, plus the request's own work
+model), plus the adapter load time where the adapter is absent (an average of the loads the router
+timed on that replica, `ReplicaCostModel.observe_load`), plus the request's own work
 there (cheaper where its adapter is merged), plus the slowdown it would cause where another
 adapter is merged (that replica must unmerge to serve it). So a holder wins ties and small differences, and
 a burst spills over to non-holders, which then load the adapter, once the holders fall behind.

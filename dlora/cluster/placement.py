@@ -12,6 +12,9 @@ with rate(a) its recent average request rate. The greedy repeatedly takes the ad
 tolerance and copies it to the replica (without it, within its adapter memory budget) that
 gives the largest resulting minimum tolerance; it stops when that minimum would decrease, or
 no copy fits. Adapters with no traffic have infinite tolerance and are never copied.
+
+Memory is in one unit throughout, whichever the caller counts in (KV tokens as in the paper,
+adapter slots, or bytes: `Balancer.maybe_preload`); the field names say "tokens" after the paper.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class PlacementReplica:
     replica_id: int
-    memory_tokens: int  # KV + adapter memory, in KV-token units
-    adapter_budget_tokens: int  # at most this much of it may hold adapters
+    memory_tokens: int  # KV + adapter memory, in the plan's memory unit
+    adapter_budget_tokens: int  # at most this much of it may hold adapters (same unit)
     resident: frozenset[str] = frozenset()
 
 
@@ -33,7 +36,7 @@ class PlacementReplica:
 class AdapterDemand:
     name: str
     rate: float  # recent average requests per second
-    size_tokens: int  # memory one copy takes, in KV-token units
+    size_tokens: int  # memory one copy takes (the plan's memory unit)
 
 
 @dataclass(frozen=True, slots=True)

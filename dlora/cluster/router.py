@@ -34,6 +34,7 @@ from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.host_cache import HostCache
 from dlora.cluster.interruptible import InterruptibleStream
 from dlora.cluster.queue_time import QueueTimes
 from dlora.cluster.snapshots import IterationSample, LoadTotals, ReplicaView, RequestLoad
@@ -77,6 +78,11 @@ class ReplicaSlot:
     failed_restarts: int = 0  # rebuilds that failed in a row
     gave_up: bool = False  # max_restart_attempts rebuilds failed in a row: reported, retried rarely
     last_stats: ReplicaStats | None = None
+    # Its host LoRA cache in bytes (RouterConfig.host_cache_bytes); None: vLLM's count LRU alone.
+    cache: HostCache | None = None
+    # Held while adapters are unloaded to make room and the new one is loaded, so two loads never
+    # pick their victims from one state.
+    cache_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def replica_id(self) -> int:
@@ -144,6 +150,9 @@ class RouterConfig:
     # placement dLoRA compares against; dynamic: any replica, adapters loaded where needed.
     static_placement: bool = False
     adapter_slots: int = 4  # adapters one replica may hold at once (vLLM max_cpu_loras)
+    # Bytes of adapter weights one replica's host cache may hold (engine.max_cpu_lora_mib); the
+    # router then unloads least recently used adapters itself. None: vLLM's count LRU alone.
+    host_cache_bytes: int | None = None
     batch_adapter_slots: int = 1 << 20  # distinct adapters in one engine step (vLLM max_loras)
     kv_capacity_tokens: int = 1 << 17  # per replica until its engine's stats report the real one
     max_batch: int = 64  # requests one engine step may run (vLLM max_num_seqs)
@@ -166,8 +175,8 @@ class Router:
         cfg: RouterConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.slots = [ReplicaSlot(r) for r in replicas]
         self.cfg = cfg or RouterConfig()
+        self.slots = [ReplicaSlot(r, cache=self._new_cache()) for r in replicas]
         self.dispatcher = make_dispatch_policy(self.cfg.dispatch)
         self.clock = clock
         # Returns the AdapterRefs that must be resident on every replica (pinned ones).
@@ -177,6 +186,7 @@ class Router:
         self.counters: Counter[str] = Counter()  # resubmissions, migrations, ...
         self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
+        self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
         self.cost_models = {
             s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots
@@ -193,6 +203,11 @@ class Router:
         # Each replica's last stats read by refresh_stats (the balancer's loop): what /metrics shows.
         self.reported: dict[int, ReplicaStats] = {}
 
+    def _new_cache(self) -> HostCache | None:
+        if self.cfg.host_cache_bytes is None:
+            return None
+        return HostCache(self.cfg.host_cache_bytes, max_entries=self.cfg.adapter_slots)
+
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await asyncio.gather(*(self._start_slot(s) for s in self.slots))
@@ -201,6 +216,8 @@ class Router:
         t0 = time.monotonic()
         await self._call(slot, slot.replica.start(), self.cfg.replica_start_timeout_s)
         slot.loaded.clear()
+        if slot.cache is not None:
+            slot.cache.clear()
         for ref in self._pinned_adapters():
             if not self.cfg.static_placement or self.home(ref) is slot:
                 await self._load(slot, ref, pinned=True)
@@ -268,14 +285,71 @@ class Router:
         key = (slot.replica_id, ref.int_id)
         fut = self._loading.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._call(slot, slot.replica.add_adapter(ref, pinned)))
+            fut = asyncio.ensure_future(self._add(slot, ref, pinned))
             self._loading[key] = fut
             fut.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(fut)
         slot.loaded[ref.int_id] = ref.name
+        self.adapter_sizes[ref.int_id] = ref.size_bytes
+
+    async def _add(self, slot: ReplicaSlot, ref: AdapterRef, pinned: bool) -> None:
+        """The engine load; with a host cache in bytes, first the unloads that make room for it."""
+        if slot.cache is None:
+            await self._timed_add(slot, ref, pinned)
+            return
+        async with slot.cache_lock:
+            victims = slot.cache.admit(ref.int_id, ref.size_bytes, pinned, self.in_use_on(slot))
+            for int_id in victims:  # at once: a request for one of them from now on loads it again
+                slot.loaded.pop(int_id, None)
+            try:
+                for int_id in victims:
+                    log.info("replica %d: unloading adapter %d to make room for %s", slot.replica_id, int_id, ref.name)
+                    await self._call(slot, slot.replica.remove_adapter(int_id))
+                await self._timed_add(slot, ref, pinned)
+            except BaseException:
+                slot.cache.discard(ref.int_id)
+                raise
+
+    async def _timed_add(self, slot: ReplicaSlot, ref: AdapterRef, pinned: bool) -> None:
+        """The replica's add_adapter, its duration priced into dispatch (the replica's load time)."""
+        t0 = time.monotonic()
+        await self._call(slot, slot.replica.add_adapter(ref, pinned))
+        self.cost_models[slot.replica_id].observe_load(time.monotonic() - t0)
+
+    def in_use_on(self, slot: ReplicaSlot) -> set[int]:
+        """Adapter ids of the requests whose current leg is on `slot` (loading, queued or running)."""
+        return {st.request.adapter.int_id for st in self.requests.values() if st.slot is slot and st.request.adapter}
 
     async def load_on(self, replica_id: int, ref: AdapterRef) -> None:
         await self._load(self.slot(replica_id), ref)
+
+    async def place(self, ref: AdapterRef, pinned: bool = False, replacing: int | None = None) -> list[int]:
+        """Load a newly registered adapter (or version) where it starts out; returns those replicas.
+
+        Pinned adapters go to every healthy replica, and under static placement to the adapter's
+        home, as `load_everywhere`. An unpinned one goes to one replica: this load is the engine's
+        acceptance check, and every other copy comes with demand (a request dispatched to a replica
+        without it, the balancer's preloads). A new version (`replacing` the old one's id) goes
+        wherever the old version is loaded. Raises the first engine error."""
+        if pinned or self.cfg.static_placement:
+            await self.load_everywhere(ref, pinned)
+            return [self.home(ref).replica_id] if self.cfg.static_placement else self.healthy_ids()
+        healthy = [s for s in self.slots if s.healthy]
+        if not healthy:
+            return []  # nothing to check it on: the first request loads it
+        if healthy[0].cache is not None:
+            healthy[0].cache.check_fits(ref.size_bytes)
+        targets = [s for s in healthy if replacing is not None and replacing in s.loaded] or [self._roomiest(healthy)]
+        await asyncio.gather(*(self._load(s, ref) for s in targets))
+        return [s.replica_id for s in targets]
+
+    def healthy_ids(self) -> list[int]:
+        return [s.replica_id for s in self.slots if s.healthy]
+
+    @staticmethod
+    def _roomiest(slots: list[ReplicaSlot]) -> ReplicaSlot:
+        """The replica with the most free host-cache bytes, then the fewest adapters loaded."""
+        return min(slots, key=lambda s: (-s.cache.free_bytes if s.cache else 0, len(s.loaded), s.replica_id))
 
     def home(self, ref: AdapterRef) -> ReplicaSlot:
         """The adapter's replica under static placement."""
@@ -298,6 +372,9 @@ class Router:
                     )
                     self._mark_failed(s)
             s.loaded.pop(int_id, None)
+            if s.cache is not None:
+                s.cache.discard(int_id)
+        self.adapter_sizes.pop(int_id, None)
 
     # ---- views for the balancer -------------------------------------------------------------
     def views(self) -> list[ReplicaView]:
@@ -344,6 +421,10 @@ class Router:
             max_running=self.cfg.max_batch,
             healthy=slot.healthy,
         )
+
+    def host_bytes(self, st: ReplicaStats) -> int:
+        """Bytes of the adapters a replica's stats list in its host cache (sizes as registered)."""
+        return sum(self.adapter_sizes.get(i, 0) for i in st.resident_adapter_ids)
 
     def inflight_with(self, adapter_int_id: int) -> int:
         """Requests in flight on this adapter version (O(requests): for admin operations)."""
@@ -489,6 +570,8 @@ class Router:
         try:
             if req.adapter is not None and req.adapter.int_id not in slot.loaded:
                 await self._in_time(state, self._load(slot, req.adapter))
+            if req.adapter is not None and slot.cache is not None:
+                slot.cache.touch(req.adapter.int_id)
             if state.deadline is not None and asyncio.get_running_loop().time() >= state.deadline:
                 raise self._timeout(state)
             self._sent(state, req.request_id)

@@ -28,6 +28,11 @@ def free_slots(manager) -> list[int]:
     return [i for i, lora_id in enumerate(manager.lora_index_to_id) if lora_id is None]
 
 
+def device_lora_ids(runner) -> list[int]:
+    """Adapter ids that hold a slot now: what the next step can run without copying weights in."""
+    return [lora_id for lora_id in _manager(runner).lora_index_to_id if lora_id is not None]
+
+
 def clear_free_slots(runner) -> list[int]:
     """Zero every free slot of every LoRA module and drop packed copies; return the slots cleared.
     Between steps only (a utility call): a step in flight may read the stacks."""

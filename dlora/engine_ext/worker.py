@@ -365,6 +365,12 @@ class DloraWorkerExtension:
 
         return lora_slot_clear.clear_free_slots(self.model_runner)
 
+    def dlora_device_lora_ids(self) -> list[int]:
+        """Adapter ids holding a LoRA slot now (`lora_slot_clear.device_lora_ids`): a list read."""
+        from dlora.engine_ext import lora_slot_clear
+
+        return lora_slot_clear.device_lora_ids(self.model_runner)
+
     def dlora_lora_slots(self) -> list[dict]:
         """Each LoRA slot's adapter id and largest |weight| (`lora_slot_clear.slot_contents`)."""
         from dlora.engine_ext import lora_slot_clear
@@ -392,6 +398,24 @@ class DloraWorkerExtension:
         manager = self.model_runner.lora_manager._adapter_manager
         manager._pin_lora_in_cpu_cache(lora_id)  # type: ignore[attr-defined]
         return True
+
+    def dlora_prefetch_lora(self, name: str, lora_int_id: int, path: str) -> bool:
+        """Start reading adapter `lora_int_id` in a background thread (`lora_prefetch.py`); the
+        `add_lora` that follows then only inserts it. False if it is resident or already loading."""
+        from vllm.lora.request import LoRARequest
+
+        from dlora.engine_ext import lora_prefetch
+
+        manager = self.model_runner.lora_manager
+        if lora_int_id in manager.list_adapters():
+            return False
+        return lora_prefetch.install(manager).start(LoRARequest(name, lora_int_id, path))
+
+    def dlora_prefetch_done(self, lora_int_id: int) -> bool:
+        """True once no background read of adapter `lora_int_id` is running."""
+        from dlora.engine_ext import lora_prefetch
+
+        return lora_prefetch.install(self.model_runner.lora_manager).done(lora_int_id)
 
     def dlora_can_mix(self) -> bool:
         """True if this worker compensates a merged adapter, so other requests may share its steps."""

@@ -40,6 +40,9 @@ ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its reques
 # actor's calls concurrently, so a migration's abort can overtake the generate call it follows by
 # milliseconds; much older ones are for requests that ended (and whose id a later leg may reuse).
 EARLY_ABORT_TTL_S = 10.0
+# How often a cold adapter's background read is polled: each poll is one utility call between two
+# steps, so about one a step; the load ends at most this long after its read.
+PREFETCH_POLL_S = 0.01
 
 
 def build_engine_args(cfg: DloraConfig, model_path: str):
@@ -251,6 +254,8 @@ class EngineHost:
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
         engine = self._started()
+        if self.cfg.engine.prefetch_adapters:
+            await self._prefetch(engine, ref)
         await engine.add_lora(_lora_request(ref))
         if pinned:
             # Host cache only: vLLM's pin_lora also pins a device slot, which its scheduler does not
@@ -260,6 +265,14 @@ class EngineHost:
             # The first merge of an adapter is a full reload (a stall of every running request);
             # prepared now, between steps, it is a swap when the policy merges it (engine_ext/worker.py).
             await engine.collective_rpc("dlora_prepare_merge", args=(ref.path,))
+
+    async def _prefetch(self, engine, ref: AdapterRef) -> None:
+        """Read the adapter's files in the engine's background thread and wait for it here, with
+        small sleeps, while the engine keeps stepping (engine_ext/lora_prefetch.py). A read that
+        failed raises from the `add_lora` that follows, as vLLM's own load would."""
+        await engine.collective_rpc("dlora_prefetch_lora", args=(ref.engine_name, ref.int_id, ref.path))
+        while not all(await engine.collective_rpc("dlora_prefetch_done", args=(ref.int_id,))):
+            await asyncio.sleep(PREFETCH_POLL_S)
 
     async def remove_adapter(self, int_id: int) -> bool:
         """Unload an adapter and zero the LoRA slot it held: vLLM's unload keeps the slot's weights,
@@ -271,6 +284,11 @@ class EngineHost:
 
     async def resident_adapter_ids(self) -> list[int]:
         return sorted(await self._started().list_loras())
+
+    async def device_adapter_ids(self) -> list[int]:
+        """Adapter ids active in the engine's LoRA device slots (one read per worker, merged)."""
+        per_worker = await self._started().collective_rpc("dlora_device_lora_ids")
+        return sorted({i for ids in per_worker for i in ids})
 
     async def batching_state(self) -> BatchingState:
         """The merged/unmerged state kept by the scheduler inside the engine-core process."""

@@ -17,6 +17,7 @@ class AdapterRef:
     int_id: int
     path: str
     version: int = 1  # +1 per in-place update; each version is a separate adapter to the engine
+    size_bytes: int = 0  # its weights file: what it takes in a host LoRA cache counted in bytes
 
     @property
     def engine_name(self) -> str:
@@ -161,6 +162,10 @@ class BatchingState:
 class ReplicaStats:
     replica_id: int
     num_unfinished: int
+    # Adapter ids in the engine's host LoRA cache (vLLM `list_loras`) ...
     resident_adapter_ids: list[int] = field(default_factory=list)
     healthy: bool = True
     batching: BatchingState | None = None
+    # ... and those of them active in its LoRA device slots (at most engine.max_loras), which the
+    # next step can run without copying weights in.
+    device_adapter_ids: list[int] = field(default_factory=list)

@@ -20,6 +20,7 @@ from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
 from dlora.replica.errors import ReplicaFailure, RequestRejected
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.replica.output_mux import OutputDemux, OutputMux, StreamError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class ReplicaActor:
         self.replica_id = replica_id
         self.core = core
         self.host = EngineHost(cfg, model_path)
+        self.mux = OutputMux()
+        self._running: set[asyncio.Task] = set()
 
     async def start(self) -> int:
         self.host.shutdown()
@@ -47,9 +50,23 @@ class ReplicaActor:
                 os.sched_setaffinity(0, previous)
         return os.getpid()
 
-    async def generate(self, req: GenerateRequest):
-        async for delta in self.host.generate(req):
-            yield delta
+    async def submit(self, req: GenerateRequest) -> None:
+        """Start `req`; its deltas leave through `outputs`, with every other request's."""
+        task = asyncio.create_task(self._run(req))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, req: GenerateRequest) -> None:
+        try:
+            async for delta in self.host.generate(req):
+                self.mux.put(req.request_id, delta)
+        except Exception as e:
+            self.mux.put(req.request_id, stream_error(e))
+
+    async def outputs(self):
+        """The replica's one output stream (Ray streaming): each item is a Batch of every delta ready."""
+        async for batch in self.mux.batches():
+            yield batch
 
     async def abort(self, request_id: str) -> None:
         await self.host.abort(request_id)
@@ -67,7 +84,15 @@ class ReplicaActor:
             num_unfinished=self.host.num_unfinished(),
             resident_adapter_ids=await self.host.resident_adapter_ids(),
             batching=await self._batching_state(),
+            device_adapter_ids=await self._device_adapter_ids(),
         )
+
+    async def _device_adapter_ids(self) -> list[int]:
+        try:
+            return await self.host.device_adapter_ids()
+        except Exception as e:  # /v1/adapters and metrics only: a failed read must not fail the replica
+            log.warning("replica %d: cannot read the LoRA device slots: %s", self.replica_id, e)
+            return []
 
     async def _batching_state(self):
         try:
@@ -92,25 +117,45 @@ def _client_error() -> type[BaseException]:
     return VLLMClientError
 
 
+def _kills_replica(cause: BaseException) -> bool:
+    """Raised inside a replica, `cause` means the replica failed: a ReplicaFailure of its own
+    (EngineNotStarted: Ray restarted the process, which has no engine until start() runs again) or
+    vLLM's engine died. By type only: a request's own error text must never make a healthy replica
+    look dead."""
+    return isinstance(cause, (ReplicaFailure, _engine_dead_error()))
+
+
+def _rejected(cause: BaseException) -> RequestRejected | None:
+    """vLLM refused the request's own values (it raises ValueError/TypeError or its client errors
+    while checking a request's inputs): the request fails alone with that message, the replica is fine."""
+    if _kills_replica(cause) or not isinstance(cause, (ValueError, TypeError, _client_error())):
+        return None
+    param = getattr(cause, "parameter", None) or getattr(cause, "param", None)
+    return RequestRejected(str(cause), param if isinstance(param, str) else None)
+
+
+def stream_error(e: BaseException) -> StreamError:
+    """A request's error inside the replica, as plain data for the output stream."""
+    if _kills_replica(e):
+        return StreamError("replica_failure", f"{type(e).__name__}: {e}")
+    rejected = _rejected(e)
+    if rejected is not None:
+        return StreamError("rejected", rejected.message, rejected.param)
+    return StreamError("error", f"{type(e).__name__}: {e}")
+
+
 def _is_replica_failure(e: BaseException) -> bool:
-    """The actor died or is unreachable, or it raised a ReplicaFailure of its own (EngineNotStarted:
-    Ray restarted the process, which has no engine until start() runs again), or vLLM's engine died.
-    By type only: a request's own error text must never make a healthy replica look dead."""
+    """The actor died or is unreachable, or a call to it raised what `_kills_replica` names."""
     if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaFailure)):
         return True
-    return isinstance(e, RayTaskError) and isinstance(e.cause, (ReplicaFailure, _engine_dead_error()))
+    return isinstance(e, RayTaskError) and _kills_replica(e.cause)
 
 
 def rejection(e: BaseException) -> RequestRejected | None:
-    """vLLM refused the request's own values (it raises ValueError/TypeError or its client errors
-    while checking a request's inputs): the request fails alone with that message, the replica is fine."""
+    """A call to the actor failed on the request's own values (`_rejected`)."""
     if not isinstance(e, RayTaskError) or _is_replica_failure(e):
         return None
-    cause = e.cause
-    if isinstance(cause, (ValueError, TypeError, _client_error())):
-        param = getattr(cause, "parameter", None) or getattr(cause, "param", None)
-        return RequestRejected(str(cause), param if isinstance(param, str) else None)
-    return None
+    return _rejected(e.cause)
 
 
 class RayReplica:
@@ -119,31 +164,52 @@ class RayReplica:
     def __init__(self, replica_id: int, actor):
         self.replica_id = replica_id
         self.actor = actor
+        self.demux = OutputDemux()
+        self._reader: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self._call(self.actor.start.remote())
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        gen = self.actor.generate.options(num_returns="streaming").remote(req)
+        self._ensure_reader()
+        queue = self.demux.open(req.request_id)
         finished = False
         try:
-            async for ref in gen:
-                delta: Delta = await ref
-                finished = delta.finished
-                yield delta
-        except Exception as e:
-            if _is_replica_failure(e):
-                raise ReplicaFailure(f"replica {self.replica_id}: {e}") from e
-            rejected = rejection(e)
-            if rejected is not None:
-                raise rejected from None  # the message only: no remote traceback for the client
-            raise
+            await self._call(self.actor.submit.remote(req))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, StreamError):
+                    raise item.exception(self.replica_id)
+                finished = item.finished
+                yield item
         finally:
+            self.demux.close(req.request_id)
             if not finished:
                 # Client went away or the router gave up: stop the work inside the engine. No
                 # await here: this runs while the task is being cancelled.
-                ray.cancel(gen)
                 self.actor.abort.remote(req.request_id)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self.demux.epoch += 1
+            self._reader = asyncio.create_task(self._read_outputs(self.demux.epoch))
+
+    async def _read_outputs(self, epoch: int) -> None:
+        """Sort the replica's output stream into its requests' queues; when the stream breaks (the
+        actor died), every request it carried fails as a replica failure and is resubmitted."""
+        try:
+            async for ref in self.actor.outputs.options(num_returns="streaming").remote():
+                self.demux.deliver(await ref)
+            failure: BaseException = ReplicaFailure(f"replica {self.replica_id}: its output stream ended")
+        except asyncio.CancelledError:
+            failure = ReplicaFailure(f"replica {self.replica_id}: its output stream was closed")
+            raise
+        except Exception as e:  # the actor died, or Ray lost the stream: either way its requests are gone
+            failure = ReplicaFailure(f"replica {self.replica_id}: output stream failed: {e}")
+        finally:
+            self.demux.fail_epoch(epoch, failure)
 
     async def abort(self, request_id: str) -> None:
         await self._call(self.actor.abort.remote(request_id))
@@ -158,6 +224,8 @@ class RayReplica:
         return await self._call(self.actor.stats.remote())
 
     async def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         try:
             await asyncio.wait_for(self.actor.shutdown.remote(), timeout=30)
         except Exception:

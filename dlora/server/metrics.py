@@ -63,7 +63,17 @@ class Metrics:
             registry=r,
         )
         self.adapters_resident = Gauge(
-            "dlora_adapters_resident", "Adapters loaded in a replica's engine", ["replica"], registry=r
+            "dlora_adapters_resident",
+            "Adapters in a replica's host LoRA cache (state=host, all of them) and, of those, in its LoRA "
+            "device slots (state=device)",
+            ["replica", "state"],
+            registry=r,
+        )
+        self.adapter_host_bytes = Gauge(
+            "dlora_adapter_host_bytes",
+            "Bytes of adapter weights (their safetensors files) in a replica's host LoRA cache",
+            ["replica"],
+            registry=r,
         )
         self.replica_healthy = Gauge("dlora_replica_healthy", "1 when the replica serves", ["replica"], registry=r)
         self.replica_unfinished = Gauge(
@@ -138,7 +148,9 @@ class Metrics:
             rid = str(st.replica_id)
             self.replica_healthy.labels(rid).set(1 if st.healthy else 0)
             self.replica_unfinished.labels(rid).set(st.num_unfinished)
-            self.adapters_resident.labels(rid).set(len(st.resident_adapter_ids))
+            self.adapters_resident.labels(rid, "host").set(len(st.resident_adapter_ids))
+            self.adapters_resident.labels(rid, "device").set(len(st.device_adapter_ids))
+            self.adapter_host_bytes.labels(rid).set(router.host_bytes(st))
             self.batching.update(rid, st.batching if st.healthy else None)
             if st.healthy and st.batching is not None:
                 self.replica_kv_usage.labels(rid).set(st.batching.kv_usage or 0.0)

@@ -64,18 +64,29 @@ async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request):
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
+def residency(stats) -> dict[int, list[dict]]:
+    """Adapter id -> where it is loaded: `{"replica": id, "state": "device"}` when it holds one of
+    that engine's LoRA slots, `"host"` when it is only in its host LoRA cache; healthy replicas only."""
+    out: dict[int, list[dict]] = {}
+    for st in stats:
+        if not st.healthy:
+            continue
+        device = set(st.device_adapter_ids)
+        for aid in st.resident_adapter_ids:
+            out.setdefault(aid, []).append({"replica": st.replica_id, "state": "device" if aid in device else "host"})
+    return out
+
+
 @router.get("/v1/adapters")
 async def list_adapters(request: Request):
     state = request.app.state.dlora
-    resident: dict[int, list[int]] = {}
     # As the balancer's monitor loop last read it (at most cluster.monitor_interval_s old): a read
     # of this list must not take the replicas' measurements from the loop that feeds them to dispatch.
-    for st in state.router.reported_stats():
-        for aid in st.resident_adapter_ids:
-            resident.setdefault(aid, []).append(st.replica_id)
+    placed = residency(state.router.reported_stats())
     data = []
     for r in state.adapters.registry.all():
-        on = resident.get(r.int_id, [])
+        replicas = placed.get(r.int_id, [])
+        on = [p["replica"] for p in replicas]
         data.append(
             {
                 "name": r.name,
@@ -88,6 +99,7 @@ async def list_adapters(request: Request):
                 "source": r.source,
                 "state": "resident" if on else "registered",
                 "resident_on": on,
+                "replicas": replicas,
                 "in_flight": state.router.inflight_by_adapter.get(r.name, 0),
                 "size_bytes": r.size_bytes,
             }

@@ -15,6 +15,7 @@ from dlora.adapters.resolver import AdapterResolver, FilesystemResolver
 from dlora.adapters.resolver_s3 import S3Resolver
 from dlora.adapters.validate import BaseModelShapes
 from dlora.cluster.balancer import Balancer
+from dlora.cluster.host_cache import MIB
 from dlora.cluster.router import Replica, Router, RouterConfig
 from dlora.config import DloraConfig
 from dlora.server.metrics import Metrics
@@ -66,6 +67,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
         dispatch=cfg.cluster.dispatch,
         static_placement=cfg.cluster.placement == "static",
         adapter_slots=cfg.engine.max_cpu_loras,
+        host_cache_bytes=None if cfg.engine.max_cpu_lora_mib is None else int(cfg.engine.max_cpu_lora_mib * MIB),
         batch_adapter_slots=cfg.engine.max_loras,
         max_batch=cfg.engine.max_num_seqs,
         output_lengths=cfg.cluster.output_lengths(),

@@ -113,3 +113,152 @@ def preset(name: str) -> StepCosts:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown step-cost preset {name!r}: choose from {', '.join(PRESETS)}") from None
+
+
+# --- Step costs for another LoRA shape and prompt length -------------------------------------
+#
+# The presets are fitted to one regime: rank-8 adapters on q/k/v/o, 64-token prompts. For another
+# rank, projection set or prompt length, `regime_costs` rescales them with a small FLOP model:
+#
+# - LoRA per-token terms (`lora_per_seq_s`, `lora_per_prefill_token_s`): their `flop_share`
+#   scales with the LoRA multiply-adds per token, layers x sum over the adapted projections of
+#   r x (in + out) (the kernels' cost per FLOP, whatever it is on a machine, is taken from the
+#   preset's own fit), the rest with the LoRA layer calls (per-call overhead).
+# - The LoRA fixed cost (`lora_fixed_s`, `lora_per_adapter_s`) scales with the LoRA layer calls
+#   per decoder layer: vLLM fuses q/k/v into one layer and gate/up into another, so q/k/v/o is
+#   two calls and all seven projections four.
+# - Attention grows with the context: a decode step attends over prompt + half the output on
+#   average, and a prompt token over half the prompt, at 2 x heads x head_dim multiply-adds per
+#   context token and layer, each costing `attention_weight` linear-layer multiply-adds. The base
+#   per-sequence and per-prompt-token terms scale by
+#   (base + attention at this context) / (base + attention at the preset's context).
+# - A cold merge reloads the adapted projections' weights: it scales with their parameter count,
+#   and the merged-kernel cache, a byte budget, holds fewer adapters in that proportion.
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only transformer that the FLOP model needs."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of every LoRA-adaptable projection of one layer."""
+        h, kv, m = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        return {
+            "q_proj": (h, h),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (h, h),
+            "gate_proj": (h, m),
+            "up_proj": (h, m),
+            "down_proj": (m, h),
+        }
+
+    def base_macs_per_token(self) -> int:
+        """Multiply-adds of one token through every linear layer and the LM head (no attention)."""
+        return self.layers * sum(i * o for i, o in self.projection_dims().values()) + self.hidden * self.vocab
+
+    def attention_macs(self, context: float) -> float:
+        """Multiply-adds of one token attending over `context` earlier tokens (QK^T and AV)."""
+        return self.layers * 2 * self.heads * self.head_dim * context
+
+    def weight_params(self, modules: tuple[str, ...]) -> int:
+        dims = self.projection_dims()
+        return self.layers * sum(dims[p][0] * dims[p][1] for p in modules)
+
+
+# SmolLM2-135M (the default model's config.json)
+SMOLLM2_135M = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152)
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_PROJECTIONS = (*QKVO, "gate_proj", "up_proj", "down_proj")
+FUSED_LORA_LAYERS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    rank: int
+    modules: tuple[str, ...] = QKVO
+
+    def __post_init__(self) -> None:
+        unknown = set(self.modules) - set(ALL_PROJECTIONS)
+        if self.rank < 1 or not self.modules or unknown:
+            raise ValueError(
+                f"LoraShape(rank={self.rank}, modules={self.modules}): rank >= 1, modules from {ALL_PROJECTIONS}"
+            )
+
+    def macs_per_token(self, model: ModelShape) -> int:
+        dims = model.projection_dims()
+        return model.layers * sum(self.rank * (dims[p][0] + dims[p][1]) for p in self.modules)
+
+    def lora_layer_calls(self) -> int:
+        """LoRA layer calls per decoder layer: fused q/k/v and gate/up count once."""
+        return sum(any(p in self.modules for p in group) for group in FUSED_LORA_LAYERS)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What a preset was fitted to, or what it is rescaled to."""
+
+    lora: LoraShape
+    prompt_len: int
+    output_len: int
+
+
+PRESET_REGIME = Regime(LoraShape(8, QKVO), prompt_len=64, output_len=64)
+
+
+def lora_flop_ratio(lora: LoraShape, model: ModelShape = SMOLLM2_135M) -> float:
+    """LoRA multiply-adds per token relative to the base model's linear layers and LM head."""
+    return lora.macs_per_token(model) / model.base_macs_per_token()
+
+
+def regime_costs(
+    costs: StepCosts,
+    to: Regime,
+    fitted: Regime = PRESET_REGIME,
+    model: ModelShape = SMOLLM2_135M,
+    flop_share: float = 1.0,
+    attention_weight: float = 1.0,
+) -> StepCosts:
+    """`costs`, fitted at `fitted`, rescaled to the regime `to` by the FLOP model above.
+
+    `flop_share` is the part of the fitted LoRA per-token cost that is multiply-adds; the rest is
+    per-call overhead (reading the adapter's weights, a kernel launch), which scales with the LoRA
+    layer calls like the fixed cost. 1 scales it all with FLOPs. `attention_weight` is what an
+    attention multiply-add costs relative to a linear layer's (CPU attention kernels run far below
+    GEMM speed)."""
+    if not 0 <= flop_share <= 1:
+        raise ValueError(f"flop_share {flop_share} must be in [0, 1]")
+    calls = to.lora.lora_layer_calls() / fitted.lora.lora_layer_calls()
+    flops = to.lora.macs_per_token(model) / fitted.lora.macs_per_token(model)
+    per_token = flop_share * flops + (1 - flop_share) * calls
+    base = model.base_macs_per_token()
+
+    def attention(context: float) -> float:
+        return (base + attention_weight * model.attention_macs(context)) / base
+
+    decode = attention(to.prompt_len + to.output_len / 2) / attention(fitted.prompt_len + fitted.output_len / 2)
+    prefill = attention(to.prompt_len / 2) / attention(fitted.prompt_len / 2)
+    weights = model.weight_params(to.lora.modules) / model.weight_params(fitted.lora.modules)
+    return dataclasses.replace(
+        costs,
+        per_seq_s=costs.per_seq_s * decode,
+        per_prefill_token_s=costs.per_prefill_token_s * prefill,
+        lora_fixed_s=costs.lora_fixed_s * calls,
+        lora_per_seq_s=costs.lora_per_seq_s * per_token,
+        lora_per_prefill_token_s=costs.lora_per_prefill_token_s * per_token,
+        lora_per_adapter_s=costs.lora_per_adapter_s * calls,
+        merge_cold_s=costs.merge_cold_s * weights,
+        merged_cache_entries=max(1, int(costs.merged_cache_entries / weights)),
+    )

@@ -124,6 +124,13 @@ def test_run_benchmark_rejects_unknown_adapter_before_sending(fake):
     assert fake.state.received == []
 
 
+def test_run_benchmark_sends_unlisted_adapters_when_told_not_to_check(fake):
+    """Adapters a server finds by name on first use are not in /v1/models until then."""
+    reqs = [Request("r0", 0.0, "a0", "x", 1, 2), Request("r1", 0.0, "ghost", "x", 1, 2)]
+    run_benchmark(fake.url, reqs, QUIET, check_adapters=False)
+    assert sorted(b["model"] for b in fake.state.received) == ["a0", "ghost"]
+
+
 def test_run_benchmark_chat_and_warmup(fake):
     reqs = [Request(f"r{i}", 0.0, a, "hello there", 2, 3) for i, a in enumerate(["a0", "a1", "a0"])]
     res = run_benchmark(fake.url, reqs, QUIET, endpoint="/v1/chat/completions", num_warmups=2)

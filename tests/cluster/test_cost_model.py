@@ -95,3 +95,18 @@ def test_invalid_params_are_rejected():
         CostParams(per_decode_token_s=-1)
     with pytest.raises(ValueError):
         CostParams(max_batch=0)
+
+
+def test_the_load_price_is_an_average_of_the_measured_loads_and_survives_refits():
+    model = ReplicaCostModel(P)
+    assert model.params.adapter_load_s == P.adapter_load_s  # nothing measured: the prior
+    model.observe_load(0.5)
+    assert model.params.adapter_load_s == pytest.approx(0.5)  # the first load replaces the prior
+    model.observe_load(0.1)
+    assert model.params.adapter_load_s == pytest.approx(0.7 * 0.5 + 0.3 * 0.1)
+    model.observe_load(-1.0)  # a clock that went backwards says nothing
+    assert model.params.adapter_load_s == pytest.approx(0.38)
+    model.observe(*(IterationSample(n, 0, n, 0.03 + 0.002 * n, False) for n in (2, 4, 8, 16) * 3))
+    assert model.params.per_decode_token_s == pytest.approx(0.002, rel=0.05)  # refitted ...
+    assert model.params.adapter_load_s == pytest.approx(0.38)  # ... and the load price kept
+    assert load_time(model.params, make_replica(0, [], resident=set()), "z") == pytest.approx(0.38)

@@ -605,3 +605,30 @@ def test_a_request_for_a_superseded_adapter_version_runs_on_the_version_that_rep
         assert router.inflight_with(v3.int_id) == 0
 
     asyncio.run(run())
+
+
+def test_dispatch_prices_a_load_at_the_replicas_measured_load_time():
+    """Replica 0 loads adapters in 0.3 s, replica 1 in 0.01 s. Once each has loaded one, a request
+    for an adapter neither holds goes to the replica that loads it sooner; with both priced at the
+    prior it would go to replica 0 (ties go to the lower id)."""
+
+    async def run(measured_first: bool) -> int:
+        replicas = [ToyReplica(0, load_s=0.3), ToyReplica(1, load_s=0.01)]
+        router = Router(replicas, cfg=RouterConfig(dispatch="proactive"))
+        await router.start()
+        if not measured_first:
+            await collect(router, request("b", B, n=5))
+            holders = [s.replica_id for s in router.slots if B.int_id in s.loaded]
+            await router.shutdown()
+            return holders[0]
+        await asyncio.gather(router.load_on(0, A), router.load_on(1, A))
+        params = router.cost_params()
+        assert params[0].adapter_load_s == pytest.approx(0.3, abs=0.05)
+        assert params[1].adapter_load_s == pytest.approx(0.01, abs=0.05)
+        await collect(router, request("b", B, n=5))
+        holders = [s.replica_id for s in router.slots if B.int_id in s.loaded]
+        await router.shutdown()
+        return holders[0]
+
+    assert asyncio.run(run(measured_first=False)) == 0
+    assert asyncio.run(run(measured_first=True)) == 1

@@ -34,6 +34,7 @@ def test_engine_less_host_raises_engine_not_started():
         "add_adapter": lambda: host.add_adapter(REF, pinned=True),
         "remove_adapter": lambda: host.remove_adapter(1),
         "resident_adapter_ids": host.resident_adapter_ids,
+        "device_adapter_ids": host.device_adapter_ids,
         "batching_state": host.batching_state,
         "check_health": host.check_health,
     }
@@ -114,5 +115,23 @@ def test_restarted_actor_surfaces_replica_failure(ray_cluster):
     finally:
         ray.kill(replica.actor, no_restart=True)
     for name, e in failures.items():
-        assert isinstance(e.__cause__, RayTaskError) and isinstance(e.__cause__.cause, EngineNotStarted), name
         assert "no engine for '/models/m'" in str(e), name
+        if name != "generate":  # a request's error comes down the output stream as data, not as Ray's error
+            assert isinstance(e.__cause__, RayTaskError) and isinstance(e.__cause__.cause, EngineNotStarted), name
+
+
+def test_errors_in_the_output_stream_are_classified_by_type():
+    """What a request's task inside the actor sends down the output stream when its stream raises."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from dlora.replica.ray_replica import stream_error
+
+    assert stream_error(EngineDeadError()).kind == "replica_failure"
+    assert stream_error(EngineNotStarted("no engine")).kind == "replica_failure"
+    bad = stream_error(VLLMValidationError("top_k must be -1 or at least 1", parameter="top_k"))
+    assert (bad.kind, bad.param) == ("rejected", "top_k")
+    assert bad.message.startswith("top_k must be -1 or at least 1") and "Traceback" not in bad.message
+    assert stream_error(ValueError("prompt too long")).kind == "rejected"
+    # The words alone never make a replica look dead.
+    assert stream_error(RuntimeError("EngineDeadError in the prompt")).kind == "error"

@@ -238,7 +238,9 @@ def test_health_and_metrics(tiny_server):
         'dlora_time_per_output_token_seconds_count{adapter="a1"}',
         "dlora_e2e_request_latency_seconds",
         'dlora_requests_running{adapter="a1"} 0.0',
-        'dlora_adapters_resident{replica="0"}',
+        'dlora_adapters_resident{replica="0",state="host"}',
+        'dlora_adapters_resident{replica="0",state="device"}',
+        'dlora_adapter_host_bytes{replica="0"}',
         'dlora_replica_healthy{replica="0"} 1.0',
     ]:
         assert needle in text, needle

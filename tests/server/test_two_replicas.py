@@ -26,6 +26,11 @@ def two_replica_server(tiny_model, tmp_path_factory):
         **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
     )
     cfg["engine"]["num_kv_blocks"] = KV_BLOCKS
+    # Every adapter pinned, so each is on both replicas from the start (unpinned ones would start on
+    # one and spread by demand: tests/server/test_placement.py); pins need max_loras + 3 host entries.
+    cfg["engine"]["max_cpu_loras"] = 5
+    for adapter in cfg["adapters"]:
+        adapter["pinned"] = True
     server = harness.launch(tmp, cfg)
     yield server
     server.stop()
@@ -62,7 +67,7 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     for rid in ("0", "1"):
         assert f'dlora_replica_healthy{{replica="{rid}"}} 1.0' in text
         assert f'dlora_replica_kv_usage{{replica="{rid}"}}' in text
-        assert f'dlora_adapters_resident{{replica="{rid}"}} 3.0' in text
+        assert f'dlora_adapters_resident{{replica="{rid}",state="host"}} 3.0' in text
     capacity = {
         line.split('"')[1]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -37,6 +37,9 @@ from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, R
 MIN_SAMPLES = 8  # unmerged steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3
 RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
+# Weight of the newest adapter load in the load-time average: a few loads move it, so a replica
+# whose loads grew (larger adapters, a busier disk) is priced by them within a handful of loads.
+LOAD_EWMA_WEIGHT = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,8 @@ class CostParams:
     per_decode_token_s: float = 0.001  # marginal cost of one more sequence in a decode step
     per_prefill_token_s: float = 0.0002  # cost of one prompt (or re-prefilled) token
     merged_ratio: float = 0.6  # merged step cost / unmerged step cost (a GPU-shaped prior)
-    adapter_load_s: float = 0.02  # add_lora (~3 ms) + an actor round trip, rounded up
+    # add_lora (~3 ms) + an actor round trip, rounded up; replaced by the replica's measured loads
+    adapter_load_s: float = 0.02
     max_batch: int = 32  # sequences per step (vLLM max_num_seqs)
 
     def __post_init__(self) -> None:
@@ -126,13 +130,23 @@ def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
 
 
 class ReplicaCostModel:
-    """The fitted `CostParams` of one replica, updated from its measured steps."""
+    """The fitted `CostParams` of one replica, updated from its measured steps, and its adapter
+    load price: an exponentially weighted average of the loads the router timed there."""
 
     def __init__(self, prior: CostParams | None = None, window: int = 256) -> None:
         self.prior = prior or CostParams()
         self.params = self.prior
         self._unmerged: deque[IterationSample] = deque(maxlen=window)
         self._merged: deque[IterationSample] = deque(maxlen=window)
+        self._load_s: float | None = None  # None: no load measured yet, the prior prices it
+
+    def observe_load(self, seconds: float) -> None:
+        """A measured adapter load on this replica: from asking for it to the replica holding it."""
+        if seconds < 0:
+            return
+        w = LOAD_EWMA_WEIGHT
+        self._load_s = seconds if self._load_s is None else (1 - w) * self._load_s + w * seconds
+        self.params = dataclasses.replace(self.params, adapter_load_s=self._load_s)
 
     def observe(self, *samples: IterationSample) -> None:
         """Add measured steps and refit once."""
@@ -148,6 +162,8 @@ class ReplicaCostModel:
             p = _fit_linear(p, list(self._unmerged))
         if len(self._merged) >= MIN_MERGED_SAMPLES:
             p = dataclasses.replace(p, merged_ratio=_fit_merged_ratio(p, list(self._merged)))
+        if self._load_s is not None:
+            p = dataclasses.replace(p, adapter_load_s=self._load_s)
         return p
 
 

@@ -33,22 +33,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
-import re
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import httpx
-import numpy as np
 import yaml
 
 from dlora import env
 from dlora.bench.palette import BATCHING_POLICY_COLORS
+from dlora.bench.policy_servers import run_point as run_policy_point
+from dlora.bench.policy_servers import shipped_scheduling
+from dlora.bench.policy_servers import warm_up as shared_warm_up
 from dlora.bench.popularity import popularity_shares
 from dlora.bench.provenance import machine, provenance
-from dlora.bench.runner import first_errors, run_benchmark
 from dlora.bench.server_configs import (
     EngineSettings,
     single_replica_config,
@@ -88,8 +87,7 @@ def vllm_command(args, base: Path, adapters: list[Path]) -> list[str]:
 
 
 def scheduling(policy: str, mixed_merged: bool = False) -> dict:
-    """The policy with the parameters of configs/default.yaml's `scheduling:` (what users get)."""
-    return {**shipped_config("scheduling"), "policy": policy, **({"mixed_merged": True} if mixed_merged else {})}
+    return shipped_scheduling(policy, mixed_merged)
 
 
 def dlora_config(args, policy: str, base: Path, adapters: list[Path], state: Path) -> dict:
@@ -109,61 +107,8 @@ def url(system: str) -> str:
     return f"http://127.0.0.1:{PORTS[system]}"
 
 
-def batching_metrics(system: str) -> dict:
-    """Switch count and switch-time sums from a dlora server's /metrics (cumulative), and the
-    dlora policy's current alpha/beta (why it did or did not merge)."""
-    text = httpx.get(f"{url(system)}/metrics", timeout=30).text
-    out = {"switches": 0.0, "merge_count": 0.0, "merge_sum_s": 0.0, "unmerge_count": 0.0, "unmerge_sum_s": 0.0}
-    for line in text.splitlines():
-        if m := re.fullmatch(r'dlora_switches_total\{replica="0"\} (\S+)', line):
-            out["switches"] = float(m.group(1))
-        elif m := re.fullmatch(r'dlora_switch_seconds_(count|sum)\{op="(\w+)",replica="0"\} (\S+)', line):
-            out[f"{m.group(2)}_{'count' if m.group(1) == 'count' else 'sum_s'}"] = float(m.group(3))
-        elif m := re.fullmatch(r'dlora_batching_threshold\{replica="0",threshold="(alpha|beta)"\} (\S+)', line):
-            out[m.group(1)] = float(m.group(2))  # where Alg. 2 left them: not a counter
-    return out
-
-
-def point_metrics(r: dict) -> dict:
-    ok = [(lat, n) for lat, n, err in zip(r["latencies"], r["output_lens"], r["errors"]) if not err and n > 0]
-    per_token_ms = [1000 * lat / n for lat, n in ok]
-    return {
-        "avg_latency_per_output_token_ms": r["avg_latency_per_output_token_ms"],
-        "p90_latency_per_output_token_ms": float(np.percentile(per_token_ms, 90)) if per_token_ms else None,
-        "mean_normalized_latency_ms": r["mean_normalized_latency_ms"],
-        "output_throughput": r["output_throughput"],
-        "median_ttft_ms": r["median_ttft_ms"],
-        "p90_ttft_ms": r.get("p90_ttft_ms"),
-        "median_tpot_ms": r["median_tpot_ms"],
-        "mean_e2el_ms": r["mean_e2el_ms"],
-        "completed": r["completed"],
-        "failed": r["failed"],
-        "first_errors": first_errors(r),
-        "duration_s": r["duration"],
-    }
-
-
 def run_point(system: str, requests) -> dict:
-    before = batching_metrics(system) if system in POLICIES else None
-    r = run_benchmark(
-        url(system),
-        requests,
-        ignore_eos=True,
-        disable_tqdm=True,
-        print_result=False,
-        percentile_metrics=("ttft", "tpot", "e2el"),
-        percentiles=(50.0, 90.0),
-    )
-    m = point_metrics(r)
-    if before is not None:
-        after = batching_metrics(system)
-        delta = {k: after[k] - before.get(k, 0.0) for k in after if k not in ("alpha", "beta")}
-        m.update({f"{k}_after": after[k] for k in ("alpha", "beta") if k in after})
-        m["switches"] = delta["switches"]
-        for op in ("merge", "unmerge"):
-            n = delta[f"{op}_count"]
-            m[f"mean_{op}_ms"] = 1000 * delta[f"{op}_sum_s"] / n if n else None
-    return m
+    return run_policy_point(url(system), requests, dlora_server=system in POLICIES)
 
 
 POINT_METRICS = ("avg_latency_per_output_token_ms", "p90_latency_per_output_token_ms", "output_throughput", "switches")
@@ -306,33 +251,7 @@ def summarize_reps(points: list[dict], skews: list[float], reps: int, base_refer
 
 
 def warm_up(base_url: str, names: tuple[str, ...], args) -> None:
-    """A burst over all adapters, then each adapter's requests alone (see the module docstring)."""
-    burst = generate_workload(
-        WorkloadSpec(
-            num_prompts=2 * len(names),
-            adapters=names,
-            distribution="distinct",
-            input_len=args.input_len,
-            output_len=8,
-            request_rate=float("inf"),
-            max_model_len=args.max_model_len,
-            seed=99,
-        )
-    )
-    run_benchmark(base_url, burst, ignore_eos=True, disable_tqdm=True, print_result=False)
-    for name in names:
-        alone = generate_workload(
-            WorkloadSpec(
-                num_prompts=4,
-                adapters=(name,),
-                input_len=args.input_len,
-                output_len=16,
-                request_rate=float("inf"),
-                max_model_len=args.max_model_len,
-                seed=98,
-            )
-        )
-        run_benchmark(base_url, alone, ignore_eos=True, disable_tqdm=True, print_result=False)
+    shared_warm_up(base_url, names, args.input_len, args.max_model_len)
 
 
 def main() -> int:

@@ -151,13 +151,6 @@ def _is_replica_failure(e: BaseException) -> bool:
     return isinstance(e, RayTaskError) and _kills_replica(e.cause)
 
 
-def rejection(e: BaseException) -> RequestRejected | None:
-    """A call to the actor failed on the request's own values (`_rejected`)."""
-    if not isinstance(e, RayTaskError) or _is_replica_failure(e):
-        return None
-    return _rejected(e.cause)
-
-
 class RayReplica:
     """Router-side handle: async generator over Deltas, failures surfaced as ReplicaFailure."""
 

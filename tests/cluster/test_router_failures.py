@@ -16,7 +16,7 @@ from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLim
 from dlora.cluster.router import Router, RouterConfig
 from dlora.replica.errors import EngineNotStarted, ReplicaFailure, RequestRejected
 from dlora.replica.messages import GenerateRequest, SamplingSpec
-from dlora.replica.ray_replica import _is_replica_failure, rejection
+from dlora.replica.ray_replica import _is_replica_failure, stream_error
 from dlora.sim.toy_replica import ToyReplica, reference_tokens
 
 
@@ -45,7 +45,8 @@ def test_a_dead_engine_or_actor_is_a_replica_failure_by_type():
         ReplicaFailure("x"),
     ):
         assert _is_replica_failure(e), e
-        assert rejection(e) is None
+    for cause in (EngineDeadError(), EngineNotStarted("no engine")):  # what the output stream carries
+        assert stream_error(cause).kind == "replica_failure", cause
 
 
 def test_error_text_never_makes_a_replica_look_dead():
@@ -55,15 +56,20 @@ def test_error_text_never_makes_a_replica_look_dead():
     assert not _is_replica_failure(ValueError("EngineDead"))
 
 
+def rejection(cause: BaseException) -> BaseException:
+    """What the router-side handle raises for `cause` raised inside the replica (via the output stream)."""
+    return stream_error(cause).exception(replica_id=0)
+
+
 def test_vllm_input_errors_become_request_rejections():
-    bad = rejection(remote(ValueError("max_tokens must be at least 1, got 0.")))
+    bad = rejection(ValueError("max_tokens must be at least 1, got 0."))
     assert isinstance(bad, RequestRejected) and bad.message == "max_tokens must be at least 1, got 0."
     assert "Traceback" not in str(bad)
-    assert isinstance(rejection(remote(TypeError("bad type"))), RequestRejected)
-    typed = rejection(remote(VLLMValidationError("too long", parameter="max_tokens")))
+    assert isinstance(rejection(TypeError("bad type")), RequestRejected)
+    typed = rejection(VLLMValidationError("too long", parameter="max_tokens"))
     assert isinstance(typed, RequestRejected) and typed.param == "max_tokens"
-    assert rejection(remote(RuntimeError("boom"))) is None  # not the request's fault: stays an error
-    assert rejection(ValueError("local")) is None  # only what the actor raised
+    boom = rejection(RuntimeError("boom"))  # not the request's fault: stays an error
+    assert not isinstance(boom, (RequestRejected, ReplicaFailure))
 
 
 # ---- stand-in replicas -----------------------------------------------------------------------------

@@ -92,6 +92,27 @@ DLORA_LORA_BACKEND = EnvVar(
     "LoRA backend of a replica's engine; set from engine.lora_backend by the replica's runtime env",
 )
 
+
+def _amount(unit: str) -> Callable[[str], float]:
+    """A parser of a non-negative number of `unit`s (GiB, MiB)."""
+
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not value >= 0:
+            raise ValueError(f"expected a number of {unit} >= 0")
+        return value
+
+    return parse
+
+
+DLORA_MERGED_CACHE_MIB = EnvVar(
+    "DLORA_MERGED_CACHE_MIB",
+    1024.0,
+    _amount("MiB"),
+    "MiB of merged weights a replica's worker keeps for re-merging; set from engine.merged_cache_mib "
+    "by the replica's runtime env",
+)
+
 DLORA_STEP_TRACE: EnvVar[str | None] = EnvVar(
     "DLORA_STEP_TRACE",
     None,
@@ -100,17 +121,10 @@ DLORA_STEP_TRACE: EnvVar[str | None] = EnvVar(
 )
 
 
-def _gib(raw: str) -> float:
-    value = float(raw)
-    if not value >= 0:
-        raise ValueError("expected a number of GiB >= 0")
-    return value
-
-
 DLORA_PRISTINE_DEVICE_GIB = EnvVar(
     "DLORA_PRISTINE_DEVICE_GIB",
     1.0,
-    _gib,
+    _amount("GiB"),
     "GPU memory (GiB) per replica for the copies of base weight rows an in-place merge overwrites; "
     "rows beyond it are kept in pinned host memory (dlora/engine_ext/pristine_rows.py)",
 )
@@ -122,6 +136,7 @@ ALL = [
     DLORA_RAY_TEMP_DIR,
     DLORA_TEST_KEEP_LOGS,
     DLORA_LORA_BACKEND,
+    DLORA_MERGED_CACHE_MIB,
     DLORA_STEP_TRACE,
     DLORA_PRISTINE_DEVICE_GIB,
 ]

@@ -26,6 +26,9 @@ from dlora.sim.skew import simulate
 from dlora.sim.step_costs import PRESETS, SMOLLM2_135M, LoraShape, Regime, StepCosts, regime_costs
 
 SIM_PRESETS = ("gpu-like", "cpu-einsum")
+# Each run first serves one untimed burst of the cell's shape (another seed), as the real servers
+# are warmed up and stay up across a rank's cells: a policy that learns starts from what it learned.
+WARM_UP_SEED = 1000
 
 
 def sim_requests(cell: Cell, args, seed: int) -> list[SimRequest]:
@@ -63,9 +66,11 @@ def run_cell(preset: str, cell: Cell, args, calibration: dict | None = None) -> 
     switches: dict[str, list[int]] = {p: [] for p in configs}
     for seed in range(args.seeds):
         requests = sim_requests(cell, args, seed)
+        warm = sim_requests(cell, args, seed + WARM_UP_SEED)
         for name, config in configs.items():
             policy = name if name in POLICIES else "dlora"
-            r = simulate(policy, config.for_lora_backend(backend), costs, requests, noise_sd=args.noise, seed=seed)
+            config = config.for_lora_backend(backend)
+            r = simulate(policy, config, costs, requests, noise_sd=args.noise, seed=seed, warm_up=warm)
             end = max(x.finished_at for x in r.requests)
             tput[name].append(sum(x.output_tokens for x in r.requests) / end)
             switches[name].append(r.switches)

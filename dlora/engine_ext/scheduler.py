@@ -121,6 +121,14 @@ def _adapter(r: Request) -> str | None:
     return r.lora_request.lora_name if r.lora_request else None
 
 
+def _prefill_tokens(scheduler_output) -> int:
+    """Prompt tokens a step computed: a request scheduled for one token is decoding (vLLM's
+    scheduler gives a prefill chunk more; a one-token prompt chunk counts as a decode, which
+    prices the same)."""
+    per_request = scheduler_output.num_scheduled_tokens
+    return scheduler_output.total_num_scheduled_tokens - sum(1 for n in per_request.values() if n == 1)
+
+
 def _lora_id(r: Request) -> int | None:
     lr = r.lora_request
     return lr.lora_int_id if lr is not None and lr.lora_int_id > 0 else None
@@ -578,6 +586,7 @@ class DloraScheduler(Scheduler):
                 iteration_time=ended - step.started,
                 switch_time=sum(r.seconds for r in reports),
                 num_tokens=scheduler_output.total_num_scheduled_tokens,
+                prefill_tokens=_prefill_tokens(scheduler_output),
             )
         )
         self._dlora_stalled = (
@@ -621,8 +630,8 @@ class DloraScheduler(Scheduler):
         per_request = scheduler_output.num_scheduled_tokens
         if not per_request or seconds <= 0:
             return
-        decode = sum(1 for n in per_request.values() if n == 1)
-        prefill = scheduler_output.total_num_scheduled_tokens - decode
+        prefill = _prefill_tokens(scheduler_output)
+        decode = scheduler_output.total_num_scheduled_tokens - prefill
         self._dlora_iterations.append((len(per_request), prefill, decode, seconds, merged is not None))
 
 

@@ -82,10 +82,11 @@ def _quiet_partial_reload():
             logger.removeFilter(f)
 
 
-# Merged kernels of recently merged adapters are kept for a cheap re-merge, up to this many bytes
-# of merged weights (LRU): about 9 adapters' q/k/v/o for SmolLM2-135M (53 MB each). The device
-# path (in place, `LiveWeights`) keeps none: its merge is itself a few kernels.
-MERGED_CACHE_BYTES = 512 * 2**20
+# Merged kernels of recently merged adapters are kept for a cheap re-merge, up to
+# engine.merged_cache_mib of merged weights (LRU; env.DLORA_MERGED_CACHE_MIB in this process). The
+# device path (in place, `LiveWeights`) keeps none: its merge is itself a few kernels.
+def merged_cache_bytes() -> int:
+    return int(env.DLORA_MERGED_CACHE_MIB.get() * 2**20)
 
 
 class _CpuKernels:
@@ -282,7 +283,7 @@ class _Switcher:
             # (prepacked CPU layers, quantized layers, tensor parallelism, unknown layouts).
             live = ParameterViews(model, packed, plain_linear) if self._tp_size() == 1 else None
             self._merger = WeightMerger(
-                checkpoint, reload, packed, config.model_config.dtype, kernels, MERGED_CACHE_BYTES, live
+                checkpoint, reload, packed, config.model_config.dtype, kernels, merged_cache_bytes(), live
             )
         return self._merger
 

@@ -249,6 +249,7 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
         "VLLM_USE_V2_MODEL_RUNNER": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "DLORA_LORA_BACKEND": cfg.engine.lora_backend,  # read by the worker extension via lora_backend.install
+        "DLORA_MERGED_CACHE_MIB": str(cfg.engine.merged_cache_mib),  # read by the worker's merger
     }
     trace = dlora_env.DLORA_STEP_TRACE.get()
     if trace:

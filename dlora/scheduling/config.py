@@ -64,6 +64,12 @@ class BatchingConfig:
     # adapters being held back (see credits.py). 0 gives the paper's closed ledger, where a hot
     # adapter that spent its credit regains it only when starving adapters are served ahead of it.
     credit_relax_per_s: float = 0.5
+    # `dlora`, not in the paper: also merge an adapter when the merge planner (merge_planner.py) predicts
+    # that serving its queued work merged, then the rest unmerged, finishes the replica's known work
+    # sooner than serving it all unmerged, by more than `planner_margin` of the merged slice's time
+    # (and stay merged while that holds). Alg. 1's threshold rule still applies beside it.
+    merge_planner: bool = True
+    planner_margin: float = 0.1
     # `merged` baseline: the longest stay (iterations) on one adapter while other requests wait.
     merged_max_iters: int = 256
     # `dlora`: while an adapter is merged, the other requests run in the same step, their LoRA
@@ -134,6 +140,7 @@ class BatchingConfig:
             f"must be <= initial_credit ({self.initial_credit})",
         )
         _require(self.credit_relax_per_s >= 0, "credit_relax_per_s", self.credit_relax_per_s, "must be >= 0")
+        _require(self.planner_margin >= 0, "planner_margin", self.planner_margin, "must be >= 0")
         _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters, "must be >= 1")
         starve = self.lora_slot_starve_s
         _require(

@@ -6,9 +6,12 @@ Per `decide(requests, now)`:
 2. give new adapters the initial credit; update starving/normal states (Alg. 3 lines 6–10);
 3. serve starving adapters first if they have requests (lines 11–15; the adapter Alg. 1 would
    run merged is kept out of the fill), else run Alg. 1 over the eligible adapters (lines 17–21);
-   with `mixed_merged` merged steps run every request and nobody ever starves;
+   with `mixed_merged` merged steps run every request and nobody ever starves; beside Alg. 1,
+   the merge planner (`merge_planner.py`, `merge_planner: true`) merges an adapter, or keeps it
+   merged, when serving its queued work merged finishes the known work sooner (not with mixing);
 4. remember the transfer this decision owes and the Alg. 2 sample it starts.
-`observe(stats)` learns iteration times and the switch cost, records the Alg. 2 sample (which
+`observe(stats)` learns iteration times (per batch size for Alg. 2, per token mix for the
+planner) and the switch cost, records the Alg. 2 sample (which
 tunes alpha/beta at break points), and adopts the mode the engine really ran.
 """
 
@@ -24,14 +27,25 @@ from dlora.scheduling.dynamic_batching import (
     Step,
     build_queues,
     dynamic_batching,
+    fcfs_key,
     request_ids,
     starvation_batch,
 )
+from dlora.scheduling.merge_planner import FinishedLengths, slice_gain, stay_pays, work_by_adapter
 from dlora.scheduling.policies import BatchingPolicy
+from dlora.scheduling.step_model import StepLine, StepTimeModel
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample
 from dlora.scheduling.types import Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch
 
 SWITCH_COST_EMA = 0.5  # weight of a new switch-time measurement in the t_M estimate
+# The merge planner's merged/unmerged step-cost ratio before merged steps are measured: optimistic,
+# so that where merging may pay it is tried (a cached merge costs ~1 ms) and then priced as measured;
+# a pessimistic prior would never merge, and so never learn that it should.
+PLANNER_MERGED_PRIOR = 0.5
+SLICE_MIN_STEPS = 4  # steps a slice runs before a starving adapter may end it...
+SLICE_MIN_SWITCHES = 10  # ...and this many times the switch cost
+SHAPE_PROBE_MIN = 8  # decoding requests a shape probe needs (it runs half of them)
+SHAPE_PROBE_EVERY = 256  # steps between shape probes while the shape stays unknown
 
 
 class DLoRAPolicy(BatchingPolicy):
@@ -43,6 +57,14 @@ class DLoRAPolicy(BatchingPolicy):
         self.mode = Mode.UNMERGED
         self.merged: str | None = None
         self.cost = IterationCostModel(c.merged_cost_prior)
+        # Token-aware, for the merge planner; merged steps priced optimistically until measured.
+        self.steps = StepTimeModel(min(c.merged_cost_prior, PLANNER_MERGED_PRIOR))
+        self.lengths = FinishedLengths()
+        self.planned_merges = 0  # merges the planner made that Alg. 1's threshold did not
+        self._slice: str | None = None  # the adapter of the planner's slice under way
+        self._slice_steps = 0  # steps it has run
+        self._slice_started = 0.0  # when it began (the policy's clock)
+        self._since_probe = SHAPE_PROBE_EVERY  # steps since the last shape probe
         self.thresholds = AdaptiveThresholds(c, self.cost)
         self.ledger = CreditLedger(c.initial_credit, c.t_starve, c.t_normal, c.credit_relax_per_s)
         self.switch_cost = c.switch_cost_s  # t_M, seconds
@@ -59,6 +81,7 @@ class DLoRAPolicy(BatchingPolicy):
     def decide(self, requests: Sequence[RequestView], now: float, max_batch: int | None = None) -> Decision:
         present = {r.adapter for r in requests}
         self._advance_clock(now, present)
+        self.lengths.update(requests)
         self.ledger.prune(keep=present)  # bounded by the adapters with requests or credit to settle
         self.ledger.ensure(present)
         starving = self.ledger.update_states()
@@ -75,8 +98,120 @@ class DLoRAPolicy(BatchingPolicy):
             lambda adapter: self._eligible(q, adapter),
             self.config.mixed_merged,
         )
-        hot = alg1.merged_adapter if alg1.mode is Mode.MERGED else None
-        return self._commit(q, starvation_batch(q, starving, self.mode, self.merged, hot) or alg1)
+        chosen = self._planned(q, requests, alg1, starving)
+        if chosen.planned:
+            return self._commit(q, chosen)
+        hot = chosen.merged_adapter if chosen.mode is Mode.MERGED else None
+        planner_on = self._planner_lines() is not None
+        return self._commit(q, starvation_batch(q, starving, self.mode, self.merged, hot, planner_on) or chosen)
+
+    def _planner_lines(self) -> tuple[StepLine, StepLine] | None:
+        """The step lines the merge planner prices with, or None while it is off or has no data."""
+        c = self.config
+        if not c.merge_planner or c.mixed_merged:
+            return None
+        unmerged, merged = self.steps.line(Mode.UNMERGED), self.steps.line(Mode.MERGED)
+        return None if unmerged is None or merged is None else (unmerged, merged)
+
+    def _planned(self, q: Queues, requests: Sequence[RequestView], alg1: Step, starving: frozenset) -> Step:
+        """A merge planner slice (merge_planner.py) where one is under way or pays, else Alg. 1's step.
+
+        A slice merges one adapter and runs its requests (those arriving meanwhile too) until it
+        has none, until finishing them merged no longer pays, or until another adapter starves
+        (once the slice has run long enough, `_slice_may_end`). The next slice goes to the
+        first adapter whose slice pays, starving adapters first, then by credit (the longest held
+        back), then by oldest request; it starts straight from the previous one's weights. Slice
+        steps owe credit like any step that holds requests back, so the adapters they skip rise in
+        the order; Alg. 1's threshold merges and starvation steps apply when no slice pays."""
+        lines = self._planner_lines()
+        if lines is None:
+            self._slice = None
+            return self._first_measure(q, alg1)
+        unmerged, merged = lines
+        if self._slice is not None:
+            step = self._continue_slice(q, requests, unmerged, merged, starving)
+            if step is not None:
+                self._slice_steps += 1
+                return step
+            self._slice = None
+        if alg1.mode is Mode.MERGED and self.mode is Mode.UNMERGED:
+            return alg1  # Alg. 1's own merge (its share is above alpha)
+        probe = self._shape_probe(q, alg1)
+        if probe is not None:
+            return probe
+        works = work_by_adapter(requests, self.lengths.mean)
+        for adapter in self._slice_order(q, starving):
+            plan = slice_gain(works, adapter, unmerged, merged, self.switch_cost, q.max_batch)
+            if plan.pays(self.config.planner_margin):
+                members = q.group(adapter)
+                self._slice, self._slice_steps = adapter, 1
+                self._slice_started = self._last_now or 0.0
+                self.planned_merges += 1
+                return Step(Mode.MERGED, adapter, members[: q.max_batch], members, adapter, planned=True)
+        return alg1
+
+    def _slice_may_end(self) -> bool:
+        """A slice has run long enough to give way to a starving adapter: `SLICE_MIN_STEPS` steps
+        and `SLICE_MIN_SWITCHES` times the switch cost, so switching spends at most ~1/that of the
+        time where a switch is dear (a GPU's tens of ms against steps of ten)."""
+        elapsed = (self._last_now or 0.0) - self._slice_started
+        return self._slice_steps >= SLICE_MIN_STEPS and elapsed >= SLICE_MIN_SWITCHES * self.switch_cost
+
+    def _first_measure(self, q: Queues, alg1: Step) -> Step:
+        """Before any unmerged step was measured: the FCFS head alone, unmerged, when Alg. 1 would
+        run a batch unmerged. Why: a first batch of long prompts run unmerged can cost more than
+        the rest of the burst, and the planner can price merging it only once it has measured
+        a step; one request's step is the cheapest measurement (the others wait one step)."""
+        c = self.config
+        if not c.merge_planner or c.mixed_merged or alg1.mode is not Mode.UNMERGED or self.mode is not Mode.UNMERGED:
+            return alg1
+        if len(q.fcfs) < 2 or self.steps.steps_seen(Mode.UNMERGED) > 0:
+            return alg1
+        return Step(Mode.UNMERGED, None, q.fcfs[:1], None, None, planned=True)
+
+    def _shape_probe(self, q: Queues, alg1: Step) -> Step | None:
+        """One unmerged step of half the decoding requests, when no decode step has yet split a
+        step's fixed cost from its per-sequence cost (a burst whose requests all decode together
+        runs one batch size only), at most once per `SHAPE_PROBE_EVERY` steps: a merged slice runs
+        fewer sequences per step, so whether it pays turns on that split. The other half waits
+        one step (owing no credit: it is the planner's measurement, not a priority)."""
+        self._since_probe += 1
+        if self.mode is not Mode.UNMERGED or alg1.mode is not Mode.UNMERGED or self.steps.shape_known():
+            return None
+        if self._since_probe < SHAPE_PROBE_EVERY:
+            return None
+        decoding = [r for r in q.fcfs if r.running and r.num_computed_tokens >= r.num_prompt_tokens]
+        adapters = {r.adapter for r in decoding}
+        if len(decoding) < SHAPE_PROBE_MIN or len(decoding) < len(q.fcfs) or adapters <= {None}:
+            return None
+        self._since_probe = 0
+        return Step(Mode.UNMERGED, None, tuple(decoding[: len(decoding) // 2]), None, None, planned=True)
+
+    def _slice_order(self, q: Queues, starving: frozenset) -> list[str]:
+        def rank(adapter: str) -> tuple:
+            return (adapter not in starving, -self.ledger.credit(adapter), fcfs_key(q.group(adapter)[0]))
+
+        return sorted((a for a in q.groups if a is not None), key=rank)
+
+    def _continue_slice(
+        self, q: Queues, requests: Sequence[RequestView], unmerged: StepLine, merged: StepLine, starving: frozenset
+    ) -> Step | None:
+        """The slice's next step, or None when it is over: its adapter has no request left,
+        merging them no longer pays, the engine is not merged on it (a merge failed), or another
+        adapter is starving and the slice has run long enough (`_slice_may_end`: Alg. 3's bound
+        holds, up to that, without switching at every step)."""
+        adapter = self._slice
+        if self.mode is not Mode.MERGED or adapter is None or self.merged != adapter:
+            return None
+        members = q.group(adapter)
+        if not members:
+            return None
+        if self._slice_may_end() and any(a != adapter and a in q.groups for a in starving):
+            return None
+        works = work_by_adapter(requests, self.lengths.mean)
+        if not stay_pays(works, adapter, unmerged, merged, self.switch_cost, q.max_batch):
+            return None
+        return Step(Mode.MERGED, adapter, members[: q.max_batch], members, adapter, planned=True)
 
     def _advance_clock(self, now: float, present: set) -> None:
         if self._last_now is not None:
@@ -95,13 +230,15 @@ class DLoRAPolicy(BatchingPolicy):
 
     def _commit(self, q: Queues, step: Step) -> Decision:
         switch = Switch.NONE
-        if step.mode is not self.mode:
+        if step.mode is not self.mode or step.merged_adapter != self.merged:
             switch = Switch.MERGE if step.mode is Mode.MERGED else Switch.UNMERGE
             self.num_switches += 1
         self.mode, self.merged = step.mode, step.merged_adapter
         self._owed = transfer_for(step.priority, q.fcfs) if step.priority is not None else None
         self._last_ran = True
-        self._sample = None if step.starvation else (step.mode, self._alternative(q, step), step.candidate)
+        self._sample = (
+            None if step.starvation or step.planned else (step.mode, self._alternative(q, step), step.candidate)
+        )
         return Decision(step.mode, step.merged_adapter, request_ids(step.batch), switch)
 
     def _alternative(self, q: Queues, step: Step) -> int:
@@ -120,6 +257,7 @@ class DLoRAPolicy(BatchingPolicy):
         if stats.switch_time > 0:
             self._learn_switch_cost(stats.switch_time)
         self.cost.observe(stats.mode, stats.num_requests, stats.compute_time)
+        self.steps.observe(stats.mode, stats.prefill_tokens, stats.num_requests, stats.compute_time)
         sample, self._sample = self._sample, None
         if (stats.mode, stats.merged_adapter) != (self.mode, self.merged):
             # The engine ran something else (e.g. a merge failed and it stayed unmerged): adopt it.

@@ -123,6 +123,7 @@ class Step:
     priority: tuple[RequestView, ...] | None
     candidate: str | None  # R_merge's adapter (the merged one when merged), for Alg. 2 periods
     starvation: bool = False
+    planned: bool = False  # a merge planner slice (merge_planner.py): owes no credit, tunes no threshold
 
 
 def _fcfs_step(q: Queues, candidate: str | None) -> Step:
@@ -157,10 +158,17 @@ def dynamic_batching(
 
 
 def starvation_batch(
-    q: Queues, starving: Iterable[AdapterKey], mode: Mode, merged: str | None, hot: str | None = None
+    q: Queues,
+    starving: Iterable[AdapterKey],
+    mode: Mode,
+    merged: str | None,
+    hot: str | None = None,
+    decode_fill_only: bool = False,
 ) -> Step | None:
     """Alg. 3 lines 11–15 (B_starve first, the rest filled FCFS except `hot`'s requests, which
-    Alg. 1 would run merged); None when nobody starving waits."""
+    Alg. 1 would run merged); None when nobody starving waits. `decode_fill_only` (the merge
+    planner is on): the fill leaves out requests with prompt tokens still to compute, whose
+    prefill a merged slice does cheaper than this unmerged step would."""
     starving = set(starving)
     b_starve = tuple(r for r in q.ordered if r.adapter in starving)[: q.max_batch]
     if not b_starve:
@@ -168,7 +176,13 @@ def starvation_batch(
     if mode is Mode.MERGED and all(r.adapter == merged for r in b_starve):
         return Step(Mode.MERGED, merged, b_starve, b_starve, merged, starvation=True)
     chosen = {r.req_id for r in b_starve}
-    fill = tuple(r for r in q.fcfs if r.req_id not in chosen and (hot is None or r.adapter != hot))
+    fill = tuple(
+        r
+        for r in q.fcfs
+        if r.req_id not in chosen
+        and (hot is None or r.adapter != hot)
+        and not (decode_fill_only and r.num_computed_tokens < r.num_prompt_tokens)
+    )
     batch = (b_starve + fill)[: q.max_batch]
     return Step(Mode.UNMERGED, None, batch, b_starve, None, starvation=True)
 

@@ -99,9 +99,8 @@ class MergedPolicy(BatchingPolicy):
 
     It serves the model of the oldest request (an adapter merged, or the base model unmerged) and
     stays with it until its queue is empty, or for at most `merged_max_iters` steps while other
-    requests wait; then it moves to the model of the oldest request of another model. Changing the
-    merged adapter takes an UNMERGE step (the next model's requests run alone, unmerged) and a
-    MERGE step.
+    requests wait; then it moves to the model of the oldest request of another model. It goes from
+    one merged adapter straight to the next (the engine unmerges and merges before the same step).
     """
 
     name = "merged"
@@ -124,9 +123,9 @@ class MergedPolicy(BatchingPolicy):
             self.target, self.has_target, self.iters = target, True, 0
         self.iters += 1
         batch = request_ids(q.group(target)[: q.max_batch])
-        if target is not None and self.mode is Mode.UNMERGED:
+        if target is not None and (self.mode is Mode.UNMERGED or self.merged != target):
             return self._switch(Mode.MERGED, target, Switch.MERGE, batch)
-        if self.mode is Mode.MERGED and self.merged != target:
+        if target is None and self.mode is Mode.MERGED:
             return self._switch(Mode.UNMERGED, None, Switch.UNMERGE, batch)
         return Decision(self.mode, self.merged, batch)
 

@@ -25,8 +25,10 @@ class Mode(enum.Enum):
 class Switch(enum.Enum):
     """The weight change to apply before the step a `Decision` is for.
 
-    MERGE is only issued from UNMERGED and UNMERGE only from MERGED: changing the merged adapter
-    is an UNMERGE step followed by a MERGE step, so the integration never has to do both at once.
+    UNMERGE is only issued from MERGED. MERGE is issued from UNMERGED, or from MERGED onto another
+    adapter (the merge planner going from one slice to the next): the engine then restores the
+    base weights and merges the new adapter before the same step. Alg. 1 never does the latter: it
+    goes UNMERGE, then MERGE at a later step.
     """
 
     NONE = "none"
@@ -77,7 +79,8 @@ class IterationStats:
     num_requests: int  # requests the engine scheduled this step (<= len(allowed))
     iteration_time: float  # wall seconds of the whole step, switch included
     switch_time: float = 0.0  # seconds of it spent merging/unmerging (0 when no switch)
-    num_tokens: int = 0  # tokens scheduled (informational)
+    num_tokens: int = 0  # tokens scheduled
+    prefill_tokens: int = 0  # of them, prompt tokens (a request scheduled for more than one token)
 
     @property
     def compute_time(self) -> float:

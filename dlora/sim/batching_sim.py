@@ -54,6 +54,7 @@ class _Live:
             computed,
             self.generated,
             self.admitted,
+            self.req.output_tokens,  # the request's cap: benchmarks run fixed lengths (ignore_eos)
         )
 
 
@@ -138,6 +139,8 @@ class BatchingSim:
         switch_s = self._switch(target, decision.switch, result)
         batch = self._schedule(live, decision.allowed_req_ids, target)
         compute = self._compute_time(live, batch, target) * self._noise(rng)
+        prefill = sum(live[rid].req.prompt_tokens for rid in batch if not live[rid].admitted)
+        decodes = sum(1 for rid in batch if live[rid].admitted)
         dt = compute + switch_s
         result.steps += 1
         result.merged_steps += target is not None
@@ -152,7 +155,17 @@ class BatchingSim:
                 s.first_token_at = end
             if s.generated >= s.req.output_tokens:
                 s.finished_at = end
-        self.policy.observe(IterationStats(decision.mode, decision.merged_adapter, len(batch), dt, switch_s))
+        self.policy.observe(
+            IterationStats(
+                decision.mode,
+                decision.merged_adapter,
+                len(batch),
+                dt,
+                switch_s,
+                num_tokens=prefill + decodes,
+                prefill_tokens=prefill,
+            )
+        )
         return dt
 
     def _switch(self, target: str | None, switch: Switch, result: SimResult) -> float:

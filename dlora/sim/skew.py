@@ -8,6 +8,7 @@ policy change can be judged in seconds, over many seeds, in several cost regimes
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -58,9 +59,25 @@ def simulate(
     requests: Iterable[SimRequest],
     noise_sd: float = 0.0,
     seed: int = 0,
+    warm_up: Iterable[SimRequest] = (),
     **engine,
 ) -> SimResult:
+    """`requests` through one replica; `warm_up` first, untimed, on the same policy and engine (a
+    server that has run before: what the policy learned carries over). The result's times are
+    those of `requests`' own arrival clock."""
     sim = BatchingSim(
         make_policy(policy, config), costs, noise_sd=noise_sd, seed=seed, mixed=config.mixed_merged, **engine
     )
-    return sim.run(requests)
+    warm = list(warm_up)
+    if not warm:
+        return sim.run(requests)
+    offset = max(r.finished_at for r in sim.run(warm).requests) + 1.0
+    shifted = [dataclasses.replace(r, arrival=r.arrival + offset) for r in requests]
+    result = sim.run(shifted)
+    result.requests[:] = [
+        dataclasses.replace(
+            r, arrival=r.arrival - offset, first_token_at=r.first_token_at - offset, finished_at=r.finished_at - offset
+        )
+        for r in result.requests
+    ]
+    return result

@@ -47,8 +47,10 @@ def test_relaxation_toward_initial_spares_held_back_adapters():
 
 
 def cfg(**kw) -> BatchingConfig:
-    """The paper's merged steps (only the merged adapter runs): the others are held back and paid."""
+    """The paper's merged steps (only the merged adapter runs): the others are held back and paid.
+    The merge planner is off: these tests check Alg. 3 as the paper has it."""
     base = dict(
+        merge_planner=False,
         max_batch=4,
         alpha=0.5,
         beta=0.3,

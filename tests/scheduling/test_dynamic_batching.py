@@ -102,8 +102,10 @@ def test_starvation_batch_serves_starving_first_and_fills_fcfs():
 
 
 def roomy(**kw) -> BatchingConfig:
-    """Credits that never bind, so the test sees Alg. 1 alone."""
-    base = dict(alpha=0.5, beta=0.3, initial_credit=100.0, t_starve=1000.0, t_normal=500.0, max_batch=10)
+    """Credits that never bind and no merge planner, so the test sees Alg. 1 alone."""
+    base = dict(
+        merge_planner=False, alpha=0.5, beta=0.3, initial_credit=100.0, t_starve=1000.0, t_normal=500.0, max_batch=10
+    )
     return BatchingConfig(**{**base, **kw})
 
 

@@ -38,11 +38,11 @@ def test_merged_serves_oldest_model_and_never_mixes():
     assert (d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) == (Mode.MERGED, "B", Switch.MERGE, ("b0", "b1"))
     rs = rs[1:3] + rs[3:]  # b0 done: B still has b1, stays merged
     assert p.decide(rs, 1.0).allowed_req_ids == ("b1",)
-    rs = [r for r in rs if r.adapter != "B"]  # B's queue empty: oldest is A -> UNMERGE then MERGE
+    rs = [r for r in rs if r.adapter != "B"]  # B's queue empty: oldest is A -> straight from B to A
     d = p.decide(rs, 2.0)
-    assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.UNMERGED, Switch.UNMERGE, ("a0",))
+    assert (d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) == (Mode.MERGED, "A", Switch.MERGE, ("a0",))
     d = p.decide(rs, 3.0)
-    assert (d.mode, d.merged_adapter, d.switch) == (Mode.MERGED, "A", Switch.MERGE)
+    assert (d.mode, d.merged_adapter, d.switch) == (Mode.MERGED, "A", Switch.NONE)
     rs = [r for r in rs if r.adapter != "A"]  # only base left: unmerge, base requests alone
     d = p.decide(rs, 4.0)
     assert (d.mode, d.switch, d.allowed_req_ids) == (Mode.UNMERGED, Switch.UNMERGE, ("n0",))
@@ -52,8 +52,8 @@ def test_merged_moves_on_after_its_bound_while_others_wait():
     p = MergedPolicy(BatchingConfig(max_batch=8, merged_max_iters=3))
     rs = [req("a0", "A", 0.0), req("b0", "B", 1.0)]
     adapters = [p.decide(rs, float(t)).merged_adapter for t in range(8)]
-    # 3 steps on A; 3 steps for B: an unmerge step (B alone, unmerged) and 2 merged; back to A
-    assert adapters == ["A", "A", "A", None, "B", "B", None, "A"]
+    # 3 steps on A, 3 on B (switched to directly), back to A
+    assert adapters == ["A", "A", "A", "B", "B", "B", "A", "A"]
     solo = MergedPolicy(BatchingConfig(max_batch=8, merged_max_iters=3))
     assert {solo.decide([req("a0", "A", 0.0)], float(t)).merged_adapter for t in range(10)} == {"A"}
 

@@ -165,7 +165,13 @@ def test_policy_feeds_measured_switch_time_into_t_m():
 def _one_hot_adapter_sim(switch_time: float, **cfg) -> DLoRAPolicy:
     """A steady 9 A + 1 other long requests: ratio 0.9, not > alpha 0.9 at first."""
     config = BatchingConfig(
-        max_batch=10, break_period_iters=8, initial_credit=50.0, t_starve=100.0, t_normal=60.0, **cfg
+        max_batch=10,
+        break_period_iters=8,
+        initial_credit=50.0,
+        t_starve=100.0,
+        t_normal=60.0,
+        merge_planner=False,  # Alg. 2 alone
+        **cfg,
     )
     p = DLoRAPolicy(config)
     sim = StepSim(p, 10, flat_cost(0.05), switch_time=switch_time)

@@ -58,7 +58,7 @@ def test_merged_policy_pays_cold_and_cached_merges_and_holds_the_other_adapter_b
     r = sim("merged").run(reqs)
     # a merged (cold), then unmerge + b merged (cold; the 1-entry cache drops a), later back to a (cold)
     assert r.cold_merges == 3 and r.switches == 5
-    assert r.merged_steps == r.steps - 2  # each change of model runs one step unmerged (MergedPolicy)
+    assert r.merged_steps == r.steps  # it changes the merged adapter straight, never running unmerged
     assert r.held_back_request_seconds > 0
     roomy = sim("merged", costs=StepCosts(**{**COSTS.__dict__, "merged_cache_entries": 2})).run(reqs)
     assert roomy.cold_merges == 2  # a stays cached

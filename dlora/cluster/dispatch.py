@@ -12,7 +12,8 @@ A replica where max_loras other adapters already have requests is charged the wa
 them to drain (`batch_slot_wait`), so a cold adapter's requests gather where it already runs
 instead of queueing behind four others.
 A replica whose KV use is at or above `kv_high` counts as overloaded and is skipped while any
-other can take the request, and a non-holder with no free adapter slot cannot take it at all.
+other can take the request, and a non-holder with no free adapter slot, or (with a host cache in
+bytes) too few bytes that it could free for the adapter's weights, cannot take it at all.
 
 The round-robin and least-loaded policies are the baselines of `bench/cluster_balancing`.
 """
@@ -25,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dlora.cluster.errors import ClusterError
 from dlora.cluster.estimators.cost_model import (
     CostParams,
     batch_slot_wait,
@@ -46,8 +48,12 @@ class DispatchDecision:
     pending_s: float  # estimated pending time on that replica, load and own work included
 
 
-class NoEligibleReplica(RuntimeError):
-    """No healthy replica can take the request (none holds its adapter nor has a free slot)."""
+class NoEligibleReplica(ClusterError):
+    """No healthy replica can take the request now: none holds its adapter, and none has a free
+    adapter slot (and, with a host cache in bytes, the room for its weights) that requests in
+    flight and pinned adapters leave. A 503: a retry after some requests end may find room."""
+
+    http_status = 503
 
 
 def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
@@ -106,9 +112,12 @@ class DispatchPolicy(ABC):
 
     @staticmethod
     def _eligible(replicas: Sequence[ReplicaView], req: RequestLoad) -> list[ReplicaView]:
-        eligible = [v for v in replicas if v.can_take(req.adapter)]
+        eligible = [v for v in replicas if v.can_take(req.adapter, req.adapter_bytes)]
         if not eligible:
-            raise NoEligibleReplica(f"no healthy replica holds {req.adapter!r} or has a free adapter slot")
+            raise NoEligibleReplica(
+                f"no replica holds adapter {req.adapter!r} or has room to load it now (every adapter slot or "
+                "host cache byte is taken by pinned adapters or adapters with requests in flight); retry later"
+            )
         return eligible
 
 

@@ -59,6 +59,12 @@ class HostCache:
     def free_bytes(self) -> int:
         return self.budget_bytes - self.used_bytes
 
+    def room(self, in_use: Collection[int] = ()) -> int:
+        """Bytes a new adapter could have, every adapter that `admit` may unload unloaded (all but
+        the pinned ones and `in_use`)."""
+        kept = sum(e.size_bytes for i, e in self._entries.items() if e.pinned or i in in_use)
+        return self.budget_bytes - kept
+
     def ids(self) -> list[int]:
         """Held adapters, least recently used first."""
         return list(self._entries)

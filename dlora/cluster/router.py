@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -140,6 +140,7 @@ class RequestState:
             running=self.admitted and not self.preempted,
             queued_since=self.queued_since,
             arrival=self.arrival,
+            adapter_bytes=self.request.adapter.size_bytes if self.request.adapter is not None else 0,
         )
 
 
@@ -420,7 +421,18 @@ class Router:
             batch_adapter_slots=self.cfg.batch_adapter_slots,
             max_running=self.cfg.max_batch,
             healthy=slot.healthy,
+            adapter_bytes_free=self._cache_room(slot, totals),
         )
+
+    def _cache_room(self, slot: ReplicaSlot, totals: LoadTotals | None) -> int | None:
+        """`ReplicaView.adapter_bytes_free`: the slot's host cache room, its adapters with requests
+        kept (from the replica's sums where dispatch has them; else every request's current leg)."""
+        if slot.cache is None:
+            return None
+        if totals is None:
+            return slot.cache.room(self.in_use_on(slot))
+        busy = totals.adapters_in_use()
+        return slot.cache.room({i for i, name in slot.loaded.items() if name in busy})
 
     def host_bytes(self, st: ReplicaStats) -> int:
         """Bytes of the adapters a replica's stats list in its host cache (sizes as registered)."""
@@ -519,8 +531,9 @@ class Router:
                 choosing = self.clock()
                 slot = await self._in_time(state, self._choose(state))
                 self.queue_times.router_wait(req.request_id, self.clock() - choosing)
+                leg = self._run_on(slot, current, state)
                 try:
-                    async for delta in self._run_on(slot, current, state):
+                    async for delta in leg:
                         if delta.finished:  # before the yield: the client may close the stream on it
                             self._finished(state, delta)
                         yield delta
@@ -540,6 +553,11 @@ class Router:
                         raise ResubmissionLimit(f"request failed on {state.failures} replicas; giving up") from e
                     log.warning("request %s: %s; resubmitting after %d tokens", req.request_id, e, len(state.generated))
                     self.counters["resubmissions"] += 1
+                finally:
+                    # Close the leg now (a no-op once it ran out): its cleanup, the replica's sums that
+                    # dispatch reads among it, would otherwise wait for the event loop to finalize an
+                    # abandoned generator when the request ends or its client goes away.
+                    await leg.aclose()
                 state.resubmissions += 1
                 current = state.continuation()
                 if current.sampling.max_tokens <= 0:
@@ -562,7 +580,7 @@ class Router:
         if delta.finish_reason in ("stop", "length"):
             self.output_lengths.observe(state.adapter, len(state.generated))
 
-    async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncIterator[Delta]:
+    async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncGenerator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""
         state.slot, state.queued_since = slot, self.clock()  # its load counts on `slot` from now
         self._recount(state)

@@ -36,6 +36,7 @@ class RequestLoad:
     # When the request first reached the cluster (same clock): every leg keeps it, and each engine
     # admits its queued requests in this order (vLLM's priority queue with equal priorities).
     arrival: float = 0.0
+    adapter_bytes: int = 0  # its adapter's weights: what a replica without it must find room for
 
     @property
     def context_tokens(self) -> int:
@@ -149,6 +150,9 @@ class ReplicaView:
     max_running: int = 1 << 20
     kv_usage: float | None = None
     healthy: bool = True
+    # With a host LoRA cache in bytes (engine.max_cpu_lora_mib): the bytes a new adapter could have
+    # there, every idle unpinned adapter unloaded; None: adapters are counted, not weighed.
+    adapter_bytes_free: int | None = None
     # Set by the router for dispatch instead of `requests` (which is then empty): the same
     # quantities, summed as requests come and go. Read at once, never kept (it is live).
     totals: LoadTotals | None = field(default=None, compare=False, repr=False)
@@ -209,9 +213,14 @@ class ReplicaView:
         in_use = self.adapters_in_use()
         return adapter is not None and adapter not in in_use and len(in_use) >= self.batch_adapter_slots
 
-    def can_take(self, adapter: AdapterName) -> bool:
-        """Healthy, and holds `adapter` or has a slot free to load it."""
-        return self.healthy and (self.holds(adapter) or self.free_adapter_slots() > 0)
+    def can_take(self, adapter: AdapterName, adapter_bytes: int = 0) -> bool:
+        """Healthy, and holds `adapter` or has a slot (and the bytes, where counted) free to load it."""
+        if not self.healthy:
+            return False
+        if self.holds(adapter):
+            return True
+        room = self.adapter_bytes_free
+        return self.free_adapter_slots() > 0 and (room is None or adapter_bytes <= room)
 
     def free_adapter_slots(self) -> int:
         """Adapters that can still be loaded (idle residents count as free: LRU evicts them)."""

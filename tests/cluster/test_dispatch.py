@@ -126,3 +126,21 @@ def test_registry_names_and_unknown_name_error():
     assert set(DISPATCH_POLICIES) == {"proactive", "round_robin", "least_loaded"}
     with pytest.raises(ValueError, match="supported are proactive, round_robin, least_loaded"):
         make_dispatch_policy("random")
+
+
+def test_non_holder_without_host_cache_room_for_the_adapter_bytes_cannot_take_it():
+    # Replica 1 has slots free but only 30 MB it could free (pinned and busy adapters keep the
+    # rest); a 40 MB adapter goes to the busier holder, a 20 MB one may go to replica 1.
+    import dataclasses
+
+    holder = make_replica(0, many("h", 20, "a", running=True, expected=200), resident={"a"})
+    tight = make_replica(1, adapter_bytes_free=30 * 2**20)
+    big = dataclasses.replace(NEW, adapter_bytes=40 * 2**20)
+    assert choose([holder, tight], big).replica_id == 0
+    small = dataclasses.replace(NEW, adapter_bytes=20 * 2**20)
+    assert (choose([holder, tight], small).replica_id, choose([holder, tight], small).load_adapter) == (1, True)
+    with pytest.raises(NoEligibleReplica, match="retry later") as err:
+        choose([tight], big)
+    assert err.value.http_status == 503
+    # a replica that holds the adapter takes it whatever its cache room
+    assert choose([make_replica(1, resident={"a"}, adapter_bytes_free=0)], big).replica_id == 1

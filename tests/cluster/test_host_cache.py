@@ -102,3 +102,13 @@ def test_discard_and_clear_free_their_bytes():
 def test_budget_must_be_positive():
     with pytest.raises(ValueError):
         HostCache(budget_bytes=0)
+
+
+def test_room_counts_what_admit_could_free():
+    cache = HostCache(budget_bytes=100)
+    cache.admit(1, 30, pinned=True)
+    cache.admit(2, 20, pinned=False)
+    cache.admit(3, 10, pinned=False)
+    assert cache.room() == 70  # 2 and 3 may be unloaded, 1 is pinned
+    assert cache.room(in_use={2}) == 50
+    assert cache.room(in_use={2, 3}) == 40 == cache.free_bytes

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
+from dlora.cluster.dispatch import NoEligibleReplica
+from dlora.cluster.host_cache import AdapterTooLarge
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
@@ -125,7 +126,9 @@ def test_pinned_and_busy_adapters_stay_and_a_load_with_no_room_fails_as_a_503():
         busy_c = asyncio.create_task(collect(router, request("long-c", C, n=100)))
         while C.int_id not in router.in_use_on(router.slots[0]):
             await asyncio.sleep(0.001)
-        with pytest.raises(HostCacheFull) as refused:
+        # dispatch sees that no replica could free B's bytes (P pinned, A and C busy): refused
+        # before any engine call, as a 503 the client may retry
+        with pytest.raises(NoEligibleReplica, match="retry later") as refused:
             await collect(router, request("b2", B))
         assert refused.value.http_status == 503
         assert sorted(replica.loaded) == [A.int_id, C.int_id, P.int_id]  # nothing was unloaded for it

@@ -206,8 +206,12 @@ class ClusterConfig:
     num_replicas: int = 1
     # Join an existing Ray cluster at this address; None starts a local one bound to 127.0.0.1.
     ray_address: str | None = None
-    # CPU cores to pin replicas to, one per replica (CPU only); empty means 0, 1, ... in order.
+    # CPU cores to pin replicas to, `cores_per_replica` per replica in order (CPU only); empty
+    # means the cores this process may use, in order.
     cpu_cores: tuple[int, ...] = ()
+    # Cores (and engine threads) per CPU replica. 1: one single-threaded engine per core, which
+    # on a 2-core machine serves more than one two-thread engine (bench/overhead/runs/).
+    cores_per_replica: int = 1
     # proactive (shortest estimated pending time, dLoRA) | least_loaded | round_robin
     dispatch: str = "proactive"
     # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
@@ -253,6 +257,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _check_kinds(self, "cluster")
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
+        _check(self.cores_per_replica >= 1, "cluster.cores_per_replica", self.cores_per_replica, "must be >= 1")
         _check(
             self.dispatch in ("proactive", "least_loaded", "round_robin"),
             "cluster.dispatch",

@@ -31,7 +31,7 @@ def init_ray(cfg: DloraConfig) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ray.init(
-        num_cpus=max(cores, cfg.cluster.num_replicas),
+        num_cpus=max(cores, cfg.cluster.num_replicas * cfg.cluster.cores_per_replica),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _temp_dir=env.DLORA_RAY_TEMP_DIR.get(),
@@ -71,15 +71,18 @@ def cluster_has_gpus(n: int) -> bool:
     return ray.cluster_resources().get("GPU", 0) >= n
 
 
-def replica_cores(cfg: DloraConfig) -> list[int | None]:
-    """The CPU core each replica is pinned to (None on GPU nodes or unknown affinity)."""
+def replica_cores(cfg: DloraConfig) -> list[tuple[int, ...] | None]:
+    """The CPU cores each replica is pinned to, `cluster.cores_per_replica` each, taken in order
+    from `cluster.cpu_cores` (else this process's cores) and wrapping around (None on GPU nodes
+    or unknown affinity)."""
     if cfg.cluster.cpu_cores:
         cores = list(cfg.cluster.cpu_cores)
     elif hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
     else:
         return [None] * cfg.cluster.num_replicas
-    return [cores[i % len(cores)] for i in range(cfg.cluster.num_replicas)]
+    k = cfg.cluster.cores_per_replica
+    return [tuple(cores[(i * k + j) % len(cores)] for j in range(k)) for i in range(cfg.cluster.num_replicas)]
 
 
 def create_replicas(cfg: DloraConfig, model_path: str) -> list[Replica]:

@@ -33,3 +33,15 @@ def test_an_unreachable_cluster_says_so_in_one_line():
         "cluster.ray_address='10.0.0.5:6379': could not join the Ray cluster: "
         "ConnectionError: Failed to connect to Ray cluster at 10.0.0.5:6379"
     )
+
+
+def test_replicas_get_their_cores_in_order_cores_per_replica_each():
+    from dlora.cluster.launcher import replica_cores
+    from dlora.config import ClusterConfig, DloraConfig
+
+    def cores(**cluster):
+        return replica_cores(DloraConfig(cluster=ClusterConfig(**cluster)))
+
+    assert cores(num_replicas=2, cpu_cores=(3, 5)) == [(3,), (5,)]
+    assert cores(num_replicas=1, cpu_cores=(0, 1), cores_per_replica=2) == [(0, 1)]
+    assert cores(num_replicas=3, cpu_cores=(0, 1, 2, 3), cores_per_replica=2) == [(0, 1), (2, 3), (0, 1)]  # wraps

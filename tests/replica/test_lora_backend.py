@@ -408,3 +408,29 @@ def test_the_choice_reaches_the_replica_env(monkeypatch):
         env.DLORA_LORA_BACKEND.get()
     monkeypatch.delenv("DLORA_LORA_BACKEND")
     assert env.DLORA_LORA_BACKEND.get() == "vllm"
+
+
+def test_a_new_adapter_in_one_slot_rereads_that_slot_only():
+    # What vLLM does when it activates an adapter: writes it into a slot's stacks (bumping their
+    # version) and maps the slot to the new id. The other slots' packed rows are kept as they were
+    # (the same tensors), the changed slot's are read again, and the result is still exact.
+    from vllm.lora.layers import LoRAMapping
+
+    a, b = stacks()
+    w = wrapper(PunicaWrapperEinsum, PREFILL, True)
+    first = w.__dict__.setdefault("_dlora_pack_cache", {})
+    w._dlora_packed(a[0], b[0])
+    (before,) = first.values()
+    new_a, new_b = stacks(seed=7)
+    a[0][1, 0].copy_(new_a[0][1, 0])
+    b[0][1, 0].copy_(new_b[0][1, 0])
+    ids = [11, 99, 13]  # slot 1 now holds adapter 99
+    w.update_metadata(LoRAMapping([99] * 3, [99] * 3, is_prefill=True), ids, SLOTS, 100)
+    packed = w._dlora_packed(a[0], b[0])
+    (after,) = first.values()  # one entry per stack: replaced, not added
+    assert after.slots[0] is before.slots[0] and after.slots[2] is before.slots[2]
+    assert after.slots[1] is not before.slots[1] and after.slots[1].lora_id == 99
+    assert packed.ranks == tuple(RANKS)
+    lo, hi = RANKS[0], RANKS[0] + RANKS[1]
+    torch.testing.assert_close(packed.a[lo:hi], new_a[0][1, 0, : RANKS[1]])
+    torch.testing.assert_close(packed.b[lo:hi], new_b[0][1, 0, :, : RANKS[1]].t())

@@ -80,7 +80,7 @@ def test_restarted_actor_surfaces_replica_failure(ray_cluster):
 
     from dlora.replica.ray_replica import create_replica
 
-    replica = create_replica(0, DloraConfig(), "/models/m", core=None, gpu=False)
+    replica = create_replica(0, DloraConfig(), "/models/m", cores=None, gpu=False)
 
     def pid(actor_self) -> int:
         return os.getpid()

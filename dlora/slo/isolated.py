@@ -1,0 +1,42 @@
+"""A request's isolated execution time: how long it takes on a replica with nothing else to do.
+
+SeaLLM measures latency against it: the normalized latency (Eq. 1) divides a request's latency by
+its service's average isolated execution time L̂_s, and the evaluation's SLO is 5x the execution
+time. With one base model every adapter has the same per-token cost, so the isolated time follows
+from the replica's step-time model (`dlora.cluster.estimators.cost_model.CostParams`) and the
+request's lengths:
+
+    TTFT_iso = per_iteration_s + per_prefill_token_s * prompt_tokens    (one prefill step)
+    TPOT_iso = per_iteration_s + per_decode_token_s                      (a decode step of batch 1)
+    L_iso    = TTFT_iso + (output_tokens - 1) * TPOT_iso
+
+Unmerged cost (the LoRA term applied per request) is used: that is how a request of any adapter
+runs when it is alone and the replica does not merge for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlora.cluster.estimators.cost_model import CostParams, step_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class IsolatedTimes:
+    """The TTFT and the time per output token of one request running alone."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def execution_s(self, output_tokens: int) -> float:
+        """End-to-end time of a request with `output_tokens` outputs: the first token comes with the
+        prefill, each further one costs one decode step."""
+        return self.ttft_s + max(0, output_tokens - 1) * self.tpot_s
+
+
+def isolated_times(params: CostParams, prompt_tokens: int) -> IsolatedTimes:
+    """The isolated TTFT and TPOT of a request with `prompt_tokens` on a replica priced by `params`."""
+    return IsolatedTimes(
+        ttft_s=params.per_iteration_s + params.per_prefill_token_s * max(0, prompt_tokens),
+        tpot_s=step_seconds(params, 1),
+    )

@@ -90,6 +90,13 @@ class AdapterCounts:
             return None
         return self.latency_sum_s / mean_iso
 
+    @property
+    def mean_normalized_latency(self) -> float | None:
+        """L_N^a per request: how many times its average isolated execution time the adapter's
+        requests took, on average (1 = as fast as alone)."""
+        total = self.normalized_latency
+        return None if total is None else total / self.requests
+
 
 class AttainmentCounter:
     """Per-adapter attainment and normalized latency, fed one finished request at a time."""
@@ -122,6 +129,10 @@ class AttainmentCounter:
 
     def adapters(self) -> list[AdapterName]:
         return list(self._by_adapter)
+
+    def forget(self, adapter: AdapterName) -> None:
+        """Drop the adapter's counts (it was unregistered: nothing of it is served or reported)."""
+        self._by_adapter.pop(adapter, None)
 
     def counts(self, adapter: AdapterName) -> AdapterCounts:
         """A copy of the adapter's counts (zeros if it has none)."""

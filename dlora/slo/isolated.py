@@ -12,13 +12,22 @@ request's lengths:
 
 Unmerged cost (the LoRA term applied per request) is used: that is how a request of any adapter
 runs when it is alone and the replica does not merge for it.
+
+A cluster prices isolation with the mean of its replicas' coefficients (`mean_params`): the times
+above are linear in them, so that is the replicas' mean isolated time, and a request's isolated time
+does not depend on which replica it happened to run on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlora.cluster.estimators.cost_model import CostParams, step_seconds
+
+# The coefficients isolated times are made of (what `mean_params` averages and the admin API shows).
+ISOLATED_COEFFICIENTS = ("per_iteration_s", "per_decode_token_s", "per_prefill_token_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +49,12 @@ def isolated_times(params: CostParams, prompt_tokens: int) -> IsolatedTimes:
         ttft_s=params.per_iteration_s + params.per_prefill_token_s * max(0, prompt_tokens),
         tpot_s=step_seconds(params, 1),
     )
+
+
+def mean_params(params: Sequence[CostParams]) -> CostParams:
+    """The replicas' coefficients averaged (the rest taken from the first): isolated times computed
+    from it are the mean of the replicas' isolated times. With no replica, the priors."""
+    if not params:
+        return CostParams()
+    means = {name: sum(getattr(p, name) for p in params) / len(params) for name in ISOLATED_COEFFICIENTS}
+    return dataclasses.replace(params[0], **means)

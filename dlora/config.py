@@ -1,14 +1,16 @@
 """Frozen configuration dataclasses, filled from YAML and overridden by CLI flags.
 
 One tree: `DloraConfig` holds `ModelConfig`, `EngineConfig`, `ServerConfig`, `ClusterConfig`,
-`SchedulingConfig` and the adapters registered at start. Relative paths in a YAML file are
-resolved against the directory of that file, so `dlora serve --config X` works from anywhere.
+`SchedulingConfig`, `SloTargetsConfig` and the adapters registered at start. Relative paths in a
+YAML file are resolved against the directory of that file, so `dlora serve --config X` works from
+anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from dlora import env
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig
 from dlora.kinds import kind_error
 from dlora.scheduling import BatchingConfig, policy_names
+from dlora.slo.config import AdapterSlo, SloConfig, parse_adapter_slo
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -32,6 +35,15 @@ class ConfigError(ValueError):
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
     if not cond:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _as_config_error(check: Callable[[], Any]) -> None:
+    """Run a check written outside this module (it raises ValueError naming the key) so that its
+    failure is a ConfigError like every other bad value here."""
+    try:
+        check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_kinds(obj: Any, section: str) -> None:
@@ -350,10 +362,7 @@ class SchedulingConfig(BatchingConfig):
     policy: str = "unmerged"
 
     def __post_init__(self) -> None:
-        try:
-            super().__post_init__()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        _as_config_error(super().__post_init__)
         _check(
             self.policy in policy_names(),
             "scheduling.policy",
@@ -371,13 +380,41 @@ class SchedulingConfig(BatchingConfig):
 
 
 @dataclass(frozen=True)
+class SloTargetsConfig:
+    """`slo:` = the latency targets a request is held to when its adapter has none of its own (and
+    always for the base model). Requests are judged against them after they finish (attainment and
+    normalized latency in /metrics: docs/metrics.md); nothing is scheduled differently."""
+
+    # Absolute default targets in seconds, both or neither; null: SeaLLM's relative default,
+    # relative_k x the request's isolated TTFT and time per output token (dlora.slo.config).
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    relative_k: float = SloConfig.relative_k
+
+    def __post_init__(self) -> None:
+        _check_kinds(self, "slo")
+        _as_config_error(self.policy)
+
+    def policy(self) -> SloConfig:
+        """The SLO policy's own config (`dlora.slo.config.SloConfig`, which checks these values)."""
+        return SloConfig(ttft_s=self.ttft_s, tpot_s=self.tpot_s, relative_k=self.relative_k)
+
+
+@dataclass(frozen=True)
 class AdapterSpec:
     name: str
     path: str
     pinned: bool = False
+    # Its own latency targets, {ttft_s, tpot_s} in YAML; null: the `slo:` default applies.
+    slo: AdapterSlo | None = None
 
     def __post_init__(self) -> None:
         _check_kinds(self, "adapters")
+        try:
+            # YAML gives a mapping; parse_adapter_slo checks it and names the bad key (slo.<key>).
+            object.__setattr__(self, "slo", parse_adapter_slo(self.slo))
+        except ValueError as e:
+            raise ConfigError(f"adapters.{e} (adapter {self.name!r})") from None
 
 
 @dataclass(frozen=True)
@@ -387,6 +424,7 @@ class DloraConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    slo: SloTargetsConfig = field(default_factory=SloTargetsConfig)
     adapters: tuple[AdapterSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -427,6 +465,7 @@ _SECTIONS = {
     "server": ServerConfig,
     "cluster": ClusterConfig,
     "scheduling": SchedulingConfig,
+    "slo": SloTargetsConfig,
 }
 
 

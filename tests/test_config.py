@@ -71,6 +71,19 @@ adapters:
         ("server: {port: true}", r"server.port=True: must be a whole number$"),
         ("model: {dtype: 16}", r"model.dtype=16: must be a string$"),
         ("adapters: [{name: a, path: /a, pinned: 'yes'}]", r"adapters.pinned='yes': must be true or false$"),
+        # slo: the default SLO, and an adapter's own
+        ("slo: {ttft_s: 0.4}", r"^slo.tpot_s=None: set both slo.ttft_s and slo.tpot_s"),
+        ("slo: {ttft_s: -1, tpot_s: 0.1}", r"^slo.ttft_s=-1: must be a finite number of seconds > 0$"),
+        ("slo: {ttft_s: .nan, tpot_s: 0.1}", r"^slo.ttft_s=nan: must be a finite number of seconds > 0$"),
+        ("slo: {ttft_s: 1, tpot_s: '0.1'}", r"^slo.tpot_s='0.1': must be a number \(or null\)$"),
+        ("slo: {relative_k: 0.5}", r"^slo.relative_k=0.5: must be a finite number >= 1"),
+        ("slo: {relative_k: true}", r"^slo.relative_k=True: must be a number$"),
+        ("slo: {order: seallm}", r"^slo: unknown key\(s\) \['order'\]"),  # policies not served yet
+        ("slo: [1]", r"^slo: expected a mapping"),
+        ("adapters: [{name: a, path: /a, slo: {ttft_s: 0, tpot_s: 1}}]", r"^adapters.slo.ttft_s=0: must be a finite"),
+        ("adapters: [{name: a, path: /a, slo: {ttft_s: 1}}]", r"^adapters.slo.tpot_s: missing .*\(adapter 'a'\)$"),
+        ("adapters: [{name: a, path: /a, slo: {ttft: 1, tpot_s: 1}}]", r"^adapters.slo.ttft: unknown key"),
+        ("adapters: [{name: a, path: /a, slo: 0.5}]", r"^adapters.slo=0.5: must be an object with ttft_s and tpot_s"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, text, match):
@@ -235,3 +248,26 @@ def test_dlora_lora_backends_refuse_cuda_graphs():
         config.from_dict({"engine": {"lora_backend": "einsum", "enforce_eager": False}})
     assert not config.from_dict({"engine": {"lora_backend": "vllm", "enforce_eager": False}}).engine.enforce_eager
     assert config.from_dict({"engine": {"lora_backend": "triton"}}).engine.enforce_eager  # the default
+
+
+def test_slo_section_defaults_to_the_relative_slo_and_maps_onto_the_policy_config(tmp_path):
+    from dlora.server.state import router_config
+    from dlora.slo.config import AdapterSlo, SloConfig
+
+    default = config.DloraConfig()
+    assert default.slo.policy() == SloConfig()  # relative, k = 5 (SeaLLM)
+    assert router_config(default).slo.relative and router_config(default).slo.relative_k == 5.0
+    cfg = config.load(
+        write(
+            tmp_path,
+            """
+slo: {ttft_s: 0.4, tpot_s: 0.02}
+adapters:
+  - {name: a, path: /a/a, slo: {ttft_s: 1, tpot_s: 0.05}}
+  - {name: b, path: /a/b}
+""",
+        )
+    )
+    assert router_config(cfg).slo == SloConfig(ttft_s=0.4, tpot_s=0.02)  # what the router judges by
+    assert cfg.adapters[0].slo == AdapterSlo(1, 0.05) and cfg.adapters[1].slo is None
+    assert config.load(write(tmp_path, "slo: {relative_k: 2.5}")).slo.policy().relative_k == 2.5

@@ -35,6 +35,7 @@ from dlora.adapters.validate import (
 from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
 from dlora.cluster.router import Router
 from dlora.replica.messages import AdapterRef
+from dlora.slo.config import AdapterSlo
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,11 @@ class AdapterManager:
         check_roots: bool = True,
         version: int = 1,
         inplace: bool = False,
+        slo: AdapterSlo | None = None,
     ) -> AdapterRecord:
         """Validate, load (on one replica, on every one if pinned: `Router.place`), then record;
-        raise on any problem. With `inplace`, a registered name gets a new version instead (`_update`)."""
+        raise on any problem. With `inplace`, a registered name gets a new version instead (`_update`),
+        which keeps its SLO unless `slo` gives a new one; None elsewhere: the server's default SLO."""
         if not name or name == self.base_model_name:
             raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
         if check_roots and self.roots and not is_under_roots(path, self.roots):
@@ -230,12 +233,12 @@ class AdapterManager:
         async with self._lock:
             roots = self.roots if check_roots and self.roots else None
             if inplace and name in self.registry:
-                return await self._update(name, path, roots)
+                return await self._update(name, path, roots, slo)
             if name in self.registry:
                 raise AdapterExistsError(name)
             self._check_pin_room(name, pinned)
             info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-            rec = await self._load_and_commit(self.registry.new_record(name, info, pinned, source, version))
+            rec = await self._load_and_commit(self.registry.new_record(name, info, pinned, source, version, slo))
             if snap is not None:
                 self._snapshots[name] = snap
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
@@ -246,7 +249,8 @@ class AdapterManager:
         new version where the one it is `replacing` is loaded), then record it: an engine has
         accepted it before any request can name it, and other replicas load it when a request
         needs it there. If an engine refuses it, or recording it fails, the loads that did happen
-        are undone, so no replica keeps a version nobody can name."""
+        are undone, so no replica keeps a version nobody can name. Once recorded, the router judges
+        the adapter's requests by its SLO."""
         try:
             await self.router.place(ref_of(rec), pinned=rec.pinned, replacing=replacing)
         except (AdapterTooLarge, HostCacheFull) as e:
@@ -256,12 +260,16 @@ class AdapterManager:
             await self.router.unload_everywhere(rec.int_id)
             raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
         try:
-            return self.registry.commit(rec)
+            committed = self.registry.commit(rec)
         except BaseException:
             await self.router.unload_everywhere(rec.int_id)
             raise
+        self.router.slo.set_target(committed.name, committed.slo)
+        return committed
 
-    async def _update(self, name: str, path: str, roots: tuple[str, ...] | None) -> AdapterRecord:
+    async def _update(
+        self, name: str, path: str, roots: tuple[str, ...] | None, slo: AdapterSlo | None
+    ) -> AdapterRecord:
         """A new version under a new int_id, loaded where the old one is before new requests may name it;
         requests already holding the old version finish on it, then it is unloaded (`_retire`).
         The new files get their own snapshot path, which keys vLLM's prefix cache and dlora's
@@ -275,7 +283,7 @@ class AdapterManager:
         if old.pinned:
             self._check_pin_room(name, True)  # both versions are pinned until the old one is retired
         info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
-        new = await self._load_and_commit(self.registry.next_version(name, info), replacing=old.int_id)
+        new = await self._load_and_commit(self.registry.next_version(name, info, slo), replacing=old.int_id)
         if snap is not None:
             self._snapshots[name] = snap
         self._reported.discard(name)
@@ -367,6 +375,7 @@ class AdapterManager:
             # there would kill it.
             self._snapshots.pop(name, None)
             self._reported.discard(name)
+            self.router.slo.forget(name)  # its SLO counts and /metrics series go with it
             await self.router.unload_everywhere(rec.int_id)
         log.info("unregistered adapter %s", name)
         return rec
@@ -377,7 +386,7 @@ class AdapterManager:
         persisted = self.registry.load_persisted()  # read before any add() rewrites the file
         for spec in config_specs:
             try:
-                await self.register(spec.name, spec.path, spec.pinned, source="config", check_roots=False)
+                await self.register(spec.name, spec.path, spec.pinned, source="config", check_roots=False, slo=spec.slo)
             except (AdapterValidationError, AdapterExistsError) as e:
                 problems.append(f"config adapter {spec.name}: {e}")
         for rec in persisted:
@@ -385,7 +394,7 @@ class AdapterManager:
                 continue
             try:
                 await self.register(
-                    rec.name, rec.path, rec.pinned, source="api", check_roots=False, version=rec.version
+                    rec.name, rec.path, rec.pinned, source="api", check_roots=False, version=rec.version, slo=rec.slo
                 )
             except (AdapterValidationError, AdapterExistsError) as e:
                 problems.append(f"persisted adapter {rec.name}: {e}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from dlora.adapters import registry_store as store
 from dlora.adapters.registry_store import CorruptRegistryFile, RegistryPersistError
 from dlora.adapters.validate import AdapterInfo
+from dlora.slo.config import AdapterSlo, parse_adapter_slo
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,19 @@ class AdapterRecord:
     source: str = "api"
     # 1 at registration, +1 for each in-place update (`load_inplace`); each version has its own int_id.
     version: int = 1
+    # Its own latency targets; None: the server's default (`slo:`). Kept by an in-place update.
+    slo: AdapterSlo | None = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = asdict(self)  # slo: {"ttft_s", "tpot_s"} or None
         d["target_modules"] = list(self.target_modules)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> AdapterRecord:
-        return cls(**{**d, "target_modules": tuple(d["target_modules"])})
+        """A saved entry (files written before SLOs existed have no "slo": the default applies);
+        a bad "slo" raises ValueError naming the key."""
+        return cls(**{**d, "target_modules": tuple(d["target_modules"]), "slo": parse_adapter_slo(d.get("slo"))})
 
 
 class AdapterRegistry:
@@ -76,22 +81,30 @@ class AdapterRegistry:
         return sorted(self._records.values(), key=lambda r: r.int_id)
 
     def add(
-        self, name: str, info: AdapterInfo, pinned: bool = False, source: str = "api", version: int = 1
+        self,
+        name: str,
+        info: AdapterInfo,
+        pinned: bool = False,
+        source: str = "api",
+        version: int = 1,
+        slo: AdapterSlo | None = None,
     ) -> AdapterRecord:
         """Record and persist; a failed save undoes the record (RegistryPersistError), so memory and
         disk always agree."""
         if name in self._records:
             raise AdapterExistsError(name)
-        return self.commit(self.new_record(name, info, pinned, source, version))
+        return self.commit(self.new_record(name, info, pinned, source, version, slo))
 
-    def next_version(self, name: str, info: AdapterInfo) -> AdapterRecord:
+    def next_version(self, name: str, info: AdapterInfo, slo: AdapterSlo | None = None) -> AdapterRecord:
         """A new version of a registered adapter under a new int_id (so nothing computed with the old
         weights, in any engine, can be taken for the new), not yet recorded: `commit` it once every
-        engine has loaded it."""
+        engine has loaded it. It keeps the old version's SLO unless given one."""
         old = self.get(name)
-        return self.new_record(name, info, old.pinned, old.source, old.version + 1)
+        return self.new_record(name, info, old.pinned, old.source, old.version + 1, slo or old.slo)
 
-    def new_record(self, name: str, info: AdapterInfo, pinned: bool, source: str, version: int) -> AdapterRecord:
+    def new_record(
+        self, name: str, info: AdapterInfo, pinned: bool, source: str, version: int, slo: AdapterSlo | None = None
+    ) -> AdapterRecord:
         """A record with a fresh int_id, not yet in the registry."""
         rec = AdapterRecord(
             name=name,
@@ -104,6 +117,7 @@ class AdapterRegistry:
             pinned=pinned,
             source=source,
             version=version,
+            slo=slo,
         )
         self._next_id += 1  # not undone on failure: ids are never reused, a gap is harmless
         return rec

@@ -7,7 +7,8 @@ Modules, one concept each:
 - `trace`: Azure Functions 2019 per-minute trace replay mapped to adapters as in dLoRA;
 - `workload`: `WorkloadSpec` → `generate_workload` → `list[Request]`, JSONL save/load;
 - `client`: streaming OpenAI client timing TTFT/ITL/E2EL; `runner`: `run_benchmark`, `run_sweep`;
-- `report`, `summary`, `plot`: metrics, the printed block, PNGs; `cli`, `command`: the subcommand.
+- `report`, `summary`, `plot`: metrics, the printed block, PNGs; `cli`, `command`: the subcommand;
+- `adapter_slo`: per-adapter SLO attainment and normalized latency against a dlora server's SLOs.
 
 Shared by the benchmark scripts under bench/ (one folder per question):
 - `servers`: random adapters, server processes, /metrics samples, result files;

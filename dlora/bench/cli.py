@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--model", help="base model id (default: the base model the server lists)")
     s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--admin-token",
+        help="a dlora server's server.admin_token, to read its GET /v1/adapters for the per-adapter SLO report",
+    )
     s.add_argument("--tokenizer", help="HF tokenizer path: exact prompt lengths instead of an estimate")
     s.add_argument("--timeout", default="21600", help="per-request timeout in seconds (default 6 h, as vLLM)")
 

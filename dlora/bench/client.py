@@ -164,11 +164,12 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def fetch_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
-    """The entries of GET /v1/models; raises ServerUnreachable with one clear line otherwise."""
-    url = base_url.rstrip("/") + "/v1/models"
+async def _get_list(base_url: str, path: str, token: str | None, timeout: float) -> dict:
+    """The JSON object `{"data": [...], ...}` GET `path` answers; raises ServerUnreachable with one
+    clear line otherwise."""
+    url = base_url.rstrip("/") + path
     try:
-        async with httpx.AsyncClient(timeout=timeout, headers=_headers(api_key)) as client:
+        async with httpx.AsyncClient(timeout=timeout, headers=_headers(token)) as client:
             resp = await client.get(url)
     except httpx.HTTPError as e:
         raise ServerUnreachable(
@@ -177,9 +178,23 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout: float
     if resp.status_code != 200:
         raise ServerUnreachable(f"GET {url} answered HTTP {resp.status_code}: {_error_message(resp.text)}")
     try:
-        return list(resp.json()["data"])
-    except (ValueError, KeyError, TypeError):
-        raise ServerUnreachable(f"GET {url} did not return an OpenAI model list") from None
+        body = resp.json()
+        if isinstance(body, dict) and isinstance(body["data"], list):
+            return body
+    except (ValueError, KeyError):
+        pass
+    raise ServerUnreachable(f"GET {url} did not return a list object")
+
+
+async def fetch_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict]:
+    """The entries of GET /v1/models; raises ServerUnreachable with one clear line otherwise."""
+    return list((await _get_list(base_url, "/v1/models", api_key, timeout))["data"])
+
+
+async def fetch_adapter_list(base_url: str, admin_token: str | None = None, timeout: float = 10.0) -> dict:
+    """dlora's GET /v1/adapters (the registered adapters with their SLOs, docs/api.md), as sent;
+    raises ServerUnreachable saying why not (a server that is not dlora answers 404)."""
+    return await _get_list(base_url, "/v1/adapters", admin_token, timeout)
 
 
 def check_models(models: list[dict], wanted: list[str], base_url: str) -> None:

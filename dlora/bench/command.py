@@ -132,6 +132,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         slo_per_token_ms=cli.parse_number("--slo-per-token-ms", args.slo_per_token_ms, above=0),
         num_warmups=cli.parse_number("--num-warmups", args.num_warmups, int, minimum=0),
         api_key=args.api_key,
+        admin_token=args.admin_token,
         extra_body=cli.parse_json_object("--extra-body", args.extra_body),
         timeout=cli.parse_number("--timeout", args.timeout, above=0),
         disable_tqdm=args.disable_tqdm,

@@ -2,8 +2,9 @@
 
 `run_benchmark` is the library entry point (the CLI and tests call it): preflight GET /v1/models
 (unreachable server or unknown adapter → `BenchError`), optional warm-up, then every request is
-sent at its arrival time (bounded by `max_concurrency`), streamed and timed. Ctrl-C raises
-`BenchmarkInterrupted` carrying the result of the requests that finished.
+sent at its arrival time (bounded by `max_concurrency`), streamed and timed. Afterwards dlora's
+GET /v1/adapters is read for the per-adapter SLO report (`adapter_slo.py`; a server without it
+gets none). Ctrl-C raises `BenchmarkInterrupted` carrying the result of the requests that finished.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -22,6 +23,7 @@ import httpx
 from tqdm import tqdm
 
 from dlora.bench import client as oai
+from dlora.bench.adapter_slo import adapter_slo_report
 from dlora.bench.client import BenchError, RequestResult
 from dlora.bench.report import DLORA_SLO_PER_TOKEN_MS, compute_metrics, per_adapter_metrics
 from dlora.bench.summary import format_result
@@ -48,6 +50,7 @@ class _Run:
     t0: float | None = None
     end: float | None = None
     results: dict[str, RequestResult] = field(default_factory=dict)
+    adapter_list: dict[str, Any] | None = None  # dlora's GET /v1/adapters, read after the requests
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class RunOptions:
     slo_per_token_ms: float = DLORA_SLO_PER_TOKEN_MS
     num_warmups: int = 0
     api_key: str | None = None
+    # Bearer token for dlora's GET /v1/adapters (the server's server.admin_token), read for the SLO report
+    admin_token: str | None = None
     extra_body: dict[str, Any] | None = None
     timeout: float = 6 * 3600.0
     disable_tqdm: bool = False
@@ -153,6 +158,29 @@ async def _drive(run: _Run, base_url: str, requests: Sequence[Request], opts: Ru
             run.end = time.perf_counter()
         finally:
             pbar.close()
+    run.adapter_list = await _adapter_list(base_url, opts)
+
+
+async def _adapter_list(base_url: str, opts: RunOptions) -> dict[str, Any] | None:
+    """dlora's adapter list with its SLOs; None, said on stderr, where the server has none to give."""
+    try:
+        return await oai.fetch_adapter_list(base_url, opts.admin_token)
+    except BenchError as e:
+        print(f"no per-adapter SLO report: {e}", file=sys.stderr)
+        return None
+
+
+def _adapter_slo(
+    results: Sequence[RequestResult], adapter_list: Mapping[str, Any] | None, model: str | None
+) -> dict[str, Any] | None:
+    """The SLO report of `results`; None without a list that carries SLOs (said on stderr)."""
+    if adapter_list is None:
+        return None
+    try:
+        return adapter_slo_report(results, adapter_list, model)
+    except ValueError as e:
+        print(f"no per-adapter SLO report: {e}", file=sys.stderr)
+        return None
 
 
 def build_result(
@@ -168,8 +196,10 @@ def build_result(
     tokenizer_id: str | None = None,
     workload: dict[str, Any] | None = None,
     interrupted: bool = False,
+    adapter_list: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The result dict: vLLM's fields in vLLM's order, then ours (per_adapter, dLoRA metrics, ...)."""
+    """The result dict: vLLM's fields in vLLM's order, then ours (per_adapter, dLoRA metrics, the
+    per-adapter SLO report judged against `adapter_list`, dlora's GET /v1/adapters, ...)."""
     backend = "openai-chat" if oai.is_chat(opts.endpoint) else "openai"
     rate = "inf" if request_rate is None or math.isinf(request_rate) else request_rate
     m = compute_metrics(run_results, duration_s, opts.percentiles, opts.goodput_ms, opts.slo_per_token_ms)
@@ -215,6 +245,8 @@ def build_result(
     r["per_adapter"] = per_adapter_metrics(
         run_results, duration_s, opts.percentiles, opts.goodput_ms, opts.slo_per_token_ms
     )
+    # Its own key: `slo_attainment` above is dLoRA's per-token SLO (report.py).
+    r["adapter_slo"] = _adapter_slo(run_results, adapter_list, model)
     r["endpoint"] = opts.endpoint
     r["ignore_eos"] = opts.ignore_eos
     r["goodput"] = opts.goodput_ms
@@ -269,6 +301,7 @@ def run_benchmark(
             tokenizer_id=tokenizer_id,
             workload=workload,
             interrupted=interrupted,
+            adapter_list=run.adapter_list,
         )
         if opts.print_result:
             print(format_result(res, opts.percentile_metrics, opts.percentiles))

@@ -57,28 +57,58 @@ def format_result(result: dict[str, Any], percentile_metrics: Sequence[str], per
     lines.append(_line("Avg latency per output token (ms):", r["avg_latency_per_output_token_ms"], ".2f"))
     lines.append(_line("Mean normalized latency (ms/token):", r["mean_normalized_latency_ms"], ".2f"))
     lines.append(_line(f"SLO attainment @{r['slo_per_token_ms']:g}ms/token (%):", 100 * r["slo_attainment"], ".2f"))
+    if r.get("adapter_slo"):
+        lines += _adapter_slo_lines(r["adapter_slo"])
     per_adapter = r.get("per_adapter") or {}
     if len(per_adapter) > 1:
-        lines += _adapter_table(per_adapter, percentiles)
+        lines += _adapter_table(per_adapter, percentiles, r.get("adapter_slo"))
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 
 
-def _adapter_table(per_adapter: dict[str, dict], percentiles: Sequence[float]) -> list[str]:
+def _ratio(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _adapter_slo_lines(slo: dict[str, Any]) -> list[str]:
+    """The per-adapter SLO report (TTFT and TPOT targets from the server: adapter_slo.py)."""
+    percent = None if slo["slo_attainment"] is None else 100 * slo["slo_attainment"]
+    coldest = slo["slo_attainment_coldest_adapter"]
+    lines = [
+        _header("Per-adapter SLO (TTFT and TPOT)", "-"),
+        _line("SLO attainment (%):", _ratio(percent, ".2f")),
+        _line("Normalized latency (x isolated):", _ratio(slo["normalized_latency"], ".2f")),
+    ]
+    if slo["coldest_adapter"] is not None:
+        lines.append(_line(f"SLO attainment, coldest {slo['coldest_adapter'][:16]} (%):", _ratio(100 * coldest, ".2f")))
+    return lines
+
+
+def _adapter_table(
+    per_adapter: dict[str, dict], percentiles: Sequence[float], adapter_slo: dict[str, Any] | None = None
+) -> list[str]:
+    """A row per adapter, busiest first; with the SLO report, its attainment and normalized latency too."""
     p = percentile_word(percentiles[-1]) if percentiles else "99"
+    slo_rows = (adapter_slo or {}).get("per_adapter") or {}
     lines = [_header("Per Adapter", "-")]
     head = (
         f"{'adapter':<20} {'ok':>5} {'fail':>4} {'mean TTFT':>10} {'P' + p + ' TTFT':>10} "
         f"{'mean TPOT':>10} {'ms/tok':>8} {'SLO %':>6}"
     )
-    lines.append(head)
+    lines.append(head + (f" {'TTFT+TPOT %':>11} {'norm lat':>8}" if slo_rows else ""))
     rows = sorted(per_adapter.items(), key=lambda kv: -(kv[1]["completed"] + kv[1]["failed"]))
     for name, m in rows[:MAX_ADAPTER_ROWS]:
         p_ttft = m.get(f"p{p}_ttft_ms", float("nan"))
-        lines.append(
+        row = (
             f"{name[:20]:<20} {m['completed']:>5} {m['failed']:>4} {m['mean_ttft_ms']:>10.2f} {p_ttft:>10.2f} "
             f"{m['mean_tpot_ms']:>10.2f} {m['avg_latency_per_output_token_ms']:>8.2f} {100 * m['slo_attainment']:>6.1f}"
         )
+        if slo_rows:
+            own = slo_rows.get(name) or {}
+            attained = own.get("slo_attainment")
+            row += f" {_ratio(None if attained is None else 100 * attained, '.1f'):>11}"
+            row += f" {_ratio(own.get('normalized_latency'), '.2f'):>8}"
+        lines.append(row)
     if len(rows) > MAX_ADAPTER_ROWS:
         lines.append(f"({len(rows) - MAX_ADAPTER_ROWS} more adapters in the JSON result under per_adapter)")
     return lines

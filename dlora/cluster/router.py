@@ -17,6 +17,8 @@ given up (`ReplicaSlot.gave_up`) and retried only every `GAVE_UP_RETRY_S`.
 Replicas are chosen by a dispatch policy (dlora/cluster/dispatch.py) over `ReplicaView`s that the
 router builds from per-replica sums it keeps request by request (`LoadTotals`), so a dispatch costs
 the same however many requests are in flight; the balancer gets full per-request views.
+A request that finishes by itself is judged against its adapter's SLO (`slo`, dlora/slo/accounting.py)
+with its times from reaching the router to its first and last token, whatever replicas it ran on.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from dlora.cluster.queue_time import QueueTimes
 from dlora.cluster.snapshots import IterationSample, LoadTotals, ReplicaView, RequestLoad
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.slo.accounting import SloAccounting
+from dlora.slo.config import SloConfig
+from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,7 @@ class RequestState:
     migrated: bool = False  # the last stream ended because of a migration
     failures: int = 0  # replicas that failed under it
     deadline: float | None = None  # event-loop time it must end by
+    first_token_at: float | None = None  # router clock at its first token, on whichever replica
     leg: InterruptibleStream | None = None  # the current replica stream, once open
     counted: RequestLoad | None = None  # what it adds to `counted_on`'s LoadTotals now
     counted_on: int | None = None
@@ -166,6 +172,8 @@ class RouterConfig:
     request_timeout_s: float | None = None  # a request's deadline from arrival (None: none)
     # With no replica up, how long a request waits for one to come back before NoReplicaError.
     recovery_grace_s: float = 3.0
+    # The default SLO finished requests are judged against (`slo:`; adapters may have their own).
+    slo: SloConfig = field(default_factory=SloConfig)
 
 
 class Router:
@@ -203,6 +211,9 @@ class Router:
         self.superseded: dict[int, AdapterRef] = {}
         # Each replica's last stats read by refresh_stats (the balancer's loop): what /metrics shows.
         self.reported: dict[int, ReplicaStats] = {}
+        # Per-adapter SLO attainment and normalized latency of finished requests (for /metrics); the
+        # adapter life cycle sets each adapter's own SLO and drops an unregistered one.
+        self.slo = SloAccounting(self.cfg.slo, self._isolated_basis())
 
     def _new_cache(self) -> HostCache | None:
         if self.cfg.host_cache_bytes is None:
@@ -457,6 +468,10 @@ class Router:
     def cost_params(self) -> dict[int, CostParams]:
         return {rid: model.params for rid, model in self.cost_models.items()}
 
+    def _isolated_basis(self) -> CostParams:
+        """What a request's isolated times are priced with: the replicas' fitted coefficients, averaged."""
+        return mean_params(list(self.cost_params().values()))
+
     # ---- requests ---------------------------------------------------------------------------
     async def _wait_for(self, slots: list[ReplicaSlot]) -> None:
         """Wait a short grace for one of `slots` to come back (a rebuild about to finish), else fail
@@ -534,6 +549,8 @@ class Router:
                 leg = self._run_on(slot, current, state)
                 try:
                     async for delta in leg:
+                        if delta.token_ids and state.first_token_at is None:
+                            state.first_token_at = self.clock()
                         if delta.finished:  # before the yield: the client may close the stream on it
                             self._finished(state, delta)
                         yield delta
@@ -575,10 +592,20 @@ class Router:
                 del self.inflight_by_adapter[adapter]
 
     def _finished(self, state: RequestState, delta: Delta) -> None:
-        """Feed the output-length history: a request that ended by itself ("stop") or at its cap
-        ("length", a lower bound of its length); aborted ones say nothing about their length."""
-        if delta.finish_reason in ("stop", "length"):
-            self.output_lengths.observe(state.adapter, len(state.generated))
+        """Feed the output-length history and the SLO accounting: a request that ended by itself
+        ("stop") or at its cap ("length", a lower bound of its length); aborted ones say nothing
+        about their length, and their latency is not the service's."""
+        if delta.finish_reason not in ("stop", "length"):
+            return
+        self.output_lengths.observe(state.adapter, len(state.generated))
+        if state.first_token_at is not None:
+            self.slo.record(
+                state.adapter,
+                prompt_tokens=len(state.request.prompt_token_ids),
+                ttft_s=state.first_token_at - state.arrival,
+                latency_s=self.clock() - state.arrival,
+                output_tokens=len(state.generated),
+            )
 
     async def _run_on(self, slot: ReplicaSlot, req: GenerateRequest, state: RequestState) -> AsyncGenerator[Delta]:
         """Deltas from one replica; returns without a finished delta when the request was migrated."""
@@ -705,6 +732,7 @@ class Router:
             self.reported[s.replica_id] = st
             out.append(st)
         self.queue_times.expire()
+        self.slo.basis = self._isolated_basis()  # the cost models were refitted from these steps
         return out
 
     def reported_stats(self) -> list[ReplicaStats]:

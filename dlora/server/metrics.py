@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, BatchingState
+from dlora.slo.attainment import AdapterCounts, AdapterName
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -128,6 +129,9 @@ class Metrics:
         # Merged/unmerged batching: the engines keep the state, refreshed on each scrape.
         self.batching = BatchingCollector()
         r.register(self.batching)
+        # Per-adapter SLO attainment: the router's accounting, refreshed on each scrape.
+        self.slo = SloCollector()
+        r.register(self.slo)
 
     def track(self, adapter: str, prompt_tokens: int) -> RequestTracker:
         self.prompt_tokens.labels(adapter).inc(prompt_tokens)
@@ -165,6 +169,7 @@ class Metrics:
             self.replica_gave_up.labels(rid).set(1 if slot.gave_up else 0)
             self.cluster.restarts[rid] = slot.restarts
         self.cluster.counters = dict(router.counters)
+        self.slo.update(router.slo.counts())
 
 
 @dataclass
@@ -300,3 +305,47 @@ class ClusterCollector:
         )
         gave_up.add_metric([], self.counters.get("resubmission_limit", 0))
         yield from (resub, moved, restarts, gave_up)
+
+
+class SloCollector:
+    """Per-adapter SLO attainment and SeaLLM's normalized latency, as the router's accounting
+    (`dlora.slo.accounting`) holds them at the scrape.
+
+    Rendered from that state rather than kept in labelled children, so an adapter's series exist
+    only while it is registered (unregistering it drops its counts, and its series with them), and
+    the `adapter` label takes no more values than the other per-adapter metrics: registered adapters
+    and "" for the base model.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, AdapterCounts] = {}
+
+    def update(self, counts: dict[AdapterName, AdapterCounts]) -> None:
+        self.counts = {adapter or "": c for adapter, c in counts.items()}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "dlora_slo_requests",
+            "Finished requests whose TTFT and TPOT both met their adapter's SLO (outcome=met) or not (missed)",
+            labels=["adapter", "outcome"],
+        )
+        attainment = GaugeMetricFamily(
+            "dlora_slo_attainment", "Share of the adapter's finished requests that met its SLO", labels=["adapter"]
+        )
+        normalized = GaugeMetricFamily(
+            "dlora_slo_normalized_latency",
+            "Mean latency of the adapter's finished requests over their average isolated execution time "
+            "(SeaLLM's normalized latency; 1 = as fast as alone)",
+            labels=["adapter"],
+        )
+        for adapter, c in sorted(self.counts.items()):
+            requests.add_metric([adapter, "met"], c.attained)
+            requests.add_metric([adapter, "missed"], c.requests - c.attained)
+            if c.attainment is not None:
+                attainment.add_metric([adapter], c.attainment)
+            if c.mean_normalized_latency is not None:
+                normalized.add_metric([adapter], c.mean_normalized_latency)
+        yield from (requests, attainment, normalized)

@@ -125,6 +125,9 @@ class LoadAdapterRequest(OpenAIModel):
     pinned: bool = False
     # vLLM's field: replace a registered adapter's weights; requests already running keep the old ones.
     load_inplace: bool = False
+    # dlora's: the adapter's latency targets {"ttft_s", "tpot_s"} (seconds); absent: the server's
+    # default. Checked by dlora.slo.config.parse_adapter_slo in the route, whose message names the key.
+    slo: Any = None
 
 
 class UnloadAdapterRequest(OpenAIModel):

@@ -1,4 +1,5 @@
-"""Admin API: load, unload and list adapters (vLLM-compatible bodies), bearer-token protected."""
+"""Admin API: load, unload and list adapters (vLLM-compatible bodies, plus each adapter's SLO),
+bearer-token protected."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dlora.adapters.lifecycle import (
 )
 from dlora.server.errors import APIError
 from dlora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+from dlora.slo.config import parse_adapter_slo
+from dlora.slo.listing import listing_json, slo_json
 
 
 def require_admin(request: Request) -> None:
@@ -35,7 +38,13 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
     state = request.app.state.dlora
     try:
-        await state.adapters.register(body.lora_name, body.lora_path, pinned=body.pinned, inplace=body.load_inplace)
+        slo = parse_adapter_slo(body.slo)
+    except ValueError as e:
+        raise APIError(400, str(e), "slo") from None
+    try:
+        await state.adapters.register(
+            body.lora_name, body.lora_path, pinned=body.pinned, inplace=body.load_inplace, slo=slo
+        )
     except AdapterExistsError:
         raise APIError(
             409,
@@ -102,6 +111,7 @@ async def list_adapters(request: Request):
                 "replicas": replicas,
                 "in_flight": state.router.inflight_by_adapter.get(r.name, 0),
                 "size_bytes": r.size_bytes,
+                "slo": slo_json(r.slo, state.router.slo.cfg),
             }
         )
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": data, **listing_json(state.router.slo)}

@@ -62,7 +62,8 @@ def base_model_name(cfg: DloraConfig, model_path: str) -> str:
 
 
 def router_config(cfg: DloraConfig) -> RouterConfig:
-    """What the router needs from the server's config: the engines' adapter and batch limits."""
+    """What the router needs from the server's config: the engines' adapter and batch limits, and
+    the default SLO it judges finished requests by."""
     return RouterConfig(
         dispatch=cfg.cluster.dispatch,
         static_placement=cfg.cluster.placement == "static",
@@ -76,6 +77,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
         replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
         max_restart_attempts=cfg.cluster.max_restart_attempts,
         request_timeout_s=cfg.server.request_timeout_s,
+        slo=cfg.slo.policy(),
     )
 
 

@@ -16,6 +16,7 @@ from dlora.adapters.validate import AdapterValidationError, BaseModelShapes
 from dlora.cluster.router import Router, RouterConfig
 from dlora.replica.messages import AdapterRef
 from dlora.sim.toy_replica import ToyReplica
+from dlora.slo.config import SloConfig
 
 
 @dataclass
@@ -26,8 +27,8 @@ class RefusingReplica(ToyReplica):
         raise ValueError(f"cannot load {ref.name}")
 
 
-def manager(micro, state: Path, replicas, host_cache_bytes: int | None = None):
-    router = Router(replicas, cfg=RouterConfig(host_cache_bytes=host_cache_bytes))
+def manager(micro, state: Path, replicas, host_cache_bytes: int | None = None, slo: SloConfig | None = None):
+    router = Router(replicas, cfg=RouterConfig(host_cache_bytes=host_cache_bytes, slo=slo or SloConfig()))
     mgr = AdapterManager(
         AdapterRegistry(state),
         router,

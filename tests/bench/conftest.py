@@ -16,6 +16,6 @@ def fake_server():
 def fake(fake_server):
     """The shared fake server with its knobs reset for each test."""
     s = fake_server.state
-    s.token_delay, s.first_token_delay, s.send_usage = 0.002, 0.005, True
+    s.token_delay, s.first_token_delay, s.send_usage, s.adapter_list = 0.002, 0.005, True, None
     s.received.clear()
     return fake_server

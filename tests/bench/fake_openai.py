@@ -3,6 +3,8 @@
 It lists a base model and three adapters, streams `max_tokens` tokens ("tok0 tok1 ...") with
 `token_delay` seconds between them, appends a usage chunk when asked, and answers unknown models
 with 404 like vLLM. `send_usage = False` drops the usage chunk to test the chunk-count fallback.
+`adapter_list`, when set, is what GET /v1/adapters answers (dlora's list with SLOs); unset, that
+route is a 404 as on vLLM.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FakeState:
     token_delay: float = 0.002
     first_token_delay: float = 0.005
     send_usage: bool = True
+    adapter_list: dict | None = None
     received: list[dict] = field(default_factory=list)
 
 
@@ -39,6 +42,12 @@ def make_app(state: FakeState) -> FastAPI:
         data = [{"id": BASE, "object": "model", "parent": None, "root": BASE, "max_model_len": MAX_MODEL_LEN}]
         data += [{"id": a, "object": "model", "parent": BASE, "root": f"/adapters/{a}"} for a in ADAPTERS]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/adapters")
+    async def adapters():
+        if state.adapter_list is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return state.adapter_list
 
     async def stream(body: dict, chat: bool):
         n = body.get("max_completion_tokens" if chat else "max_tokens") or 16

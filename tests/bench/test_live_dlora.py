@@ -8,6 +8,7 @@ import sys
 
 from dlora.bench.runner import run_benchmark
 from dlora.bench.workload import WorkloadSpec, generate_workload
+from tests.conftest import ADMIN_TOKEN
 
 
 def test_library_run_counts_every_token_per_adapter(tiny_server):
@@ -22,12 +23,24 @@ def test_library_run_counts_every_token_per_adapter(tiny_server):
         seed=1,
     )
     result = run_benchmark(
-        tiny_server.url, generate_workload(spec), ignore_eos=True, disable_tqdm=True, print_result=False
+        tiny_server.url,
+        generate_workload(spec),
+        ignore_eos=True,
+        disable_tqdm=True,
+        print_result=False,
+        admin_token=ADMIN_TOKEN,
     )
     assert result["completed"] == 12 and result["total_output_tokens"] == 96
     per = result["per_adapter"]
     assert {k: per[k]["completed"] for k in ("a0", "a1", "a2")} == {"a0": 4, "a1": 4, "a2": 4}
     assert result["median_ttft_ms"] > 0 and result["output_throughput"] > 0
+    # The SLO report, judged against the server's own SLOs (the tiny config's relative default).
+    slo = result["adapter_slo"]
+    assert {k: slo["per_adapter"][k]["slo"]["source"] for k in ("a0", "a1", "a2")} == dict.fromkeys(
+        ("a0", "a1", "a2"), "relative"
+    )
+    assert 0 <= slo["slo_attainment"] <= 1 and slo["normalized_latency"] > 0
+    assert slo["coldest_adapter"] == "a0"  # four requests each: the first name
 
 
 def test_cli_sweep_writes_result_and_plots(tiny_server, tmp_path):

@@ -30,7 +30,10 @@ from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
-PORTS = {"dlora": 8321, "vllm": 8322}
+PORTS = {"dlora": 8321, "vllm": 8322, "dlora-1x2": 8323}
+# --layouts: the same dlora config as one replica on two cores (two engine threads) instead of two
+# single-core replicas, measured beside the other two
+ONE_TWO_CORE_REPLICA = {"num_replicas": 1, "cores_per_replica": 2, "cpu_cores": [0, 1]}
 
 
 def base_model_workload(args):
@@ -55,6 +58,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "result.json"))
     ap.add_argument("--dlora-config", help="a dlora config to measure instead of configs/default.yaml")
     ap.add_argument("--dtype", help="serve both in this dtype instead of the shipped one (e.g. bfloat16)")
+    ap.add_argument(
+        "--layouts",
+        action="store_true",
+        help="also serve the dlora config as one two-core replica (cluster.cores_per_replica: 2) and compare",
+    )
     args = ap.parse_args()
 
     base = prepare_smollm2()
@@ -75,11 +83,19 @@ def main() -> int:
         "dlora": start_dlora(dlora_cfg, work, "dlora"),
         "vllm": start(vllm_cmd, work / "vllm.log", vllm_env),
     }
+    one_replica_cfg = None
+    if args.layouts:
+        one_replica_cfg = {
+            **dlora_cfg,
+            "cluster": {**dlora_cfg.get("cluster", {}), **ONE_TWO_CORE_REPLICA},
+            "server": {**dlora_cfg["server"], "port": PORTS["dlora-1x2"], "state_dir": str(work / "state-1x2")},
+        }
+        procs["dlora-1x2"] = start_dlora(one_replica_cfg, work, "dlora-1x2")
     try:
         for name, proc in procs.items():
             wait_healthy(f"http://127.0.0.1:{PORTS[name]}", proc, work / f"{name}.log")
         requests = base_model_workload(args)
-        urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in ("dlora", "vllm")}
+        urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in procs}
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=4)
     finally:
         for proc in procs.values():
@@ -111,6 +127,11 @@ def main() -> int:
             "target_throughput_ratio": 0.95,
         },
     }
+    if one_replica_cfg is not None:
+        one = median["dlora-1x2"]
+        result["dlora_one_replica_config"] = one_replica_cfg
+        result["summary"]["two_single_core_over_one_two_core"] = d["output_throughput"] / one["output_throughput"]
+        result["summary"]["one_two_core_vs_vllm"] = one["output_throughput"] / v["output_throughput"]
     write_result(result, args.out, lambda r, p: plot(r, p, title="dlora vs vLLM server, base model only"))
     return 0
 

@@ -254,6 +254,29 @@ class DloraLinearMixin(_WrapperBase):
                 ys if hi - lo == ys.size(1) else ys[:, lo:hi], xs, lora, step.meta, scale, backend=self.kernel_backend
             )
 
+    def add_lora_logits(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        scale,
+        *,
+        buffer: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """vLLM's LM-head LoRA term, skipped when no resident adapter adapts the LM head or no
+        sampled row has an adapter. vLLM wraps the LM head whenever LoRA is on, and its CPU op
+        gathers a [rows, vocab, rank] copy of the stacks every step: with SmolLM2-135M's 49,152-word
+        vocabulary that was a third of every decode step, adapters or not (q/k/v/o adapters leave
+        the LM head's stacks all zero)."""
+        if self._dlora_packed(lora_a_stacked, lora_b_stacked).ranks_total == 0:
+            return
+        if not bool((self.sampler_indices >= 0).any()):
+            return
+        # A vLLM wrapper follows this mixin in the MRO: its add_lora_logits is concrete.
+        super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)  # type: ignore[safe-super]
+
     def _dlora_calls(
         self,
         a_stacked: tuple[torch.Tensor, ...],

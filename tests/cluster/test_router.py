@@ -632,3 +632,29 @@ def test_dispatch_prices_a_load_at_the_replicas_measured_load_time():
 
     assert asyncio.run(run(measured_first=False)) == 0
     assert asyncio.run(run(measured_first=True)) == 1
+
+
+@pytest.mark.parametrize("timeout_s", [None, 600.0])
+def test_a_burst_is_spread_over_the_replicas_with_or_without_a_deadline(timeout_s):
+    # 64 base-model requests at once. With a deadline each dispatch runs in its own task
+    # (asyncio.wait_for); every decision must still see the requests dispatched before it.
+    async def run():
+        replicas = [ToyReplica(i, step_s=0.001) for i in range(2)]
+        router = Router(replicas, cfg=RouterConfig(request_timeout_s=timeout_s))
+        await router.start()
+        first_leg: dict[str, int] = {}
+        choose = router._choose
+
+        async def recording(state):
+            slot = await choose(state)
+            first_leg.setdefault(state.request.request_id, slot.replica_id)
+            return slot
+
+        router._choose = recording  # type: ignore[method-assign]
+        outs = await asyncio.gather(*(collect(router, request(f"r{i}", adapter=None, n=8)) for i in range(64)))
+        assert all(len(o) == 8 for o in outs)
+        per_replica = [sum(1 for r in first_leg.values() if r == i) for i in range(2)]
+        assert min(per_replica) >= 28, per_replica  # about half each, not 56 and 8
+        assert all(t.requests == 0 for t in router.totals.values())  # nothing left counted
+
+    asyncio.run(run())

@@ -434,3 +434,31 @@ def test_a_new_adapter_in_one_slot_rereads_that_slot_only():
     lo, hi = RANKS[0], RANKS[0] + RANKS[1]
     torch.testing.assert_close(packed.a[lo:hi], new_a[0][1, 0, : RANKS[1]])
     torch.testing.assert_close(packed.b[lo:hi], new_b[0][1, 0, :, : RANKS[1]].t())
+
+
+def test_lm_head_lora_is_skipped_unless_an_adapter_adapts_the_lm_head(monkeypatch):
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    vocab, calls = 50, []
+    parent = PunicaWrapperCPU.add_lora_logits
+    monkeypatch.setattr(
+        PunicaWrapperCPU, "add_lora_logits", lambda self, *a, **kw: calls.append(1) or parent(self, *a, **kw)
+    )
+    w = wrapper(PunicaWrapperEinsum, DECODE, False)
+    a = torch.zeros(SLOTS, 1, R, H_IN)
+    b = torch.zeros(SLOTS, 1, vocab, R)
+    x = torch.randn(len(DECODE), H_IN)
+    y0 = torch.randn(len(DECODE), vocab)
+    y = y0.clone()
+    w.add_lora_logits(y, x, a, b, 1.0)  # q/k/v/o adapters: the LM head's stacks are all zero
+    assert calls == [] and torch.equal(y, y0)
+    g = torch.Generator().manual_seed(3)
+    a[2, 0, :4] = torch.randn(4, H_IN, generator=g)  # slot 2's adapter adapts the LM head
+    b[2, 0, :, :4] = torch.randn(vocab, 4, generator=g)
+    w.add_lora_logits(y, x, a, b, 1.0)
+    assert calls == [1]
+    want = y0.double().clone()
+    for t, n in enumerate(slot_of(DECODE)):
+        if n == 2:
+            want[t] += b[2, 0].double() @ (a[2, 0].double() @ x[t].double())
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)

@@ -87,6 +87,9 @@ def vllm_cells(args) -> set[tuple[int, float]]:
     return {(min(args.prompt_lens), s) for s in (min(args.skews), max(args.skews))}
 
 
+REP_SEED_STRIDE = 1000  # a cell's rep r sends the workload of seed k + 1000 r (k: the cell's index)
+
+
 def rotation(k: int, reps: int) -> list[tuple[int, str]]:
     """(rep, policy) for cell k: each rep runs every policy, the order rotated per cell and rep."""
     out = []
@@ -201,11 +204,13 @@ def run_real(args) -> dict:
             for system in procs:
                 warm(system, args)
             for k, cell in enumerate(c for c in cells if c.rank == rank):
-                requests = grid.cell_requests(cell, args.num_prompts, args.output_len, MAX_MODEL_LEN, seed=k)
                 order: list[tuple[int | None, str]] = list(rotation(k, args.reps))
                 if (cell.prompt_len, cell.top_share) in with_vllm:
                     order.insert(len(order) // 2, (None, "vllm"))
                 for rep, system in order:
+                    # Other prompts every rep: the same ones again would be prefix-cache hits.
+                    seed = k + REP_SEED_STRIDE * (rep or 0)
+                    requests = grid.cell_requests(cell, args.num_prompts, args.output_len, MAX_MODEL_LEN, seed=seed)
                     p = measure(system, requests, cell, rep, work)
                     points.append(p)
                     (work / "points.json").write_text(json.dumps(points))  # survives a crash later on

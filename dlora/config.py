@@ -24,6 +24,7 @@ from dlora.scheduling import BatchingConfig, policy_names
 from dlora.slo.config import AdapterSlo, SloConfig, parse_adapter_slo
 
 DEFAULT_MODEL = "auto:smollm2-135m-instruct"
+DISPATCH_MODES = ("proactive", "slo_feasible", "best_fit", "least_loaded", "round_robin")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -224,13 +225,23 @@ class ClusterConfig:
     # Cores (and engine threads) per CPU replica. 1: one single-threaded engine per core, which
     # on a 2-core machine serves more than one two-thread engine (bench/overhead/runs/).
     cores_per_replica: int = 1
-    # proactive (shortest estimated pending time, dLoRA) | least_loaded | round_robin
+    # proactive (shortest estimated pending time, dLoRA) | slo_feasible (the least pending time among
+    # replicas where every request keeps its SLO, Aladdin) | best_fit (the fullest replica where they
+    # do, so others stay idle) | least_loaded | round_robin
     dispatch: str = "proactive"
     # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
     # lives on one replica (registry id mod N) and its requests only go there (a baseline).
     placement: str = "dynamic"
     migration: bool = True  # reactive request-adapter co-migration between replicas
     migration_interval_s: float = 10.0  # at most one migration round per interval
+    # fixed: co-migration rounds only when a trigger fires (at most one per migration_interval_s)
+    # and the preload every placement_interval_s; adaptive: besides, a planned round and preload
+    # every period, which SeaLLM's Eq. 8 shortens by 10% when the period's arrival rate and SLO
+    # attainment differ from the last period's by more than 10% and lengthens by 10% otherwise
+    # (within [reoptimize_min_s, reoptimize_max_s]); the triggers stay, as emergency rounds.
+    reoptimize: str = "fixed"
+    reoptimize_min_s: float = 5.0
+    reoptimize_max_s: float = 120.0
     migration_solver: str = "auto"  # auto (HiGHS if installed, else CBC) | highs | cbc | greedy
     migration_time_limit_s: float = 0.05  # hard limit on one solve; greedy fallback after it
     migration_top_k: int = 2  # overloaded and underloaded replicas considered per round
@@ -269,12 +280,21 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _check_kinds(self, "cluster")
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
+        _check(
+            self.reoptimize in ("fixed", "adaptive"), "cluster.reoptimize", self.reoptimize, "must be fixed or adaptive"
+        )
+        _check(
+            self.reoptimize == "fixed" or self.reoptimize_min_s <= self.migration_interval_s <= self.reoptimize_max_s,
+            "cluster.reoptimize_min_s",
+            (self.reoptimize_min_s, self.migration_interval_s, self.reoptimize_max_s),
+            "need reoptimize_min_s <= migration_interval_s (the first period) <= reoptimize_max_s",
+        )
         _check(self.cores_per_replica >= 1, "cluster.cores_per_replica", self.cores_per_replica, "must be >= 1")
         _check(
-            self.dispatch in ("proactive", "least_loaded", "round_robin"),
+            self.dispatch in DISPATCH_MODES,
             "cluster.dispatch",
             self.dispatch,
-            "must be one of proactive, least_loaded, round_robin",
+            f"must be one of {', '.join(DISPATCH_MODES)}",
         )
         _check(
             self.placement in ("dynamic", "static"), "cluster.placement", self.placement, "must be dynamic or static"
@@ -287,6 +307,8 @@ class ClusterConfig:
         )
         for key in (
             "migration_interval_s",
+            "reoptimize_min_s",
+            "reoptimize_max_s",
             "migration_time_limit_s",
             "monitor_interval_s",
             "queue_delay_s",

@@ -30,8 +30,11 @@ from dlora.cluster.router import Router
 from dlora.cluster.snapshots import ClusterView
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef
+from dlora.slo.reopt_period import ReoptPeriod
 
 log = logging.getLogger(__name__)
+
+REOPT_BETA = 0.1  # SeaLLM's beta in Eq. 8: the relative prediction error that keeps the period
 
 
 @dataclass
@@ -55,6 +58,15 @@ class Balancer:
     on_preload: Callable[[PlacementPlan], None] = lambda p: None
 
     def __post_init__(self) -> None:
+        # SeaLLM's adaptive re-optimisation period (cluster.reoptimize: adaptive); None when fixed.
+        self.reopt: ReoptPeriod | None = None
+        if self.cfg.reoptimize == "adaptive":
+            self.reopt = ReoptPeriod(
+                self.cfg.migration_interval_s, REOPT_BETA, self.cfg.reoptimize_min_s, self.cfg.reoptimize_max_s
+            )
+        self.period_started_at: float | None = None
+        self._period_mark: tuple[int, int, int] = (0, 0, 0)  # (arrivals, SLO met, SLO judged) at the period's start
+        self._predicted: tuple[float, float] | None = None  # the last period's (arrival rate, attainment)
         self.trigger_cfg = TriggerConfig(
             interval_s=self.cfg.migration_interval_s,
             count_imbalance=self.cfg.count_imbalance,
@@ -82,6 +94,8 @@ class Balancer:
             if not await self._read():
                 continue
             try:
+                if self.reopt is not None:
+                    await self.maybe_reoptimize()
                 if self.cfg.migration:
                     if self.cfg.migrate_queued:
                         await self.move_queued()
@@ -114,6 +128,47 @@ class Balancer:
             plan_migration, ClusterView(tuple(views)), self.router.cost_params(), self.migration_cfg
         )
         return await self._run_round(trigger, plan)
+
+    async def maybe_reoptimize(self) -> MigrationRound | None:
+        """At the end of each adaptive period (SeaLLM Eq. 8): update the period from how well the
+        last period's arrival rate and SLO attainment predicted this one's, then run a planned
+        co-migration round (when it moves anything) and the adapter preload."""
+        assert self.reopt is not None  # called only with cluster.reoptimize: adaptive
+        now = self.router.clock()
+        if self.period_started_at is None:
+            self.period_started_at, self._period_mark = now, self._marks()
+            return None
+        elapsed = now - self.period_started_at
+        if elapsed < self.reopt.period_s:
+            return None
+        measured = self._period_metrics(elapsed)
+        if self._predicted is not None:
+            self.reopt.update(zip(measured, self._predicted))
+        self._predicted = measured  # SeaLLM predicts the next period from the last one's requests
+        self.period_started_at, self._period_mark = now, self._marks()
+        self.last_preload_at = None  # the preload runs with the planned round
+        done = None
+        if self.cfg.migration:
+            views = self.router.views()
+            plan = await asyncio.to_thread(
+                plan_migration, ClusterView(tuple(views)), self.router.cost_params(), self.migration_cfg
+            )
+            if plan.moves or plan.loads:
+                self.last_round_at = now
+                trigger = Trigger("period", -1, f"every {self.reopt.period_s:.1f} s")
+                done = await self._run_round(trigger, plan)
+        if self.cfg.placement == "dynamic":
+            await self.maybe_preload()
+        return done
+
+    def _marks(self) -> tuple[int, int, int]:
+        counts = self.router.slo.counts().values()
+        return (self.router.arrivals_total, sum(c.attained for c in counts), sum(c.requests for c in counts))
+
+    def _period_metrics(self, elapsed: float) -> tuple[float, float]:
+        """(arrivals per second, share of the requests finished in it that attained their SLO)."""
+        arrived, met, judged = (b - a for a, b in zip(self._period_mark, self._marks()))
+        return arrived / max(elapsed, 1e-9), (met / judged if judged else 1.0)
 
     async def move_queued(self) -> MigrationRound | None:
         """Requests queued on one replica go to replicas that can start them now, else to busy ones

@@ -42,6 +42,7 @@ from dlora.cluster.queue_time import QueueTimes
 from dlora.cluster.snapshots import IterationSample, LoadTotals, ReplicaView, RequestLoad
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.slo import feasible_dispatch
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.config import SloConfig
 from dlora.slo.isolated import mean_params
@@ -186,7 +187,10 @@ class Router:
     ):
         self.cfg = cfg or RouterConfig()
         self.slots = [ReplicaSlot(r, cache=self._new_cache()) for r in replicas]
-        self.dispatcher = make_dispatch_policy(self.cfg.dispatch)
+        # Aladdin's SLO-aware modes (`_slo_choose`) need every request's state; the rest are policies
+        # over the replicas' sums. Proactive dispatch is the fallback object either way.
+        self.slo_dispatch = self.cfg.dispatch if self.cfg.dispatch in feasible_dispatch.MODES else None
+        self.dispatcher = make_dispatch_policy("proactive" if self.slo_dispatch else self.cfg.dispatch)
         self.clock = clock
         # Returns the AdapterRefs that must be resident on every replica (pinned ones).
         self._pinned_adapters = pinned_adapters
@@ -194,6 +198,7 @@ class Router:
         self.inflight_by_adapter: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()  # resubmissions, migrations, ...
         self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
+        self.arrivals_total = 0  # requests that ever arrived (the balancer's period rates)
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
@@ -500,8 +505,39 @@ class Router:
             if not home.healthy:
                 await self._wait_for([home])
             return self._assign(state, home)
+        if self.slo_dispatch is not None:
+            return self._assign(state, self._slo_choose(state))
         decision = self.dispatcher.choose(self.dispatch_views(), state.load(self.output_lengths), self.cost_params())
         return self._assign(state, self.slot(decision.replica_id))
+
+    def _slo_choose(self, state: RequestState) -> ReplicaSlot:
+        """Aladdin's dispatch (dlora/slo/feasible_dispatch.py): the replicas where every request,
+        the new one included, keeps its SLO, the least pending time among them (`slo_feasible`) or
+        the fullest (`best_fit`); the least pending time when none is feasible (counted in
+        /metrics). O(requests in flight): the checks need each request, not the replicas' sums."""
+        now = self.clock()
+        on: dict[int, list[RequestState]] = {s.replica_id: [] for s in self.slots}
+        for st in self.requests.values():
+            if st.slot is not None and st is not state:
+                on[st.slot.replica_id].append(st)
+        params = self.cost_params()
+        replicas = [
+            feasible_dispatch.SloReplica(
+                self._view(s, tuple(st.load(self.output_lengths) for st in on[s.replica_id])),
+                params.get(s.replica_id, CostParams()),
+                {st.request.request_id: now - st.first_token_at for st in on[s.replica_id] if st.first_token_at},
+            )
+            for s in self.slots
+            if s.healthy
+        ]
+        load = state.load(self.output_lengths)
+        assert self.slo_dispatch is not None  # called only in an SLO dispatch mode
+        decision = feasible_dispatch.choose(
+            replicas, load, lambda r: self.slo.slo_of(r.adapter, r.prompt_tokens), now, self.slo_dispatch
+        )
+        if not decision.feasible:
+            self.counters["slo_infeasible_dispatches"] += 1
+        return self.slot(decision.replica_id)
 
     def _assign(self, state: RequestState, slot: ReplicaSlot) -> ReplicaSlot:
         """Count the request on `slot` in the same step as the dispatch decision. Requests of a
@@ -541,6 +577,7 @@ class Router:
             req = dataclasses.replace(req, adapter=self.superseded[req.adapter.int_id])
         state = RequestState(req, arrival=self.clock())
         self.arrivals.append((state.arrival, state.adapter))
+        self.arrivals_total += 1
         adapter = state.adapter or ""
         self.requests[req.request_id] = state
         self.inflight_by_adapter[adapter] += 1

@@ -69,6 +69,7 @@ from vllm.v1.request import Request, RequestStatus
 from dlora import env
 from dlora.engine_ext import prefix_states
 from dlora.engine_ext.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
+from dlora.engine_ext.kv_quotas import EngineKvQuotas
 from dlora.engine_ext.prefix_states import MIXED, UNMERGED, PrefixStates, State
 from dlora.engine_ext.queue_waits import QueueWaits
 from dlora.engine_ext.step_trace import adapter_counts, open_trace
@@ -206,6 +207,16 @@ class DloraScheduler(Scheduler):
         self.batching_policy = make_policy(name, config)
         self._dlora_policy_name = name
         self._dlora_mixing = config.mixed_merged  # other requests may run while an adapter is merged
+        # The policy serves in an order other than FCFS (scheduling.order): vLLM's queues follow it.
+        self._dlora_service_order = config.order != "fcfs"
+        self._dlora_client_priority: dict[str, int] = {}  # what each request's client asked for
+        # MuxServe's per-adapter KV quotas (kv_quotas.py); None when off.
+        self._dlora_kv_quotas: EngineKvQuotas | None = None
+        if config.kv_quotas:
+            blocks = self.cache_config.num_gpu_blocks
+            assert blocks is not None  # EngineCore sizes the KV cache before it builds the scheduler
+            self._dlora_kv_quotas = EngineKvQuotas(blocks, self.block_size, config.kv_quota_period_s, time.monotonic())
+            self._dlora_service_order = True  # borrowers go last in vLLM's preemption order
         self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
         self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
         # A request waiting for a LoRA batch slot gets one after config.lora_slot_starve_s (lora_slots.py).
@@ -270,6 +281,7 @@ class DloraScheduler(Scheduler):
             "weights_unknown": self._dlora_weights is UNKNOWN,  # restoring: nothing runs
             "weight_restores": self._dlora_restores,
             "lora_slot_drains": self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
+            "kv_fairness_gap": self._dlora_kv_quotas.fairness_gap() if self._dlora_kv_quotas else None,
             "preemptions": self._dlora_preemptions,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
             "credits": {("" if a is None else a): c for a, c in snap.credits.items()},
@@ -307,6 +319,8 @@ class DloraScheduler(Scheduler):
         if not requests:
             return super().schedule(throttle_prefills)
         plan = self._dlora_restore_plan() if self._dlora_weights is UNKNOWN else self._dlora_plan(requests)
+        if self._dlora_service_order:
+            self._dlora_apply_order(plan.visible, requests)
         self._dlora_lookup_state = _prefix_state(plan.target)
         out, restricted = self._dlora_schedule_visible(plan.visible, throttle_prefills)
         if plan.cmds:
@@ -320,11 +334,17 @@ class DloraScheduler(Scheduler):
         return out
 
     def add_request(self, request: Request) -> None:
+        if self._dlora_kv_quotas is not None:
+            self._dlora_kv_quotas.arrived(request)
+        if self._dlora_service_order:
+            self._dlora_client_priority[request.request_id] = request.priority
         super().add_request(request)
         self._dlora_queue_waits.queued(request.request_id, time.perf_counter())
 
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
+        for r in finished:
+            self._dlora_client_priority.pop(r.request_id, None)
         self._dlora_queue_waits.end((r.request_id for r in finished), time.perf_counter())
         return finished
 
@@ -363,6 +383,8 @@ class DloraScheduler(Scheduler):
         if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
             target = None
             allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
+        if self._dlora_kv_quotas is not None:
+            allowed = self._dlora_within_quotas(allowed, by_id)
         if target is None and self._dlora_slot_aging is not None:
             held = self._dlora_slot_aging.held_back(views, now)
             allowed = [i for i in allowed if i not in held] if held else allowed
@@ -431,6 +453,40 @@ class DloraScheduler(Scheduler):
                 loras.add(lid)
             kept.append(rid)
         return kept
+
+    def _dlora_within_quotas(self, allowed: list[str], by_id: dict[str, Request]) -> list[str]:
+        """`allowed` without the waiting requests the KV quotas hold back this step."""
+        assert self._dlora_kv_quotas is not None  # called only with quotas on
+        waiting = [by_id[i] for i in allowed if by_id[i].status != RequestStatus.RUNNING]
+        admitted = [r for r in by_id.values() if r.status == RequestStatus.RUNNING]
+        refused = self._dlora_kv_quotas.refused(admitted, waiting, time.monotonic())
+        kept = [i for i in allowed if i not in refused]
+        return kept or allowed[:1]  # never an empty step while requests wait (the engine would spin)
+
+    # ---- service order -------------------------------------------------------------------------
+
+    def _dlora_apply_order(self, visible: list[str], requests: list[Request]) -> None:
+        """Serve in the policy's order (`scheduling.order` other than fcfs, or KV quotas on): vLLM
+        admits waiting requests, and preempts running ones when KV runs out, by (priority,
+        arrival); each request's priority becomes its place: after the priority its client asked
+        for (kept at add_request), borrowers of KV quota last, then the policy's order. Then the
+        waiting queues are rebuilt: they are heaps keyed at entry."""
+        client = self._dlora_client_priority
+        rank = {rid: i for i, rid in enumerate(visible)}
+        last = len(rank)
+        borrowers = self._dlora_kv_quotas.borrowers() if self._dlora_kv_quotas is not None else set()
+
+        def place(r: Request) -> tuple:
+            return (client.get(r.request_id, 0), _adapter(r) in borrowers, rank.get(r.request_id, last))
+
+        for position, r in enumerate(sorted(requests, key=place)):
+            r.priority = position
+        for name in ("waiting", "kv_holding_waiting"):
+            old = getattr(self, name)
+            rebuilt = create_request_queue(self.policy)
+            for r in old:
+                rebuilt.add_request(r)
+            setattr(self, name, rebuilt)
 
     # ---- hiding --------------------------------------------------------------------------------
 

@@ -126,6 +126,9 @@ class BatchingState:
     # seconds queued in this replica's scheduler). The router sums them per request (queue_time.py).
     queue_waits: tuple[tuple[str, float], ...] = ()
     lora_slot_drains: int = 0  # adapters drained so a request waiting for a LoRA batch slot got one
+    # MuxServe's fairness metric with scheduling.kv_quotas (max |R_a - R_b|, R = KV blocks used /
+    # request rate); None when quotas are off.
+    kv_fairness_gap: float | None = None
     preemptions: int = 0  # running requests preempted for KV room since the engine started
     # Engine requests preempted back to the waiting queue and not resumed yet (at the read).
     preempted: tuple[str, ...] = ()
@@ -153,6 +156,7 @@ class BatchingState:
             ),
             queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
             lora_slot_drains=int(d.get("lora_slot_drains", 0)),
+            kv_fairness_gap=d.get("kv_fairness_gap"),
             preemptions=int(d.get("preemptions", 0)),
             preempted=tuple(str(rid) for rid in d.get("preempted", ())),
         )

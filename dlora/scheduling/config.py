@@ -13,6 +13,7 @@ from dlora.kinds import kind_error
 
 # Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"
 # (the test is strict) yet Alg. 2 can still lower it again from the hypothetical merged throughput.
+ORDERS = ("fcfs", "seallm")  # service orders of the dlora policy (`order`)
 THRESHOLD_MIN = 0.05
 THRESHOLD_MAX = 1.0
 
@@ -70,6 +71,15 @@ class BatchingConfig:
     # (and stay merged while that holds). Alg. 1's threshold rule still applies beside it.
     merge_planner: bool = True
     planner_margin: float = 0.1
+    # `dlora`: the order requests are served in: "fcfs" (dLoRA's) or "seallm" (SeaLLM's preemptive
+    # doubling-budget priority, dlora/slo/priority.py: short requests of adapters with short outputs
+    # first). Credits (Alg. 3) measure against FCFS either way, so t_starve bounds every wait.
+    order: str = "fcfs"
+    # MuxServe's per-adapter KV quotas in each engine (dlora/engine_ext/kv_quotas.py): an adapter's
+    # share of the KV blocks follows its request rate over the last `kv_quota_period_s`, unused quota
+    # is lent, and when blocks are short the borrowers' requests wait (and are preempted) first.
+    kv_quotas: bool = False
+    kv_quota_period_s: float = 10.0
     # `merged` baseline: the longest stay (iterations) on one adapter while other requests wait.
     merged_max_iters: int = 256
     # `dlora`: while an adapter is merged, the other requests run in the same step, their LoRA
@@ -140,6 +150,8 @@ class BatchingConfig:
             f"must be <= initial_credit ({self.initial_credit})",
         )
         _require(self.credit_relax_per_s >= 0, "credit_relax_per_s", self.credit_relax_per_s, "must be >= 0")
+        _require(self.kv_quota_period_s > 0, "kv_quota_period_s", self.kv_quota_period_s, "must be > 0")
+        _require(self.order in ORDERS, "order", self.order, f"must be one of {', '.join(ORDERS)}")
         _require(self.planner_margin >= 0, "planner_margin", self.planner_margin, "must be >= 0")
         _require(self.merged_max_iters >= 1, "merged_max_iters", self.merged_max_iters, "must be >= 1")
         starve = self.lora_slot_starve_s

@@ -17,7 +17,7 @@ tunes alpha/beta at break points), and adopts the mode the engine really ran.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dlora.scheduling.config import BatchingConfig
 from dlora.scheduling.cost_model import IterationCostModel
@@ -31,11 +31,19 @@ from dlora.scheduling.dynamic_batching import (
     request_ids,
     starvation_batch,
 )
-from dlora.scheduling.merge_planner import FinishedLengths, slice_gain, stay_pays, work_by_adapter
+from dlora.scheduling.merge_planner import (
+    DEFAULT_OUTPUT_TOKENS,
+    FinishedLengths,
+    slice_gain,
+    stay_pays,
+    work_by_adapter,
+)
 from dlora.scheduling.policies import BatchingPolicy
 from dlora.scheduling.step_model import StepLine, StepTimeModel
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample
-from dlora.scheduling.types import Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch
+from dlora.scheduling.types import AdapterKey, Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch
+from dlora.slo.priority import LengthStats
+from dlora.slo.priority import sort_key as seallm_key
 
 SWITCH_COST_EMA = 0.5  # weight of a new switch-time measurement in the t_M estimate
 # The merge planner's merged/unmerged step-cost ratio before merged steps are measured: optimistic,
@@ -45,6 +53,7 @@ PLANNER_MERGED_PRIOR = 0.5
 SLICE_MIN_STEPS = 4  # steps a slice runs before a starving adapter may end it...
 SLICE_MIN_SWITCHES = 10  # ...and this many times the switch cost
 SHAPE_PROBE_MIN = 8  # decoding requests a shape probe needs (it runs half of them)
+MIN_LENGTH_SAMPLES = 8  # finished requests an adapter needs before its own lengths set its SeaLLM profile
 SHAPE_PROBE_EVERY = 256  # steps between shape probes while the shape stays unknown
 
 
@@ -88,7 +97,7 @@ class DLoRAPolicy(BatchingPolicy):
         if not requests:
             self._last_ran, self._sample = False, None
             return Decision(self.mode, self.merged, ())
-        q = build_queues(requests, self.batch_size(max_batch))
+        q = build_queues(requests, self.batch_size(max_batch), self._service_key(requests))
         alg1 = dynamic_batching(
             q,
             self.mode,
@@ -112,6 +121,28 @@ class DLoRAPolicy(BatchingPolicy):
             return None
         unmerged, merged = self.steps.line(Mode.UNMERGED), self.steps.line(Mode.MERGED)
         return None if unmerged is None or merged is None else (unmerged, merged)
+
+    def _service_key(self, requests: Sequence[RequestView]) -> Callable[[RequestView], tuple] | None:
+        """The service order's sort key: None for FCFS; for SeaLLM's, each request's O_r from its
+        adapter's recent output lengths here (the pooled ones while an adapter has fewer than
+        `MIN_LENGTH_SAMPLES`; a request's cap, else a default, before any request finished)."""
+        if self.config.order != "seallm":
+            return None
+        pooled = self.lengths.pooled()
+        if len(pooled) >= MIN_LENGTH_SAMPLES:
+            default = LengthStats.of(pooled)
+        else:
+            caps = [r.max_tokens for r in requests if r.max_tokens is not None]
+            default = LengthStats(float(min(caps)) if caps else float(DEFAULT_OUTPUT_TOKENS))
+        stats: dict[AdapterKey, LengthStats] = {}
+        for adapter in {r.adapter for r in requests}:
+            own = self.lengths.of(adapter)
+            stats[adapter] = LengthStats.of(own) if len(own) >= MIN_LENGTH_SAMPLES else default
+
+        def key(r: RequestView) -> tuple:
+            return seallm_key(r.arrival_time, r.num_output_tokens, stats[r.adapter], r.req_id)
+
+        return key
 
     def _planned(self, q: Queues, requests: Sequence[RequestView], alg1: Step, starving: frozenset) -> Step:
         """A merge planner slice (merge_planner.py) where one is under way or pays, else Alg. 1's step.
@@ -189,7 +220,8 @@ class DLoRAPolicy(BatchingPolicy):
 
     def _slice_order(self, q: Queues, starving: frozenset) -> list[str]:
         def rank(adapter: str) -> tuple:
-            return (adapter not in starving, -self.ledger.credit(adapter), fcfs_key(q.group(adapter)[0]))
+            oldest = min(fcfs_key(r) for r in q.group(adapter))
+            return (adapter not in starving, -self.ledger.credit(adapter), oldest)
 
         return sorted((a for a in q.groups if a is not None), key=rank)
 

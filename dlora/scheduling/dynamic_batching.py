@@ -7,6 +7,11 @@ B_next it allows, the mode, and a switch. Terms:
 
 - FCFS order: by (arrival_time, req_id). B_fcfs = the first max_bs requests in that order: the
   batch plain FCFS would run. Requests for the base model (adapter None) are part of it.
+- Service order (`scheduling.order`): FCFS, or SeaLLM's doubling-budget priority
+  (dlora/slo/priority.py). Where the paper runs B_fcfs, the policy runs the first max_bs requests
+  in service order, each adapter's merged batch takes its requests in service order, and a
+  starvation step fills in service order; credits still measure against B_fcfs, so an adapter the
+  order pushes back is held back and paid like one a merge pushes back (Alg. 3 bounds both).
 - R_l: the requests of adapter l, in FCFS order. R_merge = R_l for the merge candidate l, the
   adapter with the most requests among the *eligible* adapters (ties: older oldest request, then
   name). The base model is never a candidate: it has nothing to merge.
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dlora.scheduling.types import AdapterKey, Mode, RequestView
 
@@ -71,12 +77,23 @@ def fcfs_key(r: RequestView) -> tuple[float, str]:
 
 @dataclass(frozen=True, slots=True)
 class Queues:
-    """One step's requests, grouped and ordered once."""
+    """One step's requests, grouped and ordered once.
+
+    Two orders: arrival (FCFS), which defines B_fcfs and so what credits measure (Alg. 3), and
+    service, the order requests are served in where Alg. 1 runs "the FCFS batch" and within an
+    adapter's merged batch. They are the same unless the policy serves in another order
+    (`scheduling.order: seallm`, SeaLLM's doubling-budget priority)."""
 
     ordered: tuple[RequestView, ...]  # all requests, FCFS order
     fcfs: tuple[RequestView, ...]  # B_fcfs = ordered[:max_batch]
-    groups: dict[AdapterKey, tuple[RequestView, ...]]  # adapter (None = base) -> requests, FCFS
+    groups: dict[AdapterKey, tuple[RequestView, ...]]  # adapter (None = base) -> requests, service order
     max_batch: int
+    served: tuple[RequestView, ...] = ()  # all requests in service order (empty: FCFS)
+
+    @property
+    def batch(self) -> tuple[RequestView, ...]:
+        """The unmerged batch: the first max_batch requests in service order (B_fcfs under FCFS)."""
+        return self.served[: self.max_batch] if self.served else self.fcfs
 
     def group(self, adapter: AdapterKey) -> tuple[RequestView, ...]:
         return self.groups.get(adapter, ())
@@ -88,16 +105,20 @@ class Queues:
         return len(self.merged_batch(adapter)) / len(self.fcfs) if self.fcfs else 0.0
 
     def merged_run(self, adapter: str, mixed: bool) -> tuple[RequestView, ...]:
-        """The batch a step with `adapter` merged runs: B_fcfs when others are compensated."""
-        return self.fcfs if mixed else self.merged_batch(adapter)
+        """The batch a step with `adapter` merged runs: the unmerged batch when others are compensated."""
+        return self.batch if mixed else self.merged_batch(adapter)
 
 
-def build_queues(requests: Iterable[RequestView], max_batch: int) -> Queues:
+def build_queues(
+    requests: Iterable[RequestView], max_batch: int, service_key: Callable[[RequestView], Any] | None = None
+) -> Queues:
+    """The step's queues; `service_key` orders service (None: FCFS)."""
     ordered = tuple(sorted(requests, key=fcfs_key))
+    served = tuple(sorted(ordered, key=service_key)) if service_key is not None else ()
     groups: dict[AdapterKey, list[RequestView]] = {}
-    for r in ordered:
+    for r in served or ordered:
         groups.setdefault(r.adapter, []).append(r)
-    return Queues(ordered, ordered[:max_batch], {a: tuple(g) for a, g in groups.items()}, max_batch)
+    return Queues(ordered, ordered[:max_batch], {a: tuple(g) for a, g in groups.items()}, max_batch, served)
 
 
 def merge_candidate(q: Queues, eligible: Callable[[str], bool]) -> str | None:
@@ -127,7 +148,9 @@ class Step:
 
 
 def _fcfs_step(q: Queues, candidate: str | None) -> Step:
-    return Step(Mode.UNMERGED, None, q.fcfs, None, candidate)
+    """The unmerged batch; it owes credit only where it is not B_fcfs (another service order)."""
+    batch = q.batch
+    return Step(Mode.UNMERGED, None, batch, None if batch is q.fcfs else batch, candidate)
 
 
 def _merged_step(q: Queues, adapter: str, mixed: bool) -> Step:
@@ -170,7 +193,7 @@ def starvation_batch(
     planner is on): the fill leaves out requests with prompt tokens still to compute, whose
     prefill a merged slice does cheaper than this unmerged step would."""
     starving = set(starving)
-    b_starve = tuple(r for r in q.ordered if r.adapter in starving)[: q.max_batch]
+    b_starve = tuple(r for r in (q.served or q.ordered) if r.adapter in starving)[: q.max_batch]
     if not b_starve:
         return None
     if mode is Mode.MERGED and all(r.adapter == merged for r in b_starve):
@@ -178,7 +201,7 @@ def starvation_batch(
     chosen = {r.req_id for r in b_starve}
     fill = tuple(
         r
-        for r in q.fcfs
+        for r in q.batch
         if r.req_id not in chosen
         and (hot is None or r.adapter != hot)
         and not (decode_fill_only and r.num_computed_tokens < r.num_prompt_tokens)

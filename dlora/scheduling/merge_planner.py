@@ -162,22 +162,34 @@ def stay_pays(
 
 
 class FinishedLengths:
-    """The mean output length of the last `RECENT_LENGTHS` requests that left the engine.
+    """Output lengths of the requests that left the engine: the last `RECENT_LENGTHS` per adapter
+    and pooled.
 
     The policy sees every unfinished request each step; one that is gone has finished (or was
     aborted or moved: its length is a lower bound, which is what is known)."""
 
     def __init__(self) -> None:
-        self._last: dict[str, int] = {}
+        self._last: dict[str, tuple[AdapterKey, int]] = {}
         self._recent: deque[int] = deque(maxlen=RECENT_LENGTHS)
+        self._by_adapter: dict[AdapterKey, deque[int]] = {}
 
     def update(self, requests: Sequence[RequestView]) -> None:
-        now = {r.req_id: r.num_output_tokens for r in requests}
-        for rid, n in self._last.items():
+        now = {r.req_id: (r.adapter, r.num_output_tokens) for r in requests}
+        for rid, (adapter, n) in self._last.items():
             if rid not in now:
-                self._recent.append(n + 1)  # its last step, after the last view, made one more
+                length = n + 1  # its last step, after the last view, made one more
+                self._recent.append(length)
+                self._by_adapter.setdefault(adapter, deque(maxlen=RECENT_LENGTHS)).append(length)
         self._last = now
 
     @property
     def mean(self) -> float | None:
         return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def pooled(self) -> tuple[int, ...]:
+        """The recent lengths, every adapter's."""
+        return tuple(self._recent)
+
+    def of(self, adapter: AdapterKey) -> tuple[int, ...]:
+        """The recent lengths of `adapter`'s requests."""
+        return tuple(self._by_adapter.get(adapter, ()))

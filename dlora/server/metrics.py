@@ -260,7 +260,14 @@ class BatchingCollector:
         threshold = GaugeMetricFamily(
             "dlora_batching_threshold", "The dlora policy's switching thresholds", labels=["replica", "threshold"]
         )
+        fairness = GaugeMetricFamily(
+            "dlora_kv_fairness_gap",
+            "With scheduling.kv_quotas: MuxServe's max |R_a - R_b| over adapters, R = KV blocks used / request rate",
+            labels=["replica"],
+        )
         for rid, st in sorted(self.states.items()):
+            if st.kv_fairness_gap is not None:
+                fairness.add_metric([rid], st.kv_fairness_gap)
             mode.add_metric([rid], 1 if st.mode == "merged" else 0)
             if st.merged_adapter is not None:
                 merged.add_metric([rid, st.merged_adapter], 1)
@@ -276,7 +283,7 @@ class BatchingCollector:
             for name, value in (("alpha", st.alpha), ("beta", st.beta)):
                 if value is not None:
                     threshold.add_metric([rid, name], value)
-        yield from (mode, merged, switches, failures, drains, preemptions, seconds, credit, threshold)
+        yield from (mode, merged, switches, failures, drains, preemptions, seconds, credit, threshold, fairness)
 
 
 class ClusterCollector:
@@ -304,7 +311,13 @@ class ClusterCollector:
             "Requests failed because their replicas failed more than cluster.max_resubmissions times",
         )
         gave_up.add_metric([], self.counters.get("resubmission_limit", 0))
-        yield from (resub, moved, restarts, gave_up)
+        infeasible = CounterMetricFamily(
+            "dlora_dispatch_slo_infeasible",
+            "Requests dispatched (cluster.dispatch slo_feasible or best_fit) when no replica could keep every "
+            "request's SLO: sent to the least pending time",
+        )
+        infeasible.add_metric([], self.counters.get("slo_infeasible_dispatches", 0))
+        yield from (resub, moved, restarts, gave_up, infeasible)
 
 
 class SloCollector:

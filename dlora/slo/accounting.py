@@ -44,6 +44,10 @@ class SloAccounting:
         """The adapter's own SLO, None when it has none (the base model never has one)."""
         return None if adapter is None else self._targets.get(adapter)
 
+    def slo_of(self, adapter: AdapterName, prompt_tokens: int) -> AdapterSlo:
+        """The SLO a request of `adapter` with `prompt_tokens` is held to (as `record` judges it)."""
+        return self.cfg.slo_for(self.target(adapter), isolated_times(self.basis, prompt_tokens))
+
     def forget(self, adapter: str) -> None:
         """The adapter was unregistered: drop its target and its counts."""
         self._targets.pop(adapter, None)
@@ -61,7 +65,7 @@ class SloAccounting:
             latency_s=latency_s,
             output_tokens=output_tokens,
             isolated_s=iso.execution_s(output_tokens),
-            slo=self.cfg.slo_for(self.target(adapter), iso),
+            slo=self.slo_of(adapter, prompt_tokens),
         )
 
     def counts(self) -> dict[AdapterName, AdapterCounts]:

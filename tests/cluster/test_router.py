@@ -658,3 +658,40 @@ def test_a_burst_is_spread_over_the_replicas_with_or_without_a_deadline(timeout_
         assert all(t.requests == 0 for t in router.totals.values())  # nothing left counted
 
     asyncio.run(run())
+
+
+def test_adaptive_period_grows_while_traffic_holds_and_shrinks_when_it_moves():
+    # SeaLLM Eq. 8 with beta 0.1, first period 10 s: the same arrival rate (and attainment) as the
+    # period before -> 11 s; then three times the rate (error 2 > 0.1) -> 11 * 0.9 = 9.9 s.
+    async def run():
+        clock = [0.0]
+        router = Router([ToyReplica(0), ToyReplica(1)], clock=lambda: clock[0])
+        await router.start()
+        cfg = ClusterConfig(num_replicas=2, reoptimize="adaptive", migration_interval_s=10.0, migration=False)
+        balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+
+        async def period(arrivals: int, length: float) -> None:
+            await asyncio.gather(*(collect(router, request(f"p{clock[0]}-{i}", n=2)) for i in range(arrivals)))
+            clock[0] += length
+            await balancer.maybe_reoptimize()
+
+        await balancer.maybe_reoptimize()  # the first period starts
+        await period(10, 10.0)  # measured, nothing to compare with yet: still 10 s
+        assert balancer.reopt.period_s == pytest.approx(10.0)
+        await period(10, 10.0)
+        assert balancer.reopt.period_s == pytest.approx(11.0)
+        await period(33, 11.0)
+        assert balancer.reopt.period_s == pytest.approx(9.9)
+        await period(1, 5.0)  # before the period is over: nothing changes
+        assert balancer.reopt.period_s == pytest.approx(9.9)
+
+    asyncio.run(run())
+
+
+def test_reoptimize_settings_are_checked():
+    from dlora.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.reoptimize='sometimes'"):
+        ClusterConfig(reoptimize="sometimes")
+    with pytest.raises(ConfigError, match="cluster.reoptimize_min_s"):
+        ClusterConfig(reoptimize="adaptive", reoptimize_min_s=20.0, migration_interval_s=10.0)

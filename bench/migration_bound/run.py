@@ -32,7 +32,7 @@ from bench.cluster_balancing import run as cb
 from dlora.bench.provenance import provenance
 from dlora.bench.servers import write_result
 from dlora.cluster.router import static_home
-from dlora.sim.migration_bound import Job, ReplicaModel, bound
+from dlora.sim.migration_bound import Job, ReplicaModel, bound, capacity_rps
 
 HERE = Path(__file__).resolve().parent
 
@@ -107,23 +107,9 @@ def homes(regime: Regime, replicas: int) -> dict[str, int]:
     return {f"a{i}": static_home(i + 1, replicas) for i in range(n)}
 
 
-def capacity_rps(regime: Regime, replicas: int, jobs: list[Job]) -> float:
-    """Requests per second the modelled cluster completes with every running slot busy: a full
-    batch's steps for the mean output, plus each request's prefill."""
-    m, c = regime.model, regime.model.costs
-    mean_out = statistics.fmean(j.output_len for j in jobs)
-    mean_prompt = statistics.fmean(j.prompt_len for j in jobs)
-    b = m.max_running
-    if m.kv_blocks is not None:  # as many as fit in KV at their mean context (prompt + half the output)
-        b = max(1, min(b, int(m.kv_blocks * m.block_tokens // (mean_prompt + mean_out / 2))))
-    step = c.step(b, 0, b, 0, m.max_loras)
-    per_batch = mean_out * step + b * mean_prompt * (c.per_prefill_token_s + c.lora_per_prefill_token_s)
-    return replicas * b / per_batch
-
-
 def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
     # the capacity from one trace's lengths and prompts (arrival times do not enter it)
-    cap = capacity_rps(regime, args.replicas, trace(regime, 1.0, 0, args, tokenizer))
+    cap = capacity_rps(regime.model, args.replicas, trace(regime, 1.0, 0, args, tokenizer))
     home = homes(regime, args.replicas)
     points = []
     for load in args.loads:

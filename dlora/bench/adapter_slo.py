@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dlora.bench.client import RequestResult
+from dlora.slo.accounting import SloAccounting
+from dlora.slo.attainment import AdapterName
 from dlora.slo.listing import accounting_from_listing, slo_json
 
 
@@ -37,7 +39,13 @@ def adapter_slo_report(
             accounting.record(
                 r.adapter, prompt_tokens=r.prompt_len, ttft_s=r.ttft, latency_s=r.latency, output_tokens=r.output_tokens
             )
-    sent = Counter(r.adapter for r in results)
+    return slo_summary(accounting, Counter(r.adapter for r in results), base_model)
+
+
+def slo_summary(accounting: SloAccounting, sent: Mapping[AdapterName, int], base_model: str | None) -> dict[str, Any]:
+    """The report's fields from the requests `accounting` judged, out of `sent` requests per adapter
+    (one sent but never judged, having failed, counts as a miss); `base_model` names the base
+    model's requests, which no adapter's coldness counts."""
     counts = accounting.counts()
     per_adapter: dict[str, dict[str, Any]] = {}
     for name in sorted(sent, key=str):
@@ -53,8 +61,9 @@ def adapter_slo_report(
         }
     adapters = [name for name in sent if name is not None and name != base_model]
     coldest = min(adapters, key=lambda a: (sent[a], a), default=None)
+    total = sum(sent.values())
     return {
-        "slo_attainment": sum(m["attained"] for m in per_adapter.values()) / len(results) if results else None,
+        "slo_attainment": sum(m["attained"] for m in per_adapter.values()) / total if total else None,
         "slo_attainment_coldest_adapter": per_adapter[coldest]["slo_attainment"] if coldest is not None else None,
         "coldest_adapter": coldest,
         "normalized_latency": accounting.mean_normalized_latency(),

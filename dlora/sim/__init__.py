@@ -5,5 +5,8 @@
 - `toy_replica`: an in-process replica with a deterministic toy model and the Ray replica's
   interface (`ToyReplica`), for router tests and `cluster`;
 - `cluster`: the real router, dispatch and balancer over toy replicas, in real time;
-- `migration_bound`: an event-driven model of several replicas: what moving requests could gain.
+- `migration_bound`: an event-driven model of several replicas: what moving requests could gain,
+  and the SLO-aware policies (SeaLLM's order, Aladdin's dispatch, MuxServe's KV quotas) run in it;
+- `slo_study`: bench/slo's three configurations in that model, their SLO report, and the fewest
+  replicas that reach an attainment target.
 """

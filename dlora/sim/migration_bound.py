@@ -44,10 +44,37 @@ With `kv_blocks`, a replica admits a request only while its KV blocks fit, and b
 whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
 (they recompute prompt and output when they start again); under late binding and moves a
 preempted request may restart on another replica, the ideal of moving running requests out of a
-full replica. Left out: merging, migration's own cost beyond that recompute (which only makes
-the bound looser), and admission orders other than first-arrival (a different order is
-scheduling, not placement). Queueing delay is first admission minus arrival, the engines' own
-measure; `Outcome` also has each request's end-to-end latency and the preemptions.
+full replica. Left out: merging, and migration's own cost beyond that recompute (which only makes
+the bound looser). Queueing delay is first admission minus arrival, the engines' own measure;
+`Outcome` also has each request's end-to-end latency, TTFT and time per output token, and the
+preemptions.
+
+SLO-aware serving (`slo`, a `dlora.slo.config.SloConfig`; its default is everything above) runs
+the server's policy code in the same model, so the policies can be compared at cluster sizes no
+machine here runs:
+
+- `order: seallm`: each replica admits its queued requests in SeaLLM's doubling-budget order
+  (`dlora.slo.priority.sort_key`) instead of arrival, and a replica whose KV runs out preempts the
+  running request last in that order. Each adapter's profile is the mean and deviation of its
+  finished requests' lengths (the router's `OutputLengthEstimator`, cluster-wide, where the
+  server keeps one per engine), the pooled lengths while it has fewer than the estimator's
+  `min_samples`, and the requests' cap before 8 requests finished anywhere, as the server does.
+- `dispatch: slo_feasible | best_fit`: dispatch at arrival by Aladdin's feasibility checks
+  (`dlora.slo.feasible_dispatch.choose`) over the same views, each running request's seconds
+  since its first token as its decode time, and each request's SLO as the accounting sets it.
+- `kv_quotas`: MuxServe's per-adapter KV quotas (`dlora.slo.kv_quota.KvQuotas`, one per replica,
+  fed with each request dispatched there and re-adapted every `quota_period_s`). Once a period has
+  set quotas, `plan_admissions` decides each step which queued requests may start: every request
+  its adapter's quota covers first, in the replica's order, then borrowers while blocks are free.
+  A request within its quota that finds too few free blocks takes them back from borrowers
+  (`KvQuotas.admit`'s reclaim: their running requests preempted, last in order first, as
+  MuxServe's lending prescribes; the server instead leaves them to vLLM's preemption, where they
+  go first), and preemption for KV growth takes borrowers' requests first.
+
+Every finished request is judged by `dlora.slo.accounting.SloAccounting` with the isolated times of
+the model's own `CostParams` (`Outcome.slo`). Every replica meters rates as the quotas do, quotas
+on or off, so MuxServe's fairness gap (max |R_a - R_b|, R = KV blocks held / request rate) is
+sampled at each replica's every period boundary in every configuration (`Outcome.fairness_gaps`).
 """
 
 from __future__ import annotations
@@ -67,6 +94,12 @@ from dlora.cluster.migration.queued import QueuedConfig, plan_queued
 from dlora.cluster.migration.trigger import TriggerConfig, check_trigger
 from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
 from dlora.sim.step_costs import StepCosts, preset
+from dlora.slo import feasible_dispatch
+from dlora.slo.accounting import SloAccounting
+from dlora.slo.attainment import tpot_s
+from dlora.slo.config import SloConfig
+from dlora.slo.kv_quota import AdapterName, KvQuotas, plan_admissions
+from dlora.slo.priority import LengthStats, length_stats, sort_key
 
 DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer")
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
@@ -117,6 +150,11 @@ class Outcome:
     preemptions: int
     moved: int = 0  # `balancer`: requests its planners moved (queued ones, and running ones in rounds)
     moved_running: int = 0  # of which running, by co-migration rounds
+    ttft_s: list[float] = field(default_factory=list)  # per job: arrival to its first token
+    tpot_s: list[float | None] = field(default_factory=list)  # per job: Aladdin's ATGT (None: one token)
+    slo: SloAccounting | None = None  # every job judged against the SLO it was held to
+    fairness_gaps: list[float] = field(default_factory=list)  # MuxServe's gap, per replica and period
+    infeasible_dispatches: int = 0  # `slo_feasible` / `best_fit`: no replica met every check
 
 
 @dataclass
@@ -138,11 +176,15 @@ class _Model:
         oracle_lengths: bool,
         move_after_s: float,
         homes: Mapping[str, int] | None,
+        slo: SloConfig | None = None,
     ) -> None:
         if discipline not in (*DISCIPLINES, STATIC):
             raise ValueError(f"discipline {discipline!r}: choose from {', '.join((*DISCIPLINES, STATIC))}")
         if discipline == STATIC and homes is None:
             raise ValueError("discipline 'static' needs each adapter's home replica (homes)")
+        self.slo = slo or SloConfig()
+        if self.slo.kv_quotas and (model.kv_blocks is None or discipline == "late_binding"):
+            raise ValueError("kv_quotas need KV blocks (kv_blocks) and a replica per request at arrival")
         self.homes = homes or {}
         self.jobs, self.model, self.discipline, self.oracle = list(jobs), model, discipline, oracle_lengths
         self.move_after_s = move_after_s
@@ -159,6 +201,19 @@ class _Model:
         self.estimator = OutputLengthEstimator()
         self.dispatch = ProactiveDispatch()
         self.params = model.cost_params()
+        self.accounting = SloAccounting(self.slo, self.params)
+        # each request's SLO, by its dispatch id (fixed by its adapter and prompt; dispatch asks often)
+        self.slo_by_id = {f"r{i}": self.accounting.slo_of(j.adapter, j.prompt_len) for i, j in enumerate(self.jobs)}
+        self.first_token: dict[int, float] = {}
+        self.infeasible = 0
+        # SeaLLM profiles: adapters with enough finished requests of their own (dropped at each
+        # finish of theirs), and the pooled one the others use (None: recompute, a request finished)
+        self.profiles: dict[str, LengthStats] = {}
+        self.pooled_profile: LengthStats | None = None
+        self.cap_profile = LengthStats(float(min((j.max_tokens for j in self.jobs), default=1)))
+        start = min((j.arrival for j in self.jobs), default=0.0)
+        self.quotas = [KvQuotas(model.kv_blocks or 0, self.slo.quota_period_s, start) for _ in self.replicas]
+        self.fairness_gaps: list[float] = []
         # (time, kind, seq, index): kind 0 a step ends, 1 a request arrives, 2 a step starts, 3 a
         # queued request may move (`moves`), 4 a balancer tick; at one instant steps start after
         # arrivals and ends, so requests arriving together are admitted together
@@ -194,6 +249,14 @@ class _Model:
             self.preemptions,
             self.moved,
             self.moved_running,
+            ttft_s=[self.first_token[i] - job.arrival for i, job in enumerate(self.jobs)],
+            tpot_s=[
+                tpot_s(self.first_token[i] - job.arrival, self.finished[i] - job.arrival, job.output_len)
+                for i, job in enumerate(self.jobs)
+            ],
+            slo=self.accounting,
+            fairness_gaps=self.fairness_gaps,
+            infeasible_dispatches=self.infeasible,
         )
 
     # -- events
@@ -204,10 +267,11 @@ class _Model:
             self.wake_all(t)
             return
         try:
-            rid = self.homes[self.jobs[i].adapter] if self.discipline == STATIC else self.choose(i)
+            rid = self.homes[self.jobs[i].adapter] if self.discipline == STATIC else self.choose(t, i)
         except NoEligibleReplica:
             self.held.append(i)
             return
+        self.quotas[rid].arrived(self.jobs[i].adapter)
         self.enqueue(self.replicas[rid].queue, i)
         self.wake(t, self.replicas[rid])
         if self.discipline == "moves":
@@ -217,10 +281,20 @@ class _Model:
         still = []
         for i in r.running:
             self.generated[i] += 1
+            self.first_token.setdefault(i, t)
             job = self.jobs[i]
             if self.generated[i] >= job.output_len:
                 self.estimator.observe(job.adapter, self.generated[i])
+                self.profiles.pop(job.adapter, None)
+                self.pooled_profile = None
                 self.finished[i] = t
+                self.accounting.record(
+                    job.adapter,
+                    prompt_tokens=job.prompt_len,
+                    ttft_s=self.first_token[i] - job.arrival,
+                    latency_s=t - job.arrival,
+                    output_tokens=self.generated[i],
+                )
             else:
                 still.append(i)
         r.running = still
@@ -256,6 +330,7 @@ class _Model:
             else:
                 continue  # finished since the views were read
             self.enqueue(self.replicas[dst].queue, i)
+            self.quotas[dst].arrived(self.jobs[i].adapter)  # as a resubmitted request reaches its engine
             self.sent_at[i] = t
             self.moved += 1
             self.wake(t, self.replicas[dst])
@@ -271,11 +346,10 @@ class _Model:
             self.wake(t, r)
 
     def start_step(self, t: float, r: _Replica) -> None:
+        self.adapt_quotas(t, r)
         self.preempt(t, r)
-        if self.discipline == "late_binding":
-            new, loads = self.admit(t, r, [(i, self.central) for i in self.central])
-        else:
-            new, loads = self.admit(t, r, [(i, r.queue) for i in r.queue])
+        queue = self.central if self.discipline == "late_binding" else r.queue
+        new, loads = self.admit(t, r, [(i, queue) for i in self.startable(r, self.in_order(queue))])
         if self.discipline == "moves":  # then requests that have waited long enough elsewhere
             movable = sorted(
                 (
@@ -309,22 +383,110 @@ class _Model:
             return float("inf")
         return self.model.kv_blocks - sum(self.blocks(i) for i in r.running)
 
+    def kv_used(self, r: _Replica) -> dict[AdapterName, int]:
+        """KV blocks each adapter's running requests hold (for their next step)."""
+        used: dict[AdapterName, int] = {}
+        for i in r.running:
+            a = self.jobs[i].adapter
+            used[a] = used.get(a, 0) + self.blocks(i)
+        return used
+
     def preempt(self, t: float, r: _Replica) -> None:
-        """As vLLM does when a step's KV does not fit: the latest-arriving running requests go back
+        """As vLLM does when a step's KV does not fit: the running requests of KV-quota borrowers
+        first, then those last in the replica's order (`order_key`: FCFS's latest arrival) go back
         to the queue (their KV freed, recomputed when they start again); with late binding, to
         the cluster's queue, and with moves, another replica may take them at once."""
         preempted = False
         while len(r.running) > 1 and self.kv_free(r) < 0:
-            victim = max(r.running, key=lambda i: (self.jobs[i].arrival, i))
-            r.running.remove(victim)
-            self.enqueue(self.central if self.discipline == "late_binding" else r.queue, victim)
-            self.preemptions += 1
+            borrowers = self.borrowers(r)
+            self.requeue(r, max(r.running, key=lambda i: (self.jobs[i].adapter in borrowers, self.order_key(i))))
             preempted = True
         if preempted and self.discipline in ("late_binding", "moves"):
             self.wake_all(t)
 
+    def requeue(self, r: _Replica, i: int) -> None:
+        """Preempt running request i: its KV is freed and it waits to start again."""
+        r.running.remove(i)
+        self.enqueue(self.central if self.discipline == "late_binding" else r.queue, i)
+        self.preemptions += 1
+
     def enqueue(self, queue: list[int], i: int) -> None:
         bisect.insort(queue, i, key=lambda j: (self.jobs[j].arrival, j))
+
+    # -- service order (`slo.order`)
+
+    def profile(self, adapter: str) -> LengthStats:
+        """SeaLLM's length profile of `adapter`: its own finished lengths, else the pooled ones,
+        else (before `min_samples` finished anywhere) the requests' cap."""
+        own = self.profiles.get(adapter)
+        if own is not None:
+            return own
+        if self.pooled_profile is None:
+            pooled = self.estimator.pooled_samples()
+            enough = len(pooled) >= self.estimator.cfg.min_samples
+            self.pooled_profile = LengthStats.of(pooled) if enough else self.cap_profile
+        got = length_stats(self.estimator, adapter, self.pooled_profile)
+        if got is not self.pooled_profile:
+            self.profiles[adapter] = got
+        return got
+
+    def order_key(self, i: int) -> tuple:
+        """Request i's place in its replica's order, smallest served first: arrival (fcfs) or
+        SeaLLM's (O_r, arrival), then the index."""
+        job = self.jobs[i]
+        if self.slo.order == "fcfs":
+            return (job.arrival, i)
+        return (*sort_key(job.arrival, self.generated[i], self.profile(job.adapter)), i)
+
+    def in_order(self, queue: list[int]) -> list[int]:
+        """The queued requests in the order the replica admits them (queues are kept in arrival order)."""
+        return list(queue) if self.slo.order == "fcfs" else sorted(queue, key=self.order_key)
+
+    # -- KV quotas (`slo.kv_quotas`; rates metered in every configuration for the fairness gap)
+
+    def adapt_quotas(self, t: float, r: _Replica) -> None:
+        """At a period's end: the replica's quotas from the rates over it, and a fairness sample."""
+        active = {self.jobs[i].adapter for i in (*r.running, *r.queue)}
+        q = self.quotas[r.rid]
+        if q.adapt(t, active):
+            self.fairness_gaps.append(q.fairness_gap(self.kv_used(r)))
+
+    def quotas_set(self, r: _Replica) -> dict[AdapterName, int]:
+        """The replica's quotas when they decide (`kv_quotas` on and a period has set them), else {}."""
+        return self.quotas[r.rid].quotas if self.slo.kv_quotas else {}
+
+    def borrowers(self, r: _Replica) -> set[AdapterName]:
+        """Adapters holding more KV blocks here than their quota (none without quotas)."""
+        quotas = self.quotas_set(r)
+        return {a for a, u in self.kv_used(r).items() if quotas and u > quotas.get(a, 0)}
+
+    def startable(self, r: _Replica, ordered: list[int]) -> list[int]:
+        """`ordered` less the requests the quotas refuse, in the order they start: with quotas set,
+        `plan_admissions`' (those within their adapter's quota first, then borrowers while blocks
+        are free); otherwise all of them, as they are."""
+        quotas = self.quotas_set(r)
+        if not quotas:
+            return ordered
+        asks = [(str(i), self.jobs[i].adapter, self.blocks(i)) for i in ordered]
+        plan = plan_admissions(asks, self.kv_used(r), quotas, self.quotas[r.rid].total_blocks)
+        return [int(i) for i in plan.admitted]
+
+    def reclaim(self, r: _Replica, i: int) -> bool:
+        """MuxServe's take-back for request i, within its quota but short of free blocks: preempt
+        the borrowers' running requests `KvQuotas.admit` names (each adapter's last in order
+        first) until i fits. False when the quotas give it nothing to take back."""
+        if not self.quotas_set(r):
+            return False
+        ans = self.quotas[r.rid].admit(self.jobs[i].adapter, self.blocks(i), self.kv_used(r))
+        if not ans.reclaim:
+            return False
+        for adapter, blocks in ans.reclaim.items():
+            mine = sorted((j for j in r.running if self.jobs[j].adapter == adapter), key=self.order_key)
+            while blocks > 0 and mine:
+                victim = mine.pop()
+                blocks -= self.blocks(victim)
+                self.requeue(r, victim)
+        return self.blocks(i) <= self.kv_free(r)
 
     # -- admission
 
@@ -337,10 +499,16 @@ class _Model:
         free = self.kv_free(r)
         running_adapters = {self.jobs[i].adapter for i in r.running}
         for i, queue in candidates:
-            if len(r.running) >= m.max_running or self.blocks(i) > free:
-                break  # vLLM stops admitting at the first request whose KV does not fit
+            if len(r.running) >= m.max_running:
+                break
             a = self.jobs[i].adapter
-            if a not in running_adapters and len(running_adapters) >= m.max_loras:
+            joins = a in running_adapters or len(running_adapters) < m.max_loras
+            if self.blocks(i) > free:
+                if not (joins and self.reclaim(r, i)):
+                    break  # vLLM stops admitting at the first request whose KV does not fit
+                free = self.kv_free(r)
+                running_adapters = {self.jobs[j].adapter for j in r.running}
+            if not joins:
                 continue
             if a not in r.resident:
                 if not self.make_room(r, running_adapters):
@@ -368,10 +536,28 @@ class _Model:
 
     # -- dispatch at arrival
 
-    def choose(self, i: int) -> int:
+    def choose(self, t: float, i: int) -> int:
         views = [self.view(r) for r in self.replicas]
         req = self.load(i, running=False)
-        return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
+        if self.slo.dispatch == "least_pending":
+            return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
+        slo_replicas = [
+            feasible_dispatch.SloReplica(
+                v, self.params, {f"r{j}": t - self.first_token[j] for j in r.running if j in self.first_token}
+            )
+            for v, r in zip(views, self.replicas)
+        ]
+        got = feasible_dispatch.choose(
+            slo_replicas,
+            req,
+            lambda x: self.slo_by_id[x.request_id],
+            t,
+            self.slo.dispatch,
+            self.slo.gamma,
+            self.slo.theta,
+        )
+        self.infeasible += not got.feasible
+        return got.replica_id
 
     def view(self, r: _Replica) -> ReplicaView:
         requests = tuple(self.load(i, True) for i in r.running) + tuple(self.load(i, False) for i in r.queue)
@@ -416,9 +602,24 @@ def simulate(
     oracle_lengths: bool = False,
     move_after_s: float = MOVE_AFTER_S,
     homes: Mapping[str, int] | None = None,
+    slo: SloConfig | None = None,
 ) -> Outcome:
-    """`jobs` under `discipline` (see the module docstring)."""
-    return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes).run()
+    """`jobs` under `discipline`, with `slo`'s order, dispatch and KV quotas (see the module docstring)."""
+    return _Model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes, slo).run()
+
+
+def capacity_rps(model: ReplicaModel, replicas: int, jobs: Sequence[Job]) -> float:
+    """Requests per second `replicas` modelled replicas complete on `jobs`' lengths with every
+    running slot busy: a full batch's steps for the mean output, plus each request's prefill."""
+    c = model.costs
+    mean_out = statistics.fmean(j.output_len for j in jobs)
+    mean_prompt = statistics.fmean(j.prompt_len for j in jobs)
+    b = model.max_running
+    if model.kv_blocks is not None:  # as many as fit in KV at their mean context (prompt + half the output)
+        b = max(1, min(b, int(model.kv_blocks * model.block_tokens // (mean_prompt + mean_out / 2))))
+    step = c.step(b, 0, b, 0, model.max_loras)
+    per_batch = mean_out * step + b * mean_prompt * (c.per_prefill_token_s + c.lora_per_prefill_token_s)
+    return replicas * b / per_batch
 
 
 def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str, **kw) -> list[float]:

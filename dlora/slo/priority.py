@@ -44,9 +44,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
-from dlora.scheduling.types import AdapterKey, RequestView
+
+if TYPE_CHECKING:
+    # Types only: importing dlora.scheduling runs its package, whose dLoRA policy imports this
+    # module, so a caller importing this module first would meet a half-initialized one.
+    from dlora.scheduling.types import AdapterKey, RequestView
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""bench/migration_bound/run.py's traces and capacity (the replica model itself: tests/sim)."""
+"""bench/migration_bound/run.py's traces, and the modelled capacity its loads are fractions of (the
+replica model itself: tests/sim)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,8 @@ import numpy as np
 import pytest
 
 from bench.cluster_balancing import run as cb
-from bench.migration_bound.run import (
-    REGIMES,
-    Regime,
-    capacity_rps,
-    draw_lengths,
-    homes,
-    parse_args,
-    trace,
-)
-from dlora.sim.migration_bound import Job, ReplicaModel
+from bench.migration_bound.run import REGIMES, draw_lengths, homes, parse_args, trace
+from dlora.sim.migration_bound import Job, ReplicaModel, capacity_rps
 from dlora.sim.step_costs import StepCosts
 
 
@@ -48,10 +41,9 @@ def test_capacity_is_full_batches_of_the_mean_output_plus_prefill():
         lora_per_seq_s=0.0,
         lora_per_prefill_token_s=0.0,
     )
-    regime = Regime("t", (), ReplicaModel(max_running=2, costs=costs), "")
     jobs = [Job(0, "x", 4, 3, 8), Job(0, "x", 4, 5, 8)]
     # a batch of 2: 4 steps of 1 s for the mean output, plus 2 prompts x 4 tokens x 0.25 s = 6 s per 2 requests
-    assert capacity_rps(regime, 3, jobs) == pytest.approx(3 * 2 / 6)
+    assert capacity_rps(ReplicaModel(max_running=2, costs=costs), 3, jobs) == pytest.approx(3 * 2 / 6)
 
 
 def test_bad_flags_are_refused_by_name(capsys):

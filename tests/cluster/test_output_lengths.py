@@ -78,6 +78,13 @@ def test_window_keeps_the_last_lengths_and_zero_disables_the_estimate():
     assert off.expected_remaining("a", 0, 256) == 256.0 and off.samples("a") == []
 
 
+def test_pooled_samples_are_every_adapters_last_lengths_in_order():
+    est = OutputLengthEstimator(OutputLengthConfig(window=3))
+    for adapter, n in (("a", 1), ("b", 2), ("a", 3), ("b", 4)):
+        est.observe(adapter, n)
+    assert est.pooled_samples() == [2, 3, 4] and est.samples("a") == [1, 3]
+
+
 def test_config_rejects_bad_values():
     for bad in ({"window": -1}, {"min_samples": 0}, {"prior_tokens": 0}):
         with pytest.raises(ValueError):

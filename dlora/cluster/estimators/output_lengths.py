@@ -112,6 +112,11 @@ class OutputLengthEstimator:
         dist = self._by_adapter.get(adapter)
         return list(dist.recent) if dist is not None else []
 
+    def pooled_samples(self) -> list[int]:
+        """Every adapter's recorded lengths together (the last `window`), oldest first: what an
+        adapter with fewer than `min_samples` of its own is estimated from."""
+        return list(self._pooled.recent)
+
     def _source(self, adapter: AdapterName) -> _Sorted | None:
         dist = self._by_adapter.get(adapter)
         if dist is not None and len(dist) >= self.cfg.min_samples:

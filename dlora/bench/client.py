@@ -30,6 +30,10 @@ class ServerUnreachable(BenchError):
     pass
 
 
+class NoSuchEndpoint(ServerUnreachable):
+    """The server answered 404 for the path: it is not dlora, or an older one."""
+
+
 class UnknownAdapter(BenchError):
     pass
 
@@ -175,6 +179,8 @@ async def _get_list(base_url: str, path: str, token: str | None, timeout: float)
         raise ServerUnreachable(
             f"cannot reach the server at {base_url} ({type(e).__name__}: {e or 'no response'})"
         ) from None
+    if resp.status_code == 404:
+        raise NoSuchEndpoint(f"GET {url} answered HTTP 404: {_error_message(resp.text)}")
     if resp.status_code != 200:
         raise ServerUnreachable(f"GET {url} answered HTTP {resp.status_code}: {_error_message(resp.text)}")
     try:
@@ -193,7 +199,7 @@ async def fetch_models(base_url: str, api_key: str | None = None, timeout: float
 
 async def fetch_adapter_list(base_url: str, admin_token: str | None = None, timeout: float = 10.0) -> dict:
     """dlora's GET /v1/adapters (the registered adapters with their SLOs, docs/api.md), as sent;
-    raises ServerUnreachable saying why not (a server that is not dlora answers 404)."""
+    raises ServerUnreachable saying why not, NoSuchEndpoint where the server is not dlora (404)."""
     return await _get_list(base_url, "/v1/adapters", admin_token, timeout)
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dlora.bench import client as oai
 from dlora.bench.adapter_slo import adapter_slo_report
-from dlora.bench.client import BenchError, RequestResult
+from dlora.bench.client import BenchError, NoSuchEndpoint, RequestResult
 from dlora.bench.report import DLORA_SLO_PER_TOKEN_MS, compute_metrics, per_adapter_metrics
 from dlora.bench.summary import format_result
 from dlora.bench.workload import Request
@@ -162,9 +162,12 @@ async def _drive(run: _Run, base_url: str, requests: Sequence[Request], opts: Ru
 
 
 async def _adapter_list(base_url: str, opts: RunOptions) -> dict[str, Any] | None:
-    """dlora's adapter list with its SLOs; None, said on stderr, where the server has none to give."""
+    """dlora's adapter list with its SLOs; None where the server has none to give (said on stderr
+    unless the server is not dlora: vLLM's has no such list)."""
     try:
         return await oai.fetch_adapter_list(base_url, opts.admin_token)
+    except NoSuchEndpoint:
+        return None
     except BenchError as e:
         print(f"no per-adapter SLO report: {e}", file=sys.stderr)
         return None

@@ -343,10 +343,14 @@ class DloraScheduler(Scheduler):
 
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
-        for r in finished:
-            self._dlora_client_priority.pop(r.request_id, None)
         self._dlora_queue_waits.end((r.request_id for r in finished), time.perf_counter())
         return finished
+
+    def _free_request(self, request: Request, *args, **kwargs):
+        # Every finished request passes here (stopped, capped or aborted); finish_requests sees
+        # only the aborted ones.
+        self._dlora_client_priority.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         ended = time.perf_counter()

@@ -215,8 +215,9 @@ class _Model:
         self.quotas = [KvQuotas(model.kv_blocks or 0, self.slo.quota_period_s, start) for _ in self.replicas]
         self.fairness_gaps: list[float] = []
         # (time, kind, seq, index): kind 0 a step ends, 1 a request arrives, 2 a step starts, 3 a
-        # queued request may move (`moves`), 4 a balancer tick; at one instant steps start after
-        # arrivals and ends, so requests arriving together are admitted together
+        # queued request may move (`moves`), 4 a balancer tick, 5 and up a subclass's (`event`); at
+        # one instant steps start after arrivals and ends, so requests arriving together are
+        # admitted together
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
 
@@ -239,10 +240,24 @@ class _Model:
                 self.start_step(t, self.replicas[index])
             elif kind == 4:
                 self.tick(t)
-            elif index not in self.admitted:  # kind 3: an idle replica may now take it
-                self.wake_all(t)
+            elif kind == 3:
+                if index not in self.admitted:  # an idle replica may now take it
+                    self.wake_all(t)
+            else:
+                self.event(t, kind, index)
         if len(self.finished) != len(self.jobs):
             raise RuntimeError(f"{len(self.jobs) - len(self.finished)} requests never finished")
+        return self.outcome()
+
+    def event(self, t: float, kind: int, index: int) -> None:
+        """An event of a kind a subclass adds (5 and up)."""
+        raise ValueError(f"unknown event kind {kind}")
+
+    def serving(self) -> list[_Replica]:
+        """The replicas that take requests (all of them here; an elastic cluster's started ones)."""
+        return self.replicas
+
+    def outcome(self) -> Outcome:
         return Outcome(
             [self.admitted[i] - job.arrival for i, job in enumerate(self.jobs)],
             [self.finished[i] - job.arrival for i, job in enumerate(self.jobs)],
@@ -342,7 +357,7 @@ class _Model:
 
     def wake_all(self, t: float) -> None:
         """Every idle replica looks at the queues (a request any of them may take appeared)."""
-        for r in self.replicas:
+        for r in self.serving():
             self.wake(t, r)
 
     def start_step(self, t: float, r: _Replica) -> None:
@@ -537,7 +552,8 @@ class _Model:
     # -- dispatch at arrival
 
     def choose(self, t: float, i: int) -> int:
-        views = [self.view(r) for r in self.replicas]
+        live = self.serving()
+        views = [self.view(r) for r in live]
         req = self.load(i, running=False)
         if self.slo.dispatch == "least_pending":
             return self.dispatch.choose(views, req, {v.replica_id: self.params for v in views}).replica_id
@@ -545,7 +561,7 @@ class _Model:
             feasible_dispatch.SloReplica(
                 v, self.params, {f"r{j}": t - self.first_token[j] for j in r.running if j in self.first_token}
             )
-            for v, r in zip(views, self.replicas)
+            for v, r in zip(views, live)
         ]
         got = feasible_dispatch.choose(
             slo_replicas,

@@ -34,9 +34,10 @@ def ray_env(token: str) -> dict[str, str]:
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """A 2-CPU Ray head on 127.0.0.1 (its own process group, stopped with it); yields (address, env)."""
+    """A 2-CPU Ray head on 127.0.0.1 (its own process group, killed with it); yields (address, env).
+    One for the module: each test leaves it as it found it (the first checks that it does)."""
     port = harness.free_port()
     temp = Path(os.path.realpath("/tmp")) / f"rh{port}"  # unix socket paths must stay short
     env = ray_env(secrets.token_hex(32))
@@ -73,7 +74,8 @@ def ray_head(tmp_path_factory):
             time.sleep(2)
         yield address, env
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        # Ray's own graceful stop takes about 30 s; nothing of this throwaway cluster needs it.
+        os.killpg(head.pid, signal.SIGKILL)
         head.wait(timeout=60)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)

@@ -41,13 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster_balancing.run import CHAT_TEMPLATE_TOKENS, MAX_MODEL_LEN
-from bench.migration_bound.run import CHAT_TEMPLATE
+from bench.slo_sim.run import sharegpt_jobs
 from dlora import env
 from dlora.bench.adapter_slo import slo_summary
 from dlora.bench.provenance import provenance
 from dlora.bench.servers import write_result
-from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.autoscale import AutoscaleConfig
 from dlora.sim.elastic import simulate_elastic
 from dlora.sim.migration_bound import Job, Outcome, ReplicaModel, capacity_rps, simulate
@@ -68,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heartbeat", type=float, default=5.0, help="seconds between autoscaler decisions")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--kv-blocks", type=int, default=48)
-    ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 replicas, a 600 s day")
     ap.add_argument("--out", default=None)
@@ -103,24 +100,10 @@ def day(replicas: int, seed: int, args, tokenizer, model: ReplicaModel) -> tuple
 
 
 def _jobs(adapters: int, n: int, rate: float, seed: int, args, tokenizer, diurnal: bool) -> list[Job]:
-    spec = WorkloadSpec(
-        num_prompts=n,
-        adapters=tuple(f"a{i}" for i in range(adapters)),
-        distribution="zipf",
-        alpha=1.0,
-        cv=args.cv,
-        request_rate=rate,
-        diurnal_amplitude=args.amplitude if diurnal else 0.0,
-        diurnal_period=args.period if diurnal else None,
-        dataset="sharegpt",
-        max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
-        seed=seed,
+    spec = {"diurnal_amplitude": args.amplitude, "diurnal_period": args.period} if diurnal else {}
+    return sharegpt_jobs(
+        adapters, n, seed, tokenizer, alpha=1.0, cv=args.cv, max_tokens=args.max_tokens, request_rate=rate, **spec
     )
-    cap = args.max_tokens
-    return [
-        Job(r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, cap), cap)
-        for r in generate_workload(spec, tokenizer=tokenizer, with_prompts=False)
-    ]
 
 
 def report(jobs: list[Job], outcome: Outcome, replica_seconds: float) -> dict[str, Any]:

@@ -110,21 +110,28 @@ def replica_model(args) -> ReplicaModel:
 def base_jobs(adapters: int, n: int, seed: int, args, tokenizer) -> list[Job]:
     """bench/slo's requests at 1 request/s: ShareGPT prompts as the chat endpoint counts them
     (bench/cluster_balancing's length budget), outputs the dataset's replies cut at the cap."""
-    spec = WorkloadSpec(
+    return sharegpt_jobs(adapters, n, seed, tokenizer, alpha=args.alpha, cv=args.cv, max_tokens=args.max_tokens)
+
+
+def sharegpt_jobs(
+    adapters: int, n: int, seed: int, tokenizer, *, alpha: float, cv: float, max_tokens: int, **spec
+) -> list[Job]:
+    """`n` ShareGPT chat requests over Zipf(`alpha`) adapters as modelled jobs, outputs cut at
+    `max_tokens`; `spec` sets other `WorkloadSpec` fields (default: 1 request/s)."""
+    ws = WorkloadSpec(
         num_prompts=n,
         adapters=tuple(f"a{i}" for i in range(adapters)),
         distribution="zipf",
-        alpha=args.alpha,
-        cv=args.cv,
-        request_rate=1.0,
+        alpha=alpha,
+        cv=cv,
         dataset="sharegpt",
         max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
         seed=seed,
+        **{"request_rate": 1.0, **spec},
     )
-    cap = args.max_tokens
     return [
-        Job(r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, cap), cap)
-        for r in generate_workload(spec, tokenizer=tokenizer, with_prompts=False)
+        Job(r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, max_tokens), max_tokens)
+        for r in generate_workload(ws, tokenizer=tokenizer, with_prompts=False)
     ]
 
 

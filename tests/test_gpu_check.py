@@ -4,6 +4,7 @@ JSON (writer and schema) and its summary. The GPU checks themselves run on a GPU
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,11 @@ def _report(*checks: Check) -> Report:
 
 def test_without_a_gpu_it_says_so_exits_0_and_writes_nothing(tmp_path):
     out = tmp_path / "gpu_check.json"
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this checks the no-GPU path on a GPU machine too.
     proc = subprocess.run(
         [sys.executable, "-m", "dlora.gpucheck", "--out", str(out)],
         cwd=REPO,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True,
         text=True,
         timeout=300,
@@ -117,3 +120,17 @@ def test_the_summary_has_one_line_per_check_and_the_verdict():
 def test_the_commit_is_this_checkout():
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert machine.git_commit().removesuffix("-dirty") == head
+
+
+def test_the_kernel_headline_names_the_kernel_furthest_from_the_copy_bandwidth():
+    details = {
+        "copy_gbps": 2985.7,
+        "kernels": {
+            "bgmv_shrink_r16": {"kernel_of_copy": 0.12, "kernel_us": 5.7, "call_us": 66.5},
+            "sgmv_shrink_r64": {"kernel_of_copy": 0.057, "kernel_us": 118.2, "call_us": 119.8},
+            "merge_r16": {"kernel_of_copy": 0.36, "kernel_us": 100.0, "call_us": 101.0},
+        },
+    }
+    assert cli.kernel_headline(details) == (
+        "copy 2985.7 GB/s; slowest kernel sgmv_shrink_r64 at 6% of it (118.2 us on the GPU, 119.8 us a call)"
+    )

@@ -117,6 +117,13 @@ def kernel_check() -> Check:
             time.perf_counter() - started,
             {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]},
         )
-    worst = min(details["kernels"].items(), key=lambda kv: kv[1]["of_copy"])
-    details["headline"] = f"copy {details['copy_gbps']} GB/s; slowest {worst[0]} at {worst[1]['of_copy']:.0%} of it"
+    details["headline"] = kernel_headline(details)
     return Check("kernels_bandwidth", True, time.perf_counter() - started, details)
+
+
+def kernel_headline(details: dict) -> str:
+    name, worst = min(details["kernels"].items(), key=lambda kv: kv[1]["kernel_of_copy"])
+    return (
+        f"copy {details['copy_gbps']} GB/s; slowest kernel {name} at {worst['kernel_of_copy']:.0%} of it "
+        f"({worst['kernel_us']} us on the GPU, {worst['call_us']} us a call)"
+    )

@@ -5,9 +5,16 @@ what a plain device-to-device copy reaches, says how far a kernel is from the ro
 counted as each op must move them at least once: shrink reads x and A and reads+writes v; expand
 reads v and B and reads+writes y; merge reads and writes W (A and B are negligible). Shapes are a
 Llama-7B projection (4096 x 4096, bf16) with 8 adapters of rank 16 (and 64 for the rank tiles).
+
+Each op is timed two ways. `call_us` is one call as the caller sees it (CUDA events around the
+Python call: the wrapper, Triton's launch and the kernel); `kernel_us` is the GPU time of the
+kernels alone (torch's profiler). Decode-sized ops are small enough that the two differ by the
+host-side launch cost, which CUDA graphs remove and eager mode pays every layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -25,9 +32,8 @@ def run() -> dict:
     for rank in (16, 64):
         for kind in ("sgmv", "bgmv"):
             for op in ("shrink", "expand"):
-                gbps = _lora_op_gbps(op, kind, rank)
-                kernels[f"{kind}_{op}_r{rank}"] = _entry(gbps, copy)
-        kernels[f"merge_r{rank}"] = _entry(_merge_gbps(rank), copy)
+                kernels[f"{kind}_{op}_r{rank}"] = _entry(*_lora_op(op, kind, rank), copy)
+        kernels[f"merge_r{rank}"] = _entry(*_merge(rank), copy)
     return {"copy_gbps": round(copy, 1), "kernels": kernels}
 
 
@@ -38,11 +44,23 @@ def copy_bandwidth() -> float:
     return 2 * COPY_BYTES / _time(lambda: dst.copy_(src)) / 1e9
 
 
-def _entry(gbps: float, copy: float) -> dict:
-    return {"gbps": round(gbps, 1), "of_copy": round(gbps / copy, 3)}
+def _entry(moved: int, fn: Callable[[], object], copy: float) -> dict:
+    """Bandwidth per call and per kernel time, each also as a share of the copy bandwidth."""
+    call, kernel = _time(fn), _kernel_time(fn)
+    gbps, kernel_gbps = moved / call / 1e9, moved / kernel / 1e9
+    return {
+        "bytes": moved,
+        "call_us": round(call * 1e6, 1),
+        "kernel_us": round(kernel * 1e6, 1),
+        "gbps": round(gbps, 1),
+        "of_copy": round(gbps / copy, 3),
+        "kernel_gbps": round(kernel_gbps, 1),
+        "kernel_of_copy": round(kernel_gbps / copy, 3),
+    }
 
 
-def _lora_op_gbps(op: str, kind: str, rank: int) -> float:
+def _lora_op(op: str, kind: str, rank: int) -> tuple[int, Callable[[], object]]:
+    """(bytes the op must move, the op as a no-argument call)."""
     from dlora_kernels import LoRABatchMeta, lora_expand, lora_shrink, pack_lora
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -62,22 +80,18 @@ def _lora_op_gbps(op: str, kind: str, rank: int) -> float:
     v = torch.zeros(t, rank, device="cuda", dtype=torch.float32)
     y = torch.zeros(t, HIDDEN, device="cuda", dtype=dt)
     if op == "shrink":
-        moved = x.nbytes + lora.a.nbytes + 2 * v.nbytes
-        seconds = _time(lambda: lora_shrink(v, x, lora, meta, 1.0, backend="triton"))
-    else:
-        moved = v.nbytes + lora.b.nbytes + 2 * y.nbytes
-        seconds = _time(lambda: lora_expand(y, v, lora, meta, 1.0, backend="triton"))
-    return moved / seconds / 1e9
+        return x.nbytes + lora.a.nbytes + 2 * v.nbytes, lambda: lora_shrink(v, x, lora, meta, 1.0, backend="triton")
+    return v.nbytes + lora.b.nbytes + 2 * y.nbytes, lambda: lora_expand(y, v, lora, meta, 1.0, backend="triton")
 
 
-def _merge_gbps(rank: int) -> float:
+def _merge(rank: int) -> tuple[int, Callable[[], object]]:
     from dlora_kernels import merge_lora_inplace
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
     a = torch.randn(rank, HIDDEN, device="cuda", generator=g) * 0.01  # fp32, as merge.py passes them
     b = torch.randn(HIDDEN, rank, device="cuda", generator=g) * 0.01
-    return 2 * w.nbytes / _time(lambda: merge_lora_inplace(w, a, b, 1.0, 1, backend="triton")) / 1e9
+    return 2 * w.nbytes, lambda: merge_lora_inplace(w, a, b, 1.0, 1, backend="triton")
 
 
 def _time(fn) -> float:
@@ -94,3 +108,17 @@ def _time(fn) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def _kernel_time(fn) -> float:
+    """Mean GPU seconds of the kernels one call launches, from torch's profiler (no host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
+            fn()
+        torch.cuda.synchronize()
+    device_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return device_us / REPS / 1e6

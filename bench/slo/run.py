@@ -16,7 +16,8 @@ Configurations (each a fresh server; the same requests):
 
 Per configuration and load: SLO attainment overall and of the coldest (least requested) adapter,
 SeaLLM's mean normalized latency (latency / isolated execution time), TTFT p50/p99, and MuxServe's
-fairness gap (the largest over the replicas, scraped from /metrics). Summary at the highest load:
+fairness gap (the largest over the replicas, scraped from /metrics once a second during the run:
+mean and max; measured with quotas off too). Summary at the highest load:
 `normalized_latency_vs_fcfs` (FCFS's over each configuration's: > 1 is lower latency),
 `slo_attainment`, `slo_attainment_coldest_adapter`.
 
@@ -31,6 +32,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -95,13 +97,49 @@ def cluster_args(args) -> argparse.Namespace:
 
 
 def fairness_gap(url: str) -> float | None:
-    """The largest `dlora_kv_fairness_gap` over the replicas (None: quotas off)."""
+    """The largest `dlora_kv_fairness_gap` over the replicas now (None: no replica reports it)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     gaps = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dlora_kv_fairness_gap{")]
     return max(gaps) if gaps else None
 
 
-def point(r: dict, url: str) -> dict:
+class GapSampler:
+    """Scrapes the fairness gap once a second while a run is under way: the gauge is the engine's
+    last step, so a scrape after the run reads an idle engine (0)."""
+
+    def __init__(self, url: str, every_s: float = 1.0) -> None:
+        self.url, self.every_s = url, every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> GapSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                gap = fairness_gap(self.url)
+            except httpx.HTTPError:
+                continue  # a missed scrape is a missing sample, not a failed run
+            if gap is not None:
+                self.samples.append(gap)
+
+    def summary(self) -> dict:
+        s = self.samples
+        return {
+            "kv_fairness_gap_mean": statistics.fmean(s) if s else None,
+            "kv_fairness_gap_max": max(s) if s else None,
+            "kv_fairness_gap_samples": len(s),
+        }
+
+
+def point(r: dict, gaps: dict) -> dict:
     slo = r.get("adapter_slo") or {}
     return {k: r[k] for k in KEYS} | {
         "slo_attainment": slo.get("slo_attainment"),
@@ -109,7 +147,7 @@ def point(r: dict, url: str) -> dict:
         "coldest_adapter": slo.get("coldest_adapter"),
         "normalized_latency": slo.get("normalized_latency"),
         "per_adapter": slo.get("per_adapter"),
-        "kv_fairness_gap": fairness_gap(url),
+        **gaps,
     }
 
 
@@ -124,8 +162,13 @@ def summarize(per_load: dict, configs: list[str]) -> dict:
         },
         "slo_attainment": {c: top[c]["slo_attainment"] for c in configs},
         "slo_attainment_coldest_adapter": {c: top[c]["slo_attainment_coldest_adapter"] for c in configs},
+        "kv_fairness_gap_mean": {c: top[c].get("kv_fairness_gap_mean") for c in configs},
         "targets": {"normalized_latency_vs_fcfs": ">= 2 at the highest load", "coldest_adapter": "higher than fcfs"},
     }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -137,14 +180,27 @@ def plot(result: dict, path: Path) -> None:
     per_load = result["per_load"]
     loads = sorted(per_load, key=float)
     configs = result["configs_run"]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
+    fig, axes = plt.subplots(1, 5, figsize=(18, 3.4))
     for ax, key, label in zip(
         axes,
-        ("slo_attainment", "slo_attainment_coldest_adapter", "normalized_latency", "p99_ttft_ms"),
-        ("SLO attainment", "coldest adapter's attainment", "mean normalized latency", "TTFT p99 (ms)"),
+        (
+            "slo_attainment",
+            "slo_attainment_coldest_adapter",
+            "normalized_latency",
+            "p99_ttft_ms",
+            "kv_fairness_gap_mean",
+        ),
+        (
+            "SLO attainment",
+            "coldest adapter's attainment",
+            "mean normalized latency",
+            "TTFT p99 (ms)",
+            "KV fairness gap (mean during the run)",
+        ),
     ):
         for c in configs:
-            ax.plot([float(x) for x in loads], [per_load[x][c][key] for x in loads], marker="o", label=c)
+            ys = [per_load[x][c].get(key) for x in loads]
+            ax.plot([float(x) for x in loads], [float("nan") if y is None else y for y in ys], marker="o", label=c)
         ax.set_xlabel("offered load (req/s)")
         ax.set_title(label, fontsize=9)
     axes[0].legend(fontsize=7)
@@ -194,13 +250,15 @@ def main() -> int:
 
             run_benchmark(url, workloads[rates[0]][:8], **run_kw, print_result=False, disable_tqdm=True)
             for rate in rates:
-                r = run_benchmark(url, workloads[rate], **run_kw, print_result=False, percentile_metrics=("ttft",))
-                got = per_load[str(rate)][name] = point(r, url)
+                with GapSampler(url) as sampler:
+                    r = run_benchmark(url, workloads[rate], **run_kw, print_result=False, percentile_metrics=("ttft",))
+                got = per_load[str(rate)][name] = point(r, sampler.summary())
                 print(
                     f"{rate:5.2f} req/s {name:22s} SLO attainment {got['slo_attainment']:.2f} "
                     f"(coldest {got['coldest_adapter']}: {got['slo_attainment_coldest_adapter']:.2f}), "
                     f"normalized latency {got['normalized_latency']:.2f}, TTFT p50/p99 "
-                    f"{got['median_ttft_ms']:.0f}/{got['p99_ttft_ms']:.0f} ms, fairness gap {got['kv_fairness_gap']}",
+                    f"{got['median_ttft_ms']:.0f}/{got['p99_ttft_ms']:.0f} ms, fairness gap mean/max "
+                    f"{_fmt(got['kv_fairness_gap_mean'])}/{_fmt(got['kv_fairness_gap_max'])}",
                     flush=True,
                 )
                 time.sleep(5)

@@ -10,6 +10,9 @@ waiting requests the quotas refuse (borrowers first, and only when blocks are sh
 adapter can no longer fill the cache and push every other adapter's requests out. The adapters
 over their quota are the first vLLM preempts when blocks run out (the scheduler orders them last
 by priority, which vLLM's preemption follows).
+
+With quotas off the same bookkeeping still runs (`observe`), so the fairness gap is reported either
+way and the two can be compared.
 """
 
 from __future__ import annotations
@@ -32,19 +35,24 @@ class EngineKvQuotas:
     def arrived(self, request) -> None:
         self.quotas.arrived(_adapter(request))
 
-    def refused(self, admitted: Iterable, waiting: Sequence, now: float) -> set[str]:
-        """Ids of the `waiting` requests (in priority order) the quotas hold back this step, given
-        the `admitted` requests' blocks."""
+    def observe(self, admitted: Iterable, waiting: Sequence, now: float) -> None:
+        """Record this step's blocks in use per adapter (from the `admitted` requests) and, at the
+        end of a period, re-adapt the quotas. Also runs with quotas off, for the fairness gap."""
         used: dict[AdapterName, int] = {}
         for r in admitted:
             a = _adapter(r)
             used[a] = used.get(a, 0) + blocks_for(r.num_computed_tokens, self.block_size)
         self.used = used
         self.quotas.adapt(now, active={*used, *(_adapter(r) for r in waiting)})
+
+    def refused(self, admitted: Iterable, waiting: Sequence, now: float) -> set[str]:
+        """Ids of the `waiting` requests (in priority order) the quotas hold back this step, given
+        the `admitted` requests' blocks."""
+        self.observe(admitted, waiting, now)
         if not self.quotas.quotas:  # before the first period ends: every block is lent
             return set()
         asks = [(r.request_id, _adapter(r), blocks_for(r.num_prompt_tokens, self.block_size)) for r in waiting]
-        plan = plan_admissions(asks, used, self.quotas.quotas, self.quotas.total_blocks)
+        plan = plan_admissions(asks, self.used, self.quotas.quotas, self.quotas.total_blocks)
         admitted_now = set(plan.admitted)
         return {rid for rid, _, _ in asks if rid not in admitted_now}
 

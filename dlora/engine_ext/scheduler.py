@@ -210,12 +210,13 @@ class DloraScheduler(Scheduler):
         # The policy serves in an order other than FCFS (scheduling.order): vLLM's queues follow it.
         self._dlora_service_order = config.order != "fcfs"
         self._dlora_client_priority: dict[str, int] = {}  # what each request's client asked for
-        # MuxServe's per-adapter KV quotas (kv_quotas.py); None when off.
-        self._dlora_kv_quotas: EngineKvQuotas | None = None
+        # MuxServe's per-adapter KV quotas (kv_quotas.py): always measured (the fairness gap),
+        # enforced with scheduling.kv_quotas.
+        blocks = self.cache_config.num_gpu_blocks
+        assert blocks is not None  # EngineCore sizes the KV cache before it builds the scheduler
+        self._dlora_kv_quotas = EngineKvQuotas(blocks, self.block_size, config.kv_quota_period_s, time.monotonic())
+        self._dlora_kv_enforce = config.kv_quotas
         if config.kv_quotas:
-            blocks = self.cache_config.num_gpu_blocks
-            assert blocks is not None  # EngineCore sizes the KV cache before it builds the scheduler
-            self._dlora_kv_quotas = EngineKvQuotas(blocks, self.block_size, config.kv_quota_period_s, time.monotonic())
             self._dlora_service_order = True  # borrowers go last in vLLM's preemption order
         self._dlora_max_batch = max(1, min(config.max_batch, self.max_num_running_reqs))
         self._dlora_max_loras = self.lora_config.max_loras if self.lora_config else None
@@ -281,7 +282,7 @@ class DloraScheduler(Scheduler):
             "weights_unknown": self._dlora_weights is UNKNOWN,  # restoring: nothing runs
             "weight_restores": self._dlora_restores,
             "lora_slot_drains": self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
-            "kv_fairness_gap": self._dlora_kv_quotas.fairness_gap() if self._dlora_kv_quotas else None,
+            "kv_fairness_gap": self._dlora_kv_quotas.fairness_gap(),
             "preemptions": self._dlora_preemptions,
             "switch_times": {op: h.to_dict() for op, h in self._dlora_times.items()},
             "credits": {("" if a is None else a): c for a, c in snap.credits.items()},
@@ -334,8 +335,7 @@ class DloraScheduler(Scheduler):
         return out
 
     def add_request(self, request: Request) -> None:
-        if self._dlora_kv_quotas is not None:
-            self._dlora_kv_quotas.arrived(request)
+        self._dlora_kv_quotas.arrived(request)
         if self._dlora_service_order:
             self._dlora_client_priority[request.request_id] = request.priority
         super().add_request(request)
@@ -387,8 +387,7 @@ class DloraScheduler(Scheduler):
         if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
             target = None
             allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
-        if self._dlora_kv_quotas is not None:
-            allowed = self._dlora_within_quotas(allowed, by_id)
+        allowed = self._dlora_within_quotas(allowed, by_id)
         if target is None and self._dlora_slot_aging is not None:
             held = self._dlora_slot_aging.held_back(views, now)
             allowed = [i for i in allowed if i not in held] if held else allowed
@@ -459,10 +458,13 @@ class DloraScheduler(Scheduler):
         return kept
 
     def _dlora_within_quotas(self, allowed: list[str], by_id: dict[str, Request]) -> list[str]:
-        """`allowed` without the waiting requests the KV quotas hold back this step."""
-        assert self._dlora_kv_quotas is not None  # called only with quotas on
+        """`allowed` without the waiting requests the KV quotas hold back this step (with quotas
+        off: `allowed`, after recording the blocks in use for the fairness gap)."""
         waiting = [by_id[i] for i in allowed if by_id[i].status != RequestStatus.RUNNING]
         admitted = [r for r in by_id.values() if r.status == RequestStatus.RUNNING]
+        if not self._dlora_kv_enforce:
+            self._dlora_kv_quotas.observe(admitted, waiting, time.monotonic())
+            return allowed
         refused = self._dlora_kv_quotas.refused(admitted, waiting, time.monotonic())
         kept = [i for i in allowed if i not in refused]
         return kept or allowed[:1]  # never an empty step while requests wait (the engine would spin)
@@ -478,7 +480,7 @@ class DloraScheduler(Scheduler):
         client = self._dlora_client_priority
         rank = {rid: i for i, rid in enumerate(visible)}
         last = len(rank)
-        borrowers = self._dlora_kv_quotas.borrowers() if self._dlora_kv_quotas is not None else set()
+        borrowers = self._dlora_kv_quotas.borrowers() if self._dlora_kv_enforce else set()
 
         def place(r: Request) -> tuple:
             return (client.get(r.request_id, 0), _adapter(r) in borrowers, rank.get(r.request_id, last))

@@ -50,3 +50,14 @@ def test_the_fairness_gap_is_blocks_per_rate():
     q.refused([req("ra", "a", computed=30 * 16), req("rb", "b", computed=30 * 16)], [], now=11.0)
     # R_a = 30 / 0.3 = 100, R_b = 30 / 0.1 = 300
     assert abs(q.fairness_gap() - 200.0) < 1e-9
+
+
+def test_observing_without_quotas_measures_the_gap_and_refuses_nothing():
+    """With `scheduling.kv_quotas` off the scheduler only observes: the gap is still MuxServe's."""
+    q = EngineKvQuotas(total_blocks=100, block_size=16, period_s=10.0, now=0.0)
+    for _ in range(3):
+        q.arrived(req("x", "a"))
+    q.arrived(req("y", "b"))
+    q.observe([req("ra", "a", computed=90 * 16), req("rb", "b", computed=2 * 16)], [req("w", "b")], now=10.0)
+    assert q.used == {"a": 90, "b": 2}
+    assert abs(q.fairness_gap() - (90 / 0.3 - 2 / 0.1)) < 1e-9  # a holds 300 blocks per req/s, b 20

@@ -262,7 +262,7 @@ class BatchingCollector:
         )
         fairness = GaugeMetricFamily(
             "dlora_kv_fairness_gap",
-            "MuxServe's max |R_a - R_b| over adapters at the last step, R = KV blocks used / request rate (quotas on or off)",
+            "MuxServe's max |R_a - R_b| over adapters at the last step, R = KV blocks used / request rate",
             labels=["replica"],
         )
         for rid, st in sorted(self.states.items()):

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from dlora import env
+from dlora.cluster.autoscale import AutoscaleConfig, parse_autoscale
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig
 from dlora.kinds import kind_error
 from dlora.scheduling import BatchingConfig, policy_names
@@ -276,9 +277,34 @@ class ClusterConfig:
     output_length_window: int = 256
     output_length_min_samples: int = 8
     output_length_prior: int | None = None
+    # Aladdin's replica autoscaling (dlora/cluster/autoscale.py, docs/autoscaling.md): a mapping of
+    # its settings ({min_replicas, max_replicas, ...}); null: a fixed num_replicas. num_replicas
+    # is then the count it starts with.
+    autoscale: AutoscaleConfig | None = None
 
     def __post_init__(self) -> None:
         _check_kinds(self, "cluster")
+        if isinstance(self.autoscale, dict):
+            try:
+                object.__setattr__(self, "autoscale", parse_autoscale(self.autoscale))
+            except (ValueError, TypeError) as e:
+                raise ConfigError(str(e)) from None
+        elif self.autoscale is not None and not isinstance(self.autoscale, AutoscaleConfig):
+            raise ConfigError(f"cluster.autoscale={self.autoscale!r}: must be a mapping or null")
+        if self.autoscale is not None:
+            a = self.autoscale
+            _check(
+                a.min_replicas <= self.num_replicas <= a.max_replicas,
+                "cluster.num_replicas",
+                self.num_replicas,
+                f"must be within cluster.autoscale's min_replicas..max_replicas ({a.min_replicas}..{a.max_replicas})",
+            )
+            _check(
+                self.placement == "dynamic",
+                "cluster.placement",
+                self.placement,
+                "must be dynamic with cluster.autoscale (static placement maps adapters to a fixed replica count)",
+            )
         _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
         _check(
             self.reoptimize in ("fixed", "adaptive"), "cluster.reoptimize", self.reoptimize, "must be fixed or adaptive"

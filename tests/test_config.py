@@ -84,6 +84,14 @@ adapters:
         ("adapters: [{name: a, path: /a, slo: {ttft_s: 1}}]", r"^adapters.slo.tpot_s: missing .*\(adapter 'a'\)$"),
         ("adapters: [{name: a, path: /a, slo: {ttft: 1, tpot_s: 1}}]", r"^adapters.slo.ttft: unknown key"),
         ("adapters: [{name: a, path: /a, slo: 0.5}]", r"^adapters.slo=0.5: must be an object with ttft_s and tpot_s"),
+        # cluster.autoscale: a mapping of AutoscaleConfig's keys
+        ("cluster: {autoscale: {max_replica: 2}}", r"^cluster.autoscale: unknown key\(s\) \['max_replica'\]"),
+        ("cluster: {autoscale: {max_replicas: '2'}}", r"^cluster.autoscale.max_replicas='2': must be a whole number$"),
+        ("cluster: {autoscale: {max_replicas: 0}}", r"^cluster.autoscale.min_replicas=1, max_replicas=0: need 1 <="),
+        ("cluster: {autoscale: {max_replicas: 2, heartbeat_s: 0}}", r"^cluster.autoscale.heartbeat_s=0: must be > 0$"),
+        ("cluster: {autoscale: 2}", r"^cluster.autoscale=2: must be a mapping or null$"),
+        ("cluster: {num_replicas: 3, autoscale: {max_replicas: 2}}", r"^cluster.num_replicas=3: must be within"),
+        ("cluster: {placement: static, autoscale: {max_replicas: 2}}", r"^cluster.placement='static': must be dynamic"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, text, match):
@@ -271,3 +279,11 @@ adapters:
     assert router_config(cfg).slo == SloConfig(ttft_s=0.4, tpot_s=0.02)  # what the router judges by
     assert cfg.adapters[0].slo == AdapterSlo(1, 0.05) and cfg.adapters[1].slo is None
     assert config.load(write(tmp_path, "slo: {relative_k: 2.5}")).slo.policy().relative_k == 2.5
+
+
+def test_autoscale_is_off_by_default_and_parsed_from_its_mapping(tmp_path):
+    from dlora.cluster.autoscale import AutoscaleConfig
+
+    assert config.load(None).cluster.autoscale is None
+    cfg = config.load(write(tmp_path, "cluster: {num_replicas: 2, autoscale: {min_replicas: 1, max_replicas: 4}}"))
+    assert cfg.cluster.autoscale == AutoscaleConfig(min_replicas=1, max_replicas=4)

@@ -175,3 +175,20 @@ def test_every_metric_is_documented_and_nothing_else():
         f"missing from docs/metrics.md: {sorted(exported - documented)}; "
         f"documented but not exported: {sorted(documented - exported)}"
     )
+
+
+# ---- docs/autoscaling.md ---------------------------------------------------------------------------
+
+
+def test_the_autoscale_settings_table_lists_every_autoscale_field_with_its_default():
+    from dlora.cluster.autoscale import AutoscaleConfig
+
+    text = (DOCS / "autoscaling.md").read_text()
+    table = text.replace("| setting |", "| key |", 1)  # the settings table, read like the reference's
+    rows = {r.key: r for r in doc_rows(table)}
+    fields = {f.name: f for f in dataclasses.fields(AutoscaleConfig)}
+    assert set(rows) == set(fields)
+    hints = typing.get_type_hints(AutoscaleConfig)
+    for name, f in fields.items():
+        assert rows[name].type == type_name(hints[name]), name
+        assert documented_default(rows[name].default) == f.default, name

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from dlora.kinds import kind_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,17 +56,37 @@ class AutoscaleConfig:
     scale_out_cooldown_s: float = 15.0
     scale_in_cooldown_s: float = 60.0
     frontier_points: int = 32  # the most recent saturated heartbeats the rule is fitted on
+    # A draining replica's requests still there after this long fail over when it stops.
+    drain_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        why = kind_error(self, "cluster.autoscale")
+        if why:
+            raise ValueError(why)
         if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
             raise ValueError(
-                f"autoscale replicas: need 1 <= min_replicas <= max_replicas, got {self.min_replicas}, "
-                f"{self.max_replicas}"
+                f"cluster.autoscale.min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                "need 1 <= min_replicas <= max_replicas"
             )
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"autoscale target_utilization {self.target_utilization}: must be in (0, 1]")
-        if self.heartbeat_s <= 0:
-            raise ValueError(f"autoscale heartbeat_s {self.heartbeat_s}: must be > 0")
+        for key in ("heartbeat_s", "rate_window_s", "drain_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be > 0")
+        for key in ("scale_out_cooldown_s", "scale_in_cooldown_s", "hysteresis", "max_queue_wait_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be >= 0")
+        if self.capacity_rps_prior is not None and self.capacity_rps_prior <= 0:
+            raise ValueError(f"cluster.autoscale.capacity_rps_prior={self.capacity_rps_prior!r}: must be > 0 or null")
+
+
+def parse_autoscale(data: Mapping[str, object]) -> AutoscaleConfig:
+    """`cluster.autoscale` from its YAML mapping; ValueError names an unknown or bad key."""
+    known = {f.name for f in fields(AutoscaleConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"cluster.autoscale: unknown key(s) {unknown}; known: {sorted(known)}")
+    return AutoscaleConfig(**data)  # type: ignore[arg-type]  # kinds are checked in __post_init__
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,7 +218,7 @@ class Balancer:
             moved += await self.router.migrate(request_id, dst)
         return moved
 
-    def _registered(self, names) -> dict[str, AdapterRef]:
+    def registered_refs(self, names) -> dict[str, AdapterRef]:
         """What engines need for each of `names` still registered (an unloaded one is skipped)."""
         refs = {}
         for name in names:
@@ -244,7 +244,7 @@ class Balancer:
         rates = self.router.adapter_rates(self.cfg.placement_interval_s)
         if not rates:
             return None
-        refs = self._registered(rates)
+        refs = self.registered_refs(rates)
         budget = self.router.cfg.host_cache_bytes or self.router.cfg.adapter_slots
         replicas = [
             PlacementReplica(
@@ -254,7 +254,7 @@ class Balancer:
                 resident=frozenset(s.loaded.values()),
             )
             for s in self.router.slots
-            if s.healthy
+            if s.serving
         ]
         in_bytes = self.router.cfg.host_cache_bytes is not None
         demands = [AdapterDemand(a, rates[a], size_tokens=ref.size_bytes if in_bytes else 1) for a, ref in refs.items()]

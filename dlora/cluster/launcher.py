@@ -31,7 +31,7 @@ def init_ray(cfg: DloraConfig) -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ray.init(
-        num_cpus=max(cores, cfg.cluster.num_replicas * cfg.cluster.cores_per_replica),
+        num_cpus=max(cores, most_replicas(cfg) * cfg.cluster.cores_per_replica),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _temp_dir=env.DLORA_RAY_TEMP_DIR.get(),
@@ -67,28 +67,55 @@ def join_failure(address: str, e: BaseException) -> str:
     return f"cluster.ray_address={address!r}: could not join the Ray cluster: {why}"
 
 
+def most_replicas(cfg: DloraConfig) -> int:
+    """The most replicas the cluster may run at once (autoscaling's max_replicas, else num_replicas)."""
+    a = cfg.cluster.autoscale
+    return max(cfg.cluster.num_replicas, a.max_replicas if a is not None else 0)
+
+
 def cluster_has_gpus(n: int) -> bool:
     return ray.cluster_resources().get("GPU", 0) >= n
 
 
-def replica_cores(cfg: DloraConfig) -> list[tuple[int, ...] | None]:
-    """The CPU cores each replica is pinned to, `cluster.cores_per_replica` each, taken in order
-    from `cluster.cpu_cores` (else this process's cores) and wrapping around (None on GPU nodes
-    or unknown affinity)."""
+def replica_cores(cfg: DloraConfig, replicas: int | None = None) -> list[tuple[int, ...] | None]:
+    """The CPU cores each of the first `replicas` (default num_replicas) replicas is pinned to,
+    `cluster.cores_per_replica` each, taken in order from `cluster.cpu_cores` (else this
+    process's cores) and wrapping around (None on GPU nodes or unknown affinity)."""
+    n = cfg.cluster.num_replicas if replicas is None else replicas
     if cfg.cluster.cpu_cores:
         cores = list(cfg.cluster.cpu_cores)
     elif hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
     else:
-        return [None] * cfg.cluster.num_replicas
+        return [None] * n
     k = cfg.cluster.cores_per_replica
-    return [tuple(cores[(i * k + j) % len(cores)] for j in range(k)) for i in range(cfg.cluster.num_replicas)]
+    return [tuple(cores[(i * k + j) % len(cores)] for j in range(k)) for i in range(n)]
 
 
-def create_replicas(cfg: DloraConfig, model_path: str) -> list[Replica]:
-    init_ray(cfg)
-    gpu = cluster_has_gpus(cfg.cluster.num_replicas)
-    lora_backend.check(cfg.engine.lora_backend, gpu=gpu, enforce_eager=cfg.engine.enforce_eager)
-    cores = [None] * cfg.cluster.num_replicas if gpu else replica_cores(cfg)
-    log.info("creating %d replica(s) on %s", cfg.cluster.num_replicas, "GPUs" if gpu else f"cores {cores}")
-    return [create_replica(i, cfg, model_path, cores[i], gpu) for i in range(cfg.cluster.num_replicas)]
+class ReplicaFactory:
+    """Makes replica actors on the Ray cluster (not started): the initial ones, and the ones
+    autoscaling adds. On CPU each takes the cores of the lowest position (0, 1, ...) no live
+    replica holds, so a replica added after another was removed gets the freed cores; `release`
+    says a replica is gone."""
+
+    def __init__(self, cfg: DloraConfig, model_path: str) -> None:
+        init_ray(cfg)
+        self.cfg, self.model_path = cfg, model_path
+        self.gpu = cluster_has_gpus(cfg.cluster.num_replicas)
+        lora_backend.check(cfg.engine.lora_backend, gpu=self.gpu, enforce_eager=cfg.engine.enforce_eager)
+        self.positions: dict[int, int] = {}  # live replica id -> its position
+
+    def make(self, replica_id: int) -> Replica:
+        position = min(set(range(len(self.positions) + 1)) - set(self.positions.values()))
+        self.positions[replica_id] = position
+        cores = None if self.gpu else replica_cores(self.cfg, position + 1)[position]
+        log.info("creating replica %d on %s", replica_id, "a GPU" if self.gpu else f"cores {cores}")
+        return create_replica(replica_id, self.cfg, self.model_path, cores, self.gpu)
+
+    def release(self, replica_id: int) -> None:
+        self.positions.pop(replica_id, None)
+
+
+def create_replicas(cfg: DloraConfig, model_path: str, factory: ReplicaFactory | None = None) -> list[Replica]:
+    factory = factory or ReplicaFactory(cfg, model_path)
+    return [factory.make(i) for i in range(cfg.cluster.num_replicas)]

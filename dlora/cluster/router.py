@@ -14,6 +14,9 @@ Bounds: a request that passes its deadline (`request_timeout_s`) is aborted and 
 `RequestTimeout`; with no replica up, a request waits `recovery_grace_s` at most, then fails with
 `NoReplicaError`; a replica that fails `max_restart_attempts` rebuilds in a row is reported as
 given up (`ReplicaSlot.gave_up`) and retried only every `GAVE_UP_RETRY_S`.
+Elastic clusters (dlora/cluster/elastic.py) add replicas (`add_replica`) and remove them
+(`drain`): a draining replica takes nothing new, and its requests move by the same abort and
+continuation as a migration before it stops, so scaling in ends no stream.
 Replicas are chosen by a dispatch policy (dlora/cluster/dispatch.py) over `ReplicaView`s that the
 router builds from per-replica sums it keeps request by request (`LoadTotals`), so a dispatch costs
 the same however many requests are in flight; the balancer gets full per-request views.
@@ -28,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,6 +57,8 @@ __all__ = ["NoReplicaError", "RequestTimeout", "ResubmissionLimit", "Router", "R
 # A replica that gave up rebuilding is tried again this rarely: a lasting fault (a bad model
 # path, a node out of memory) must not spin, a passing one may still heal.
 GAVE_UP_RETRY_S = 60.0
+# How often a drain looks again for requests left on its replica (moves take one abort each).
+DRAIN_POLL_S = 0.05
 
 
 class Replica(Protocol):
@@ -89,10 +94,26 @@ class ReplicaSlot:
     # Held while adapters are unloaded to make room and the new one is loaded, so two loads never
     # pick their victims from one state.
     cache_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Being removed (`Router.drain`): nothing new is sent here, its requests move elsewhere, and a
+    # failure does not rebuild it.
+    draining: bool = False
 
     @property
     def replica_id(self) -> int:
         return self.replica.replica_id
+
+    @property
+    def serving(self) -> bool:
+        """Takes new requests: started, healthy and not draining."""
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    replica_id: int
+    moved: int  # requests moved off it (queued ones resubmitted, running ones co-migrated)
+    seconds: float
+    forced: int = 0  # requests still there at the deadline, which failed over when it stopped
 
 
 @dataclass
@@ -199,6 +220,12 @@ class Router:
         self.counters: Counter[str] = Counter()  # resubmissions, migrations, ...
         self.arrivals: deque[tuple[float, str | None]] = deque(maxlen=100_000)  # (time, adapter) for rates
         self.arrivals_total = 0  # requests that ever arrived (the balancer's period rates)
+        # Output tokens streamed, and requests (and their tokens) that finished by themselves or at
+        # their cap, since start: the autoscaler's heartbeat differences them.
+        self.output_tokens_total = 0
+        self.finished_total = 0
+        self.finished_tokens_total = 0
+        self.next_replica_id = 1 + max((r.replica_id for r in replicas), default=-1)
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
@@ -243,13 +270,100 @@ class Router:
         log.info("replica %d ready in %.1f s", slot.replica_id, time.monotonic() - t0)
 
     async def shutdown(self) -> None:
-        for s in self.slots:
+        slots = list(self.slots)
+        for s in slots:
             if s.recovering:
                 s.recovering.cancel()
-        await asyncio.gather(*(s.replica.shutdown() for s in self.slots), return_exceptions=True)
+        await asyncio.gather(*(s.replica.shutdown() for s in slots), return_exceptions=True)
 
     def slot(self, replica_id: int) -> ReplicaSlot:
         return next(s for s in self.slots if s.replica_id == replica_id)
+
+    def find_slot(self, replica_id: int) -> ReplicaSlot | None:
+        """The replica's slot, None once it was removed (`drain`)."""
+        return next((s for s in self.slots if s.replica_id == replica_id), None)
+
+    def serving_ids(self) -> list[int]:
+        return [s.replica_id for s in self.slots if s.serving]
+
+    # ---- elastic: add and remove replicas (dlora/cluster/elastic.py decides when) -------------
+    async def add_replica(self, replica: Replica, preload: Sequence[AdapterRef] = ()) -> ReplicaSlot:
+        """Start a new replica and take it into dispatch once started, with `preload` (the adapters
+        dispatch is about to send it) loaded; its cost model starts from the others' fitted ones
+        (same hardware). A replica that fails to start is shut down and not added."""
+        slot = ReplicaSlot(replica, cache=self._new_cache())
+        rid = slot.replica_id
+        self.next_replica_id = max(self.next_replica_id, rid + 1)
+        self.cost_models[rid] = ReplicaCostModel(self._isolated_basis())
+        self.totals[rid] = LoadTotals()
+        self.slots.append(slot)
+        try:
+            await self._start_slot(slot)
+        except BaseException:
+            self._forget_slot(slot)
+            await asyncio.gather(replica.shutdown(), return_exceptions=True)
+            raise
+        for ref in preload:
+            try:
+                await self._load(slot, ref)
+            except Exception as e:  # a preload is an optimisation: the first request loads it anyway
+                log.info("preload of %s on new replica %d skipped: %s", ref.name, rid, e)
+        return slot
+
+    async def drain(self, replica_id: int, timeout_s: float = 120.0) -> DrainResult:
+        """Remove a replica without losing a request: it takes nothing new, its queued requests
+        move at once and its running ones by co-migration (prompt + generated tokens, continued
+        on the receiver), and it stops once nothing is left on it. What is still there after
+        `timeout_s` fails over when it stops (resubmitted like after a crash). Raises ValueError
+        for the last serving replica."""
+        slot = self.slot(replica_id)
+        if not any(s.serving for s in self.slots if s is not slot):
+            raise ValueError(f"replica {replica_id} is the last serving replica: nothing to move its work to")
+        started = self.clock()
+        slot.draining = True
+        moved, forced = 0, 0
+        try:
+            while True:
+                on = [st for st in self.requests.values() if st.slot is slot]
+                if not on:
+                    break
+                if self.clock() - started >= timeout_s:
+                    forced = len(on)
+                    break
+                for st in on:
+                    if st.engine_request_id is None or st.migrate_to is not None:
+                        continue  # still loading its adapter here, or already moving
+                    target = self._drain_target(st)
+                    if target is not None and await self.migrate(st.request.request_id, target):
+                        moved += 1
+                await asyncio.sleep(DRAIN_POLL_S)
+        except asyncio.CancelledError:  # taken back: it serves again (unless it failed meanwhile)
+            slot.draining = False
+            self.counters["drain_moves"] += moved
+            if not slot.healthy and slot.recovering is None:
+                self._mark_failed(slot)
+            raise
+        self.counters["drain_moves"] += moved
+        self._forget_slot(slot)
+        if slot.recovering:
+            slot.recovering.cancel()
+        await asyncio.gather(slot.replica.shutdown(), return_exceptions=True)
+        return DrainResult(replica_id, moved, self.clock() - started, forced)
+
+    def _drain_target(self, state: RequestState) -> int | None:
+        """Where a drained replica's request goes: dispatch's choice among the serving replicas."""
+        views = self.dispatch_views()
+        if not views:
+            return None
+        return self.dispatcher.choose(views, state.load(self.output_lengths), self.cost_params()).replica_id
+
+    def _forget_slot(self, slot: ReplicaSlot) -> None:
+        if slot in self.slots:
+            self.slots.remove(slot)
+        rid = slot.replica_id
+        self.cost_models.pop(rid, None)
+        self.totals.pop(rid, None)
+        self.reported.pop(rid, None)
 
     async def _call(self, slot: ReplicaSlot, call, timeout_s: float | None = None):
         """A replica call with a deadline: a replica that misses it counts as failed."""
@@ -260,11 +374,12 @@ class Router:
             raise ReplicaFailure(f"replica {slot.replica_id} did not answer within {timeout_s:g} s") from None
 
     def _mark_failed(self, slot: ReplicaSlot) -> None:
-        if slot.recovering:
+        if slot.recovering or (slot.draining and not slot.healthy):
             return
         slot.healthy = False
         slot.ready.clear()
-        slot.recovering = asyncio.create_task(self._recover(slot))
+        if not slot.draining:  # a draining replica is on its way out: its requests fail over, no rebuild
+            slot.recovering = asyncio.create_task(self._recover(slot))
         # Streams still open there may wait forever on a hung engine: move them now.
         for st in list(self.requests.values()):
             if st.slot is slot and st.leg is not None:
@@ -351,7 +466,7 @@ class Router:
         if pinned or self.cfg.static_placement:
             await self.load_everywhere(ref, pinned)
             return [self.home(ref).replica_id] if self.cfg.static_placement else self.healthy_ids()
-        healthy = [s for s in self.slots if s.healthy]
+        healthy = [s for s in self.slots if s.serving]
         if not healthy:
             return []  # nothing to check it on: the first request loads it
         if healthy[0].cache is not None:
@@ -361,7 +476,7 @@ class Router:
         return [s.replica_id for s in targets]
 
     def healthy_ids(self) -> list[int]:
-        return [s.replica_id for s in self.slots if s.healthy]
+        return [s.replica_id for s in self.slots if s.serving]
 
     @staticmethod
     def _roomiest(slots: list[ReplicaSlot]) -> ReplicaSlot:
@@ -375,7 +490,7 @@ class Router:
     async def load_everywhere(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load on every healthy replica (its home only, under static placement); raises the first
         engine error, so nothing is half-registered."""
-        targets = [self.home(ref)] if self.cfg.static_placement else [s for s in self.slots if s.healthy]
+        targets = [self.home(ref)] if self.cfg.static_placement else [s for s in self.slots if s.serving]
         await asyncio.gather(*(self._load(s, ref, pinned) for s in targets))
 
     async def unload_everywhere(self, int_id: int) -> None:
@@ -407,12 +522,12 @@ class Router:
         return [self._view(s, tuple(by_slot[s.replica_id])) for s in self.slots]
 
     def dispatch_views(self) -> list[ReplicaView]:
-        """The healthy replicas as dispatch sees them: sums instead of requests (O(replicas))."""
-        return [self._view(s, (), self.totals[s.replica_id]) for s in self.slots if s.healthy]
+        """The serving replicas as dispatch sees them: sums instead of requests (O(replicas))."""
+        return [self._view(s, (), self.totals[s.replica_id]) for s in self.slots if s.serving]
 
     def _recount(self, state: RequestState) -> None:
         """The request changed (replica, tokens, admitted, preempted): update its replica's sums."""
-        if state.counted is not None and state.counted_on is not None:
+        if state.counted is not None and state.counted_on in self.totals:
             self.totals[state.counted_on].remove(state.counted)
         state.counted = state.counted_on = None
         if state.slot is not None:
@@ -436,7 +551,7 @@ class Router:
             adapter_slots=self.cfg.adapter_slots,
             batch_adapter_slots=self.cfg.batch_adapter_slots,
             max_running=self.cfg.max_batch,
-            healthy=slot.healthy,
+            healthy=slot.serving,  # planners move nothing to a draining replica
             adapter_bytes_free=self._cache_room(slot, totals),
         )
 
@@ -487,18 +602,18 @@ class Router:
         finally:
             for w in waiters:
                 w.cancel()
-        if not any(s.healthy for s in slots):
+        if not any(s.serving for s in slots):
             which = "no replica is up" if len(slots) == len(self.slots) else "the adapter's replica is down"
             raise NoReplicaError(f"{which} (failed or rebuilding); retry later")
 
     async def _choose(self, state: RequestState) -> ReplicaSlot:
         """The replica for the request's next leg, counted on it at once (`_assign`)."""
-        if not any(s.healthy for s in self.slots):
+        if not any(s.serving for s in self.slots):
             await self._wait_for(self.slots)
         if state.migrate_to is not None:
-            target = self.slot(state.migrate_to)
+            target = self.find_slot(state.migrate_to)
             state.migrate_to = None
-            if target.healthy:
+            if target is not None and target.serving:
                 return self._assign(state, target)
         if self.cfg.static_placement and state.request.adapter is not None:
             home = self.home(state.request.adapter)
@@ -528,7 +643,7 @@ class Router:
                 {st.request.request_id: now - st.first_token_at for st in on[s.replica_id] if st.first_token_at},
             )
             for s in self.slots
-            if s.healthy
+            if s.serving
         ]
         load = state.load(self.output_lengths)
         assert self.slo_dispatch is not None  # called only in an SLO dispatch mode
@@ -647,6 +762,8 @@ class Router:
         about their length, and their latency is not the service's."""
         if delta.finish_reason not in ("stop", "length"):
             return
+        self.finished_total += 1
+        self.finished_tokens_total += len(state.generated)
         self.output_lengths.observe(state.adapter, len(state.generated))
         if state.first_token_at is not None:
             self.slo.record(
@@ -678,6 +795,7 @@ class Router:
                     state.admitted = True
                     self.queue_times.first_token(req.request_id)
                 state.generated.extend(delta.token_ids)
+                self.output_tokens_total += len(delta.token_ids)
                 self._recount(state)
                 if delta.finished and delta.finish_reason == "abort" and state.migrate_to is not None:
                     state.migrated = True
@@ -736,13 +854,15 @@ class Router:
         the abort, run to its end where it is, and keep a stale `migrate_to` that blocks any later move.
         """
         state = self.requests.get(request_id)
+        dst = self.find_slot(dst_replica_id)
         if (
             state is None
             or state.slot is None
             or state.engine_request_id is None
             or state.migrate_to is not None
             or state.slot.replica_id == dst_replica_id
-            or not self.slot(dst_replica_id).healthy
+            or dst is None
+            or not dst.serving
         ):
             return False
         state.migrate_to = dst_replica_id
@@ -771,9 +891,12 @@ class Router:
         and feed them to the scheduling state. The balancer's loop calls this; /metrics only reads
         what it stored (`reported_stats`)."""
         out = []
-        for s, st in zip(self.slots, await asyncio.gather(*(self._read_stats(s) for s in self.slots))):
+        slots = list(self.slots)  # a replica added or removed meanwhile is read next time
+        for s, st in zip(slots, await asyncio.gather(*(self._read_stats(s) for s in slots))):
             st = st or ReplicaStats(replica_id=s.replica_id, num_unfinished=0, healthy=False)
             s.last_stats = st if st.healthy else s.last_stats
+            if s not in self.slots:
+                continue  # removed while its stats were read
             if st.batching is not None:
                 self._observe_iterations(s.replica_id, st.batching.iterations)
                 self._admit(st.batching.queue_waits)

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def _refresh_gauges(state: ServerState) -> None:
     # What the balancer's loop last read: a scrape never waits on a replica.
-    state.metrics.update_cluster(state.router, len(state.adapters.registry))
+    starting = frozenset(state.elastic.starting) if state.elastic is not None else frozenset()
+    state.metrics.update_cluster(state.router, len(state.adapters.registry), starting)
 
 
 def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | None = None) -> FastAPI:

@@ -123,6 +123,38 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+        self.replicas = Gauge(
+            "dlora_replicas",
+            "Replicas by state: serving, starting (added, not ready yet), draining (being removed), "
+            "down (failed or rebuilding)",
+            ["state"],
+            registry=r,
+        )
+        self.scale_events = Counter(
+            "dlora_scale_events",
+            "Replicas the autoscaler added (direction=out) or removed (in), by the reason it decided on",
+            ["direction", "reason"],
+            registry=r,
+        )
+        self.scale_failures = Counter(
+            "dlora_scale_failures",
+            "Replicas the autoscaler failed to start (out) or to drain (in)",
+            ["direction"],
+            registry=r,
+        )
+        self.scale_seconds = Histogram(
+            "dlora_scale_seconds",
+            "Time to start a replica the autoscaler added (out), or to drain and stop one it removed (in)",
+            ["direction"],
+            buckets=(0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0),
+            registry=r,
+        )
+        self.drain_moved = Counter(
+            "dlora_drain_moved_requests",
+            "Requests moved off replicas the autoscaler removed (queued ones resubmitted, running ones co-migrated)",
+            registry=r,
+        )
+        self._replica_labels: set[str] = set()  # replicas with gauges, so a removed one's are dropped
         # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
         self.cluster = ClusterCollector()
         r.register(self.cluster)
@@ -141,13 +173,38 @@ class Metrics:
     def observe_queue_time(self, adapter: str | None, seconds: float) -> None:
         self.queue_time.labels(adapter or "").observe(seconds)
 
+    def observe_scale_event(self, event) -> None:
+        """An autoscaler change (dlora.cluster.elastic.ScaleEvent)."""
+        if not event.ok:
+            self.scale_failures.labels(event.direction).inc()
+            return
+        self.scale_events.labels(event.direction, event.reason).inc()
+        self.scale_seconds.labels(event.direction).observe(event.seconds)
+        self.drain_moved.inc(event.moved)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def update_cluster(self, router, adapters_registered: int) -> None:
+    def update_cluster(self, router, adapters_registered: int, starting: frozenset[int] = frozenset()) -> None:
         """The replica gauges from what the balancer's loop last read (`router.reported_stats()`):
-        no replica call, so a scrape answers at once whatever the replicas do."""
+        no replica call, so a scrape answers at once whatever the replicas do. `starting`: replicas
+        the autoscaler is starting. A removed replica's gauges go."""
         self.adapters_registered.set(adapters_registered)
+        states = dict.fromkeys(("serving", "starting", "draining", "down"), 0)
+        for slot in router.slots:
+            state = (
+                "draining"
+                if slot.draining
+                else "serving"
+                if slot.serving
+                else "starting"
+                if slot.replica_id in starting
+                else "down"
+            )
+            states[state] += 1
+        for state, n in states.items():
+            self.replicas.labels(state).set(n)
+        self._drop_removed({str(s.replica_id) for s in router.slots})
         for st in router.reported_stats():
             rid = str(st.replica_id)
             self.replica_healthy.labels(rid).set(1 if st.healthy else 0)
@@ -170,6 +227,32 @@ class Metrics:
             self.cluster.restarts[rid] = slot.restarts
         self.cluster.counters = dict(router.counters)
         self.slo.update(router.slo.counts())
+
+    def _drop_removed(self, current: set[str]) -> None:
+        for rid in self._replica_labels - current:
+            for gauge in (
+                self.replica_healthy,
+                self.replica_unfinished,
+                self.adapter_host_bytes,
+                self.replica_kv_usage,
+                self.replica_kv_capacity,
+                self.replica_running,
+                self.replica_waiting,
+                self.replica_routed,
+                self.replica_gave_up,
+            ):
+                try:
+                    gauge.remove(rid)
+                except KeyError:  # never set for this replica
+                    pass
+            for state in ("host", "device"):
+                try:
+                    self.adapters_resident.remove(rid, state)
+                except KeyError:
+                    pass
+            self.batching.update(rid, None)
+            self.cluster.restarts.pop(rid, None)
+        self._replica_labels = current
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,9 +16,11 @@ from dlora.adapters.resolver import AdapterResolver, FilesystemResolver
 from dlora.adapters.resolver_s3 import S3Resolver
 from dlora.adapters.validate import BaseModelShapes
 from dlora.cluster.balancer import Balancer
+from dlora.cluster.elastic import ElasticCluster
 from dlora.cluster.host_cache import MIB
 from dlora.cluster.router import Replica, Router, RouterConfig
 from dlora.config import DloraConfig
+from dlora.replica.messages import AdapterRef
 from dlora.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -36,16 +39,22 @@ class ServerState:
     adapters: AdapterManager
     metrics: Metrics
     balancer: Balancer
+    # The autoscaler's controller (`cluster.autoscale`); None: a fixed replica count.
+    elastic: ElasticCluster | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     def start_background(self) -> None:
         self._tasks.append(asyncio.create_task(self.balancer.run()))
+        if self.elastic is not None:
+            self._tasks.append(asyncio.create_task(self.elastic.run()))
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.elastic is not None:
+            await self.elastic.close()
         await self.router.shutdown()
 
     @property
@@ -92,19 +101,29 @@ def adapter_resolvers(cfg: DloraConfig) -> tuple[AdapterResolver, ...]:
     return tuple(found)
 
 
-async def build_state(cfg: DloraConfig, replicas: list[Replica] | None = None) -> ServerState:
-    """Prepare the model, start the replicas, and register the configured and persisted adapters."""
+async def build_state(
+    cfg: DloraConfig,
+    replicas: list[Replica] | None = None,
+    make_replica: Callable[[int], Replica] | None = None,
+) -> ServerState:
+    """Prepare the model, start the replicas, and register the configured and persisted adapters.
+    `replicas` (and, with autoscaling, `make_replica`) stand in for the Ray actors."""
     from transformers import AutoTokenizer
 
-    from dlora.cluster.launcher import create_replicas
+    from dlora.cluster.launcher import ReplicaFactory, create_replicas
     from dlora.models.smollm2 import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     name = base_model_name(cfg, model_path)
+    release: Callable[[int], None] = lambda replica_id: None  # noqa: E731
+    if replicas is None:
+        factory = ReplicaFactory(cfg, model_path)
+        replicas = create_replicas(cfg, model_path, factory)
+        make_replica, release = factory.make, factory.release
     manager_box: list[AdapterManager] = []
     router = Router(
-        replicas or create_replicas(cfg, model_path),
+        replicas,
         cfg=router_config(cfg),
         pinned_adapters=lambda: manager_box[0].pinned_refs(),
     )
@@ -138,7 +157,28 @@ async def build_state(cfg: DloraConfig, replicas: list[Replica] | None = None) -
         on_round=on_round,
         on_preload=lambda p: metrics.preloads.inc(len(p.loads)),
     )
-    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer)
+    elastic = None
+    autoscale = cfg.cluster.autoscale
+    if autoscale is not None:
+        if make_replica is None:
+            raise ValueError("cluster.autoscale needs a way to make replicas (make_replica)")
+
+        def hot_adapters() -> list[AdapterRef]:
+            """What a new replica preloads: the adapters most requested over the rate window."""
+            rates = router.adapter_rates(autoscale.rate_window_s)
+            hottest = sorted(rates, key=lambda a: (-rates[a], a))[: cfg.engine.max_loras]
+            return list(balancer.registered_refs(hottest).values())
+
+        elastic = ElasticCluster(
+            router,
+            autoscale,
+            make_replica,
+            release,
+            preload=hot_adapters,
+            tick_s=cfg.cluster.monitor_interval_s,
+            on_event=metrics.observe_scale_event,
+        )
+    state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer, elastic)
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
     return state

@@ -257,6 +257,10 @@ class ClusterConfig:
     # seconds (dlora/cluster/migration/rebalance.py); null (the default) turns these moves off:
     # on the two-replica benchmark they did not lower queueing (bench/README.md).
     rebalance_min_gain_s: float | None = None
+    # With `migrate_queued`: queued-request moves also run on events, between monitor ticks: when a
+    # request's stream ends (its replica may have a free slot) and when a request has waited this
+    # many seconds; only requests queued at least this long move. null: on ticks only.
+    event_moves_min_wait_s: float | None = 0.1
     monitor_interval_s: float = 1.0  # how often replica stats are read
     # A request whose replica fails is resubmitted elsewhere at most this many times, then failed
     # (so a request that kills replicas cannot cycle restarts through the cluster).
@@ -361,6 +365,12 @@ class ClusterConfig:
             "cluster.queued_min_wait_s",
             self.queued_min_wait_s,
             "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)",
+        )
+        _check(
+            self.event_moves_min_wait_s is None or self.event_moves_min_wait_s >= 0,
+            "cluster.event_moves_min_wait_s",
+            self.event_moves_min_wait_s,
+            "must be a number of seconds >= 0, or null (on ticks only)",
         )
         _check(
             self.rebalance_min_gain_s is None or self.rebalance_min_gain_s >= 0,

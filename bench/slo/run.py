@@ -32,14 +32,12 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.cluster_balancing import run as cluster
 from dlora import env
+from dlora.bench.poller import MetricsPoller
 from dlora.bench.provenance import machine, provenance
 from dlora.bench.servers import make_random_adapters, start_dlora, stop, wait_healthy, write_result
 from dlora.models.smollm2 import prepare_smollm2
@@ -96,47 +94,21 @@ def cluster_args(args) -> argparse.Namespace:
     return cluster.parse_args(argv)
 
 
-def fairness_gap(url: str) -> float | None:
-    """The largest `dlora_kv_fairness_gap` over the replicas now (None: no replica reports it)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def fairness_gap(text: str, t: float = 0.0) -> float | None:
+    """The largest `dlora_kv_fairness_gap` over the replicas in a /metrics scrape (None: none
+    reports it). The gauge is the engine's last step, so it is sampled during each run: a scrape
+    after the run reads an idle engine (0)."""
     gaps = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dlora_kv_fairness_gap{")]
     return max(gaps) if gaps else None
 
 
-class GapSampler:
-    """Scrapes the fairness gap once a second while a run is under way: the gauge is the engine's
-    last step, so a scrape after the run reads an idle engine (0)."""
-
-    def __init__(self, url: str, every_s: float = 1.0) -> None:
-        self.url, self.every_s = url, every_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> GapSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                gap = fairness_gap(self.url)
-            except httpx.HTTPError:
-                continue  # a missed scrape is a missing sample, not a failed run
-            if gap is not None:
-                self.samples.append(gap)
-
-    def summary(self) -> dict:
-        s = self.samples
-        return {
-            "kv_fairness_gap_mean": statistics.fmean(s) if s else None,
-            "kv_fairness_gap_max": max(s) if s else None,
-            "kv_fairness_gap_samples": len(s),
-        }
+def gap_summary(samples: list[float]) -> dict:
+    """The fairness gap over a run's scrapes (the largest over the replicas at each)."""
+    return {
+        "kv_fairness_gap_mean": statistics.fmean(samples) if samples else None,
+        "kv_fairness_gap_max": max(samples) if samples else None,
+        "kv_fairness_gap_samples": len(samples),
+    }
 
 
 def point(r: dict, gaps: dict) -> dict:
@@ -250,9 +222,9 @@ def main() -> int:
 
             run_benchmark(url, workloads[rates[0]][:8], **run_kw, print_result=False, disable_tqdm=True)
             for rate in rates:
-                with GapSampler(url) as sampler:
+                with MetricsPoller(url, fairness_gap) as poller:
                     r = run_benchmark(url, workloads[rate], **run_kw, print_result=False, percentile_metrics=("ttft",))
-                got = per_load[str(rate)][name] = point(r, sampler.summary())
+                got = per_load[str(rate)][name] = point(r, gap_summary(poller.samples))
                 print(
                     f"{rate:5.2f} req/s {name:22s} SLO attainment {got['slo_attainment']:.2f} "
                     f"(coldest {got['coldest_adapter']}: {got['slo_attainment_coldest_adapter']:.2f}), "

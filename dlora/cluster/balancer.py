@@ -1,5 +1,9 @@
 """The balancer loop: read replica stats, and run a co-migration round when a trigger fires.
 
+Between ticks it also moves queued requests on events (`event_moves_min_wait_s`): when a stream
+ends (a slot is free) and when a request has waited that long, so queued work reaches a free replica
+within a step instead of a tick.
+
 Every `monitor_interval_s` it refreshes the replicas' stats (for /metrics and for the views), moves
 requests stuck in one replica's queue to replicas that can start them now (`migrate_queued`,
 migration/queued.py: cheap, so on every tick) or, when none can and `rebalance_min_gain_s` is
@@ -35,6 +39,7 @@ from dlora.slo.reopt_period import ReoptPeriod
 log = logging.getLogger(__name__)
 
 REOPT_BETA = 0.1  # SeaLLM's beta in Eq. 8: the relative prediction error that keeps the period
+EVENT_MIN_GAP_S = 0.02  # event-triggered plans at most this often (each reads every request)
 
 
 @dataclass
@@ -78,6 +83,16 @@ class Balancer:
             time_limit_s=self.cfg.migration_time_limit_s,
         )
         self.queued_cfg = QueuedConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high)
+        # Queued-request moves on events as well as ticks (cluster.event_moves_min_wait_s): the
+        # router wakes the loop when a stream ends (its replica has a free slot) and when a sent
+        # request has waited the threshold; None: ticks only.
+        self._wakeup = asyncio.Event()
+        self.event_queued_cfg: QueuedConfig | None = None
+        wait = self.cfg.event_moves_min_wait_s
+        if wait is not None and self.cfg.migration and self.cfg.migrate_queued:
+            self.event_queued_cfg = QueuedConfig(min_wait_s=wait, kv_high=self.trigger_cfg.kv_high)
+            self.router.on_leg_ended = self._wakeup.set
+            self.router.on_leg_sent = self._wake_after_wait
         gain = self.cfg.rebalance_min_gain_s
         self.rebalance_cfg = (
             None
@@ -85,12 +100,32 @@ class Balancer:
             else RebalanceConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
         )
 
+    def _wake_after_wait(self) -> None:
+        assert self.event_queued_cfg is not None  # installed only with event moves on
+        asyncio.get_running_loop().call_later(self.event_queued_cfg.min_wait_s, self._wakeup.set)
+
+    async def _sleep_until(self, deadline: float) -> bool:
+        """Until the next tick; True if an event woke the loop first."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return False
+        self._wakeup.clear()
+        return True
+
     async def run(self) -> None:
         """The only reader of the replicas' stats (/metrics renders what it stored), so the first
-        read comes at once instead of one interval after start."""
+        read comes at once instead of one interval after start. Between ticks, events (a stream
+        ended, a request waited `event_moves_min_wait_s`) run the queued-request moves alone."""
+        loop = asyncio.get_running_loop()
         await self._read()
+        next_tick = loop.time() + self.cfg.monitor_interval_s
         while True:
-            await asyncio.sleep(self.cfg.monitor_interval_s)
+            if await self._sleep_until(next_tick):
+                await self._on_event()
+                continue
+            next_tick = loop.time() + self.cfg.monitor_interval_s
             if not await self._read():
                 continue
             try:
@@ -106,6 +141,15 @@ class Balancer:
                 raise
             except Exception:  # the loop must outlive any one bad round
                 log.exception("balancer round failed")
+
+    async def _on_event(self) -> None:
+        try:
+            await self.move_queued(on_event=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the loop must outlive any one bad round
+            log.exception("event-triggered queued moves failed")
+        await asyncio.sleep(EVENT_MIN_GAP_S)  # events coalesce: one plan per gap at most
 
     async def _read(self) -> bool:
         try:
@@ -170,15 +214,17 @@ class Balancer:
         arrived, met, judged = (b - a for a, b in zip(self._period_mark, self._marks()))
         return arrived / max(elapsed, 1e-9), (met / judged if judged else 1.0)
 
-    async def move_queued(self) -> MigrationRound | None:
-        """Requests queued on one replica go to replicas that can start them now, else to busy ones
-        where they start sooner (a round only when some move); not gated by `migration_interval_s`:
-        nothing is recomputed when they move."""
+    async def move_queued(self, on_event: bool = False) -> MigrationRound | None:
+        """Requests queued on one replica go to replicas that can start them now, else (on ticks)
+        to busy ones where they start sooner (a round only when some move); not gated by
+        `migration_interval_s`: nothing is recomputed when they move. `on_event`: woken by a freed
+        slot or a long wait, with `cluster.event_moves_min_wait_s` as the wait that counts."""
         t0 = time.perf_counter()
         views, now = self.router.views(), self.router.clock()
-        queued, solver = plan_queued(views, now, self.queued_cfg), "queued"
-        trigger = queued_trigger(queued, self.queued_cfg) if queued.moves else None
-        if trigger is None and self.rebalance_cfg is not None:
+        cfg = self.event_queued_cfg if on_event and self.event_queued_cfg is not None else self.queued_cfg
+        queued, solver = plan_queued(views, now, cfg), "queued"
+        trigger = queued_trigger(queued, cfg) if queued.moves else None
+        if trigger is None and self.rebalance_cfg is not None and not on_event:
             queued, solver = plan_rebalance(views, self.router.cost_params(), now, self.rebalance_cfg), "rebalance"
             trigger = rebalance_trigger(queued, self.rebalance_cfg) if queued.moves else None
         if trigger is None:

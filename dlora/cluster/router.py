@@ -226,6 +226,10 @@ class Router:
         self.finished_total = 0
         self.finished_tokens_total = 0
         self.next_replica_id = 1 + max((r.replica_id for r in replicas), default=-1)
+        # The balancer's wake-ups for event-triggered moves: a leg's stream ended (a slot may be
+        # free there), a leg was sent to its replica (it may queue there).
+        self.on_leg_ended: Callable[[], None] = lambda: None
+        self.on_leg_sent: Callable[[], None] = lambda: None
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
@@ -814,6 +818,7 @@ class Router:
             state.slot, state.engine_request_id, state.admitted, state.preempted = None, None, False, False
             self._recount(state)
             self.queue_times.stream_ended(req.request_id, lost)
+            self.on_leg_ended()
 
     def _sent(self, state: RequestState, engine_id: str) -> None:
         """The current leg goes to its replica as `engine_id`: it waits in that engine's queue until
@@ -822,6 +827,7 @@ class Router:
         state.preempted = False
         self._recount(state)
         self.queue_times.sent(state.request.request_id, engine_id)
+        self.on_leg_sent()
 
     def _admit(self, waits: tuple[tuple[str, float], ...]) -> None:
         """A replica reported these engine requests' queue waits: each left its waiting queue

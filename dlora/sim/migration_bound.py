@@ -38,7 +38,11 @@ replicas, cheaply and without the machine's noise:
   tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
   (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
   the co-migration ILP (`plan_migration`), whose moved running requests recompute their context
-  on the receiver.
+  on the receiver;
+- `balancer_events`: `balancer`, and the queued-request planner also runs on events, as the
+  server's balancer does (`cluster.event_moves_min_wait_s`): whenever a replica's step ends with
+  requests finished (slots freed), and when a queued request has waited `move_after_s`; it moves
+  requests queued `move_after_s` or more to replicas that can start them now.
 
 With `kv_blocks`, a replica admits a request only while its KV blocks fit, and before a step
 whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
@@ -101,7 +105,7 @@ from dlora.slo.config import SloConfig
 from dlora.slo.kv_quota import AdapterName, KvQuotas, plan_admissions
 from dlora.slo.priority import LengthStats, length_stats, sort_key
 
-DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer")
+DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer", "balancer_events")
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
 # `balancer`: as bench/cluster_balancing's servers run it (monitor interval, round interval,
@@ -228,7 +232,7 @@ class _Model:
     def run(self) -> Outcome:
         for i, job in enumerate(self.jobs):
             self.push(job.arrival, 1, i)
-        if self.discipline == "balancer" and self.jobs:
+        if self.discipline in ("balancer", "balancer_events") and self.jobs:
             self.push(min(j.arrival for j in self.jobs) + TICK_S, 4, 0)
         while self.events:
             t, kind, _, index = heapq.heappop(self.events)
@@ -241,7 +245,11 @@ class _Model:
             elif kind == 4:
                 self.tick(t)
             elif kind == 3:
-                if index not in self.admitted:  # an idle replica may now take it
+                if index in self.admitted:
+                    pass
+                elif self.discipline == "balancer_events":  # its wait crossed the threshold
+                    self.event_moves(t)
+                else:  # an idle replica may now take it
                     self.wake_all(t)
             else:
                 self.event(t, kind, index)
@@ -289,7 +297,7 @@ class _Model:
         self.quotas[rid].arrived(self.jobs[i].adapter)
         self.enqueue(self.replicas[rid].queue, i)
         self.wake(t, self.replicas[rid])
-        if self.discipline == "moves":
+        if self.discipline in ("moves", "balancer_events"):
             self.push(self.jobs[i].arrival + self.move_after_s, 3, i)
 
     def end_step(self, t: float, r: _Replica) -> None:
@@ -312,11 +320,14 @@ class _Model:
                 )
             else:
                 still.append(i)
+        freed = len(still) < len(r.running)
         r.running = still
         r.busy = False
         held, self.held = self.held, []
         for i in held:  # the router retries held requests, in arrival order, as work finishes
             self.arrive(t, i)
+        if freed and self.discipline == "balancer_events":
+            self.event_moves(t)
         self.wake(t, r)
 
     def tick(self, t: float) -> None:
@@ -331,6 +342,11 @@ class _Model:
             self.apply(t, rounds.moves)
         if len(self.finished) < len(self.jobs):
             self.push(t + TICK_S, 4, 0)
+
+    def event_moves(self, t: float) -> None:
+        """`balancer_events`: the queued-request planner at once, on a freed slot or a long wait."""
+        plan = plan_queued([self.view(r) for r in self.replicas], t, QueuedConfig(min_wait_s=self.move_after_s))
+        self.apply(t, plan.moves)
 
     def apply(self, t: float, moves: Sequence[tuple[str, int, int]]) -> None:
         """Abort + resubmit, as the router does: a moved request joins the receiver's queue (a
@@ -661,11 +677,14 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
         "preemptions": {d: o.preemptions for d, o in runs.items()},
         "balancer_moved": runs["balancer"].moved,
         "balancer_moved_running": runs["balancer"].moved_running,
+        "balancer_events_moved": runs["balancer_events"].moved,
         "gain_of_late_binding": ratio("at_arrival", "late_binding"),
         "gain_of_moves": ratio("at_arrival", "moves"),
         "gain_of_balancer": ratio("at_arrival", "balancer"),
+        "gain_of_balancer_events": ratio("at_arrival", "balancer_events"),
     }
-    gains = [g for k in ("gain_of_late_binding", "gain_of_moves", "gain_of_balancer") if (g := out[k]) is not None]
+    keys = ("gain_of_late_binding", "gain_of_moves", "gain_of_balancer", "gain_of_balancer_events")
+    gains = [g for k in keys if (g := out[k]) is not None]
     out["best_gain"] = max(gains) if gains else None
     if homes is not None:  # dispatch at arrival against the static baseline
         out["dispatch_vs_static"] = ratio(STATIC, "at_arrival")

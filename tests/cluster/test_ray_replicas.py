@@ -1,5 +1,7 @@
-"""Two real replicas (Ray actors running vLLM on the tiny model): migration, queued-request moves and a
-killed actor. Each engine runs at most MAX_NUM_SEQS requests at once, so requests can queue."""
+"""Two real replicas (Ray actors running vLLM on the tiny model): migration, queued-request moves, a
+killed actor, and the elastic path: a replica drained with streams in flight, one added under load,
+one failing during its drain. Each engine runs at most MAX_NUM_SEQS requests at once, so requests
+can queue. The tests run in file order on one cluster (the elastic ones go 2 -> 1 -> 2 -> 1)."""
 
 from __future__ import annotations
 
@@ -25,17 +27,18 @@ MAX_NUM_SEQS = 2
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    from dlora.cluster.launcher import create_replicas
+    from dlora.cluster.launcher import ReplicaFactory, create_replicas
 
     raw = tiny_config(tiny_model, tmp_path_factory.mktemp("state"), 0)
-    raw["cluster"] = {"num_replicas": 2, "dispatch": "least_loaded"}
+    raw["cluster"] = {"num_replicas": 2, "dispatch": "least_loaded", "autoscale": {"max_replicas": 2}}
     raw["engine"]["max_num_seqs"] = MAX_NUM_SEQS
     cfg = config_mod.from_dict(raw)
     loop = asyncio.new_event_loop()
-    router = Router(create_replicas(cfg, str(tiny_model.base)), cfg=router_config(cfg))
+    factory = ReplicaFactory(cfg, str(tiny_model.base))
+    router = Router(create_replicas(cfg, str(tiny_model.base), factory), cfg=router_config(cfg))
     loop.run_until_complete(router.start())
     adapters = {n: AdapterRef(n, i + 1, str(p)) for i, (n, p) in enumerate(sorted(tiny_model.adapters.items()))}
-    yield loop, router, adapters
+    yield loop, router, adapters, factory
     loop.run_until_complete(router.shutdown())
     loop.close()
     ray.shutdown()
@@ -56,7 +59,7 @@ async def collect(router, req) -> tuple[list[int], str]:
 
 
 def test_migrated_request_equals_unmigrated_run(cluster, oracle):
-    loop, router, adapters = cluster
+    loop, router, adapters, _ = cluster
     prompt = oracle.tokenizer()("def handler(event, context):")["input_ids"]
     req = greedy("mig", prompt, adapters["a1"])
 
@@ -76,7 +79,7 @@ def test_migrated_request_equals_unmigrated_run(cluster, oracle):
 
 
 def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(cluster, oracle):
-    loop, router, adapters = cluster
+    loop, router, adapters, _ = cluster
     tok = oracle.tokenizer()
     prompts = ["def parse(", "class Node:", "import re\n", "if x is None:", "with open(", "try:\n    "]
     names = ["a1", None, "a2", "a1", None, "a2"]
@@ -114,7 +117,7 @@ def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(c
 
 
 def test_killed_replica_actor_loses_no_stream(cluster, oracle):
-    loop, router, adapters = cluster
+    loop, router, adapters, _ = cluster
     tok = oracle.tokenizer()
     prompts = ["import json\n", "while True:", "x = [", "return self."]
     reqs = [
@@ -146,3 +149,92 @@ def test_killed_replica_actor_loses_no_stream(cluster, oracle):
     assert loop.run_until_complete(wait_back()), "the killed replica was not rebuilt"
     again = loop.run_until_complete(collect(router, greedy("after", reqs[0].prompt_token_ids, reqs[0].adapter)))
     assert again[0] == outs[0][0]
+
+
+ELASTIC_PROMPTS = ["def parse(", "class Node:", "import re\n", "if x is None:", "with open(", "try:\n    "]
+ELASTIC_ADAPTERS = ["a1", None, "a2", "a1", None, "a0"]
+
+
+def elastic_requests(tag: str, oracle, adapters) -> list[GenerateRequest]:
+    tok = oracle.tokenizer()
+    return [
+        greedy(f"{tag}{i}", tok(p)["input_ids"], adapters[n] if n else None)
+        for i, (p, n) in enumerate(zip(ELASTIC_PROMPTS, ELASTIC_ADAPTERS))
+    ]
+
+
+def assert_greedy(reqs, outs, oracle) -> None:
+    for r, (ids, _) in zip(reqs, outs):  # HF stops at EOS, the engine (ignore_eos) goes on
+        expected = oracle.greedy(r.adapter.name if r.adapter else None, list(r.prompt_token_ids), N_TOKENS)
+        assert ids[: len(expected)] == expected, r.request_id
+        assert len(ids) == N_TOKENS, r.request_id
+
+
+def test_draining_a_replica_moves_its_streams_token_exact(cluster, oracle):
+    loop, router, adapters, factory = cluster
+    reqs = elastic_requests("d", oracle, adapters)
+
+    async def run():
+        tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+        while sum(len(st.generated) for st in router.requests.values()) < 8:
+            await asyncio.sleep(0.005)
+        held = [st.slot.replica_id for st in router.requests.values() if st.slot is not None]
+        victim = max(set(held), key=held.count)
+        result = await router.drain(victim)
+        return victim, result, await asyncio.gather(*tasks)
+
+    victim, result, outs = loop.run_until_complete(run())
+    factory.release(victim)
+    assert_greedy(reqs, outs, oracle)
+    assert result.moved >= 1 and result.forced == 0
+    assert [s.replica_id for s in router.slots] == [1 - victim]
+
+
+def test_a_replica_added_under_load_takes_requests_token_exact(cluster, oracle):
+    loop, router, adapters, factory = cluster
+    assert len(router.slots) == 1
+    first, second = elastic_requests("o", oracle, adapters), elastic_requests("p", oracle, adapters)
+    seen: set[int] = set()
+
+    async def run():
+        tasks = [asyncio.create_task(collect(router, r)) for r in first]  # queue up on the one replica
+        rid = router.next_replica_id
+        slot = await router.add_replica(factory.make(rid), preload=[adapters["a1"]])
+        assert slot.serving and adapters["a1"].int_id in slot.loaded
+        more = [asyncio.create_task(collect(router, r)) for r in second]
+        while not all(t.done() for t in more):
+            seen.update(st.slot.replica_id for st in router.requests.values() if st.slot is not None)
+            await asyncio.sleep(0.01)
+        return rid, await asyncio.gather(*tasks), await asyncio.gather(*more)
+
+    rid, outs, more_outs = loop.run_until_complete(run())
+    assert_greedy(first, outs, oracle)
+    assert_greedy(second, more_outs, oracle)
+    assert rid in seen  # the new replica served some of the requests sent after it came up
+    assert len(router.slots) == 2
+
+
+def test_a_replica_failing_during_its_drain_loses_no_stream(cluster, oracle):
+    loop, router, adapters, factory = cluster
+    reqs = elastic_requests("f", oracle, adapters)
+
+    async def run():
+        tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
+        while sum(len(st.generated) for st in router.requests.values()) < 8:
+            await asyncio.sleep(0.005)
+        held = [st.slot.replica_id for st in router.requests.values() if st.slot is not None]
+        victim = router.slot(max(set(held), key=held.count))
+        restarts = victim.restarts
+        draining = asyncio.create_task(router.drain(victim.replica_id))
+        await asyncio.sleep(0)  # the drain has begun
+        ray.kill(victim.replica.actor, no_restart=True)
+        outs = await asyncio.gather(*tasks)
+        await draining
+        await asyncio.sleep(1.0)  # a rebuild, had one been started, would be under way
+        return victim, restarts, outs
+
+    victim, restarts, outs = loop.run_until_complete(run())
+    factory.release(victim.replica_id)
+    assert_greedy(reqs, outs, oracle)
+    assert victim not in router.slots and len(router.slots) == 1
+    assert victim.recovering is None and victim.restarts == restarts  # gone, not rebuilt

@@ -129,6 +129,17 @@ def test_the_balancers_own_planner_moves_a_request_queued_a_tick_to_a_free_repli
     assert queue_delays([job(0, 10), job(0, 1), job(0.7, 1)], 2, model(), "balancer") == [0.0, 0.0, pytest.approx(0.8)]
 
 
+def test_the_event_balancer_moves_a_queued_request_when_a_slot_frees_not_at_the_next_tick():
+    # C arrives at t=0.7 and queues behind A; B's replica frees its slot at t=1.0, when C has
+    # waited 0.3 s (>= 0.1): the event balancer moves it then, where the tick balancer waited for
+    # the t=1.5 tick (0.8 s, above); dispatch-time moves at step starts (`moves`) do the same
+    jobs = [job(0, 10), job(0, 1), job(0.7, 1)]
+    assert queue_delays(jobs, 2, model(), "balancer_events") == [0.0, 0.0, pytest.approx(0.3)]
+    assert queue_delays(jobs, 2, model(), "moves") == [0.0, 0.0, pytest.approx(0.3)]
+    got = bound(jobs, 2, model())
+    assert got["gain_of_balancer_events"] == pytest.approx(got["gain_of_moves"])
+
+
 def test_a_balancer_round_moves_running_requests_off_an_overloaded_replica():
     # six 10-token requests run on replica 0, none on replica 1: the count trigger fires (6 - 0 > 4)
     # and the co-migration ILP moves some of them, which then queue on replica 1 to recompute

@@ -50,6 +50,7 @@ def test_summary_counts_failed_and_changed_streams_and_replica_seconds():
 
 def test_attainment_between_two_times_is_the_share_met_among_those_finished_in_between():
     samples = [sample(0, 1), sample(5, 1, 2, 0), sample(10, 1, 3, 3), sample(15, 1, 3, 3)]
-    assert attainment_between(samples, 0, 5) == 1.0
+    assert attainment_between(samples, 0, 5) == 1.0  # from the first sample: what finished before is not counted
+    assert attainment_between([sample(0, 1, 7, 7), sample(5, 1, 9, 7)], 0, 5) == 1.0
     assert attainment_between(samples, 6, 10) == 0.25  # 1 met, 3 missed since t=5
     assert attainment_between(samples, 11, 15) is None  # nothing finished

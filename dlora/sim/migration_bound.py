@@ -41,8 +41,9 @@ replicas, cheaply and without the machine's noise:
   on the receiver;
 - `balancer_events`: `balancer`, and the queued-request planner also runs on events, as the
   server's balancer does (`cluster.event_moves_min_wait_s`): whenever a replica's step ends with
-  requests finished (slots freed), and when a queued request has waited `move_after_s`; it moves
-  requests queued `move_after_s` or more to replicas that can start them now.
+  requests finished (slots freed), and when a request has waited `move_after_s` on the replica it
+  was last sent to; it moves requests queued there `move_after_s` or more to replicas that can
+  start them now.
 
 With `kv_blocks`, a replica admits a request only while its KV blocks fit, and before a step
 whose growing contexts do not fit it preempts its latest-arriving running requests, as vLLM does
@@ -365,6 +366,8 @@ class _Model:
             self.sent_at[i] = t
             self.moved += 1
             self.wake(t, self.replicas[dst])
+            if self.discipline == "balancer_events":  # its wait there is timed afresh, as each sent leg's is
+                self.push(t + self.move_after_s, 3, i)
 
     def wake(self, t: float, r: _Replica) -> None:
         if not r.busy:

@@ -87,11 +87,12 @@ class Balancer:
         # router wakes the loop when a stream ends (its replica has a free slot) and when a sent
         # request has waited the threshold; None: ticks only.
         self._wakeup = asyncio.Event()
+        self._freed: set[int] = set()  # replicas where a stream ended since the last event plan
         self.event_queued_cfg: QueuedConfig | None = None
         wait = self.cfg.event_moves_min_wait_s
         if wait is not None and self.cfg.migration and self.cfg.migrate_queued:
             self.event_queued_cfg = QueuedConfig(min_wait_s=wait, kv_high=self.trigger_cfg.kv_high)
-            self.router.on_leg_ended = self._wakeup.set
+            self.router.on_leg_ended = self._slot_freed
             self.router.on_leg_sent = self._wake_after_wait
         gain = self.cfg.rebalance_min_gain_s
         self.rebalance_cfg = (
@@ -99,6 +100,10 @@ class Balancer:
             if gain is None
             else RebalanceConfig(min_wait_s=self.cfg.queued_wait_s, kv_high=self.trigger_cfg.kv_high, min_gain_s=gain)
         )
+
+    def _slot_freed(self, replica_id: int) -> None:
+        self._freed.add(replica_id)
+        self._wakeup.set()
 
     def _wake_after_wait(self) -> None:
         assert self.event_queued_cfg is not None  # installed only with event moves on
@@ -222,7 +227,11 @@ class Balancer:
         t0 = time.perf_counter()
         views, now = self.router.views(), self.router.clock()
         cfg = self.event_queued_cfg if on_event and self.event_queued_cfg is not None else self.queued_cfg
-        queued, solver = plan_queued(views, now, cfg), "queued"
+        receivers = None
+        if on_event:  # idle replicas and those that just freed a slot: a busy one would hold a move a step
+            receivers = self._freed | {v.replica_id for v in views if not v.requests}
+            self._freed = set()
+        queued, solver = plan_queued(views, now, cfg, receivers), "queued"
         trigger = queued_trigger(queued, cfg) if queued.moves else None
         if trigger is None and self.rebalance_cfg is not None and not on_event:
             queued, solver = plan_rebalance(views, self.router.cost_params(), now, self.rebalance_cfg), "rebalance"

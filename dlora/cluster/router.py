@@ -228,7 +228,7 @@ class Router:
         self.next_replica_id = 1 + max((r.replica_id for r in replicas), default=-1)
         # The balancer's wake-ups for event-triggered moves: a leg's stream ended (a slot may be
         # free there), a leg was sent to its replica (it may queue there).
-        self.on_leg_ended: Callable[[], None] = lambda: None
+        self.on_leg_ended: Callable[[int], None] = lambda replica_id: None
         self.on_leg_sent: Callable[[], None] = lambda: None
         self._loading: dict[tuple[int, int], asyncio.Future] = {}
         self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
@@ -818,7 +818,7 @@ class Router:
             state.slot, state.engine_request_id, state.admitted, state.preempted = None, None, False, False
             self._recount(state)
             self.queue_times.stream_ended(req.request_id, lost)
-            self.on_leg_ended()
+            self.on_leg_ended(slot.replica_id)
 
     def _sent(self, state: RequestState, engine_id: str) -> None:
         """The current leg goes to its replica as `engine_id`: it waits in that engine's queue until

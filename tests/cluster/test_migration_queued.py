@@ -117,3 +117,11 @@ def test_unhealthy_replicas_neither_send_nor_receive():
     assert plan(src, make_replica(1, resident={"a"}, healthy=False)).moves == ()
     down = busy(0, 1, [waiting("q0")], max_running=1, healthy=False)
     assert plan(down, make_replica(1, resident={"a"})).moves == ()
+
+
+def test_only_the_given_receivers_take_moves():
+    src = busy(0, 2, [waiting("q0", since=1.0), waiting("q1", since=2.0)], max_running=2)
+    one, two = make_replica(1, max_running=1), make_replica(2, max_running=1)
+    assert plan_queued((src, one, two), NOW, CFG, receivers_from={2}).moves == (("q0", 0, 2),)
+    assert plan_queued((src, one, two), NOW, CFG, receivers_from=set()).moves == ()
+    assert len(plan_queued((src, one, two), NOW, CFG).moves) == 2  # None: any replica

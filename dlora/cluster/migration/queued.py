@@ -26,7 +26,7 @@ else holds it, else any that can load it; ties go to the receiver with the most 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.migration.trigger import Trigger
@@ -101,10 +101,20 @@ def _receiver(view: ReplicaView, now: float, cfg: QueuedConfig) -> _Receiver | N
     return _Receiver(view, starts, kv, in_use=set(view.adapters_in_use()))
 
 
-def plan_queued(views: Sequence[ReplicaView], now: float, cfg: QueuedConfig | None = None) -> QueuedPlan:
-    """The moves that let free replicas start requests queued elsewhere (empty when none can)."""
+def plan_queued(
+    views: Sequence[ReplicaView],
+    now: float,
+    cfg: QueuedConfig | None = None,
+    receivers_from: Collection[int] | None = None,
+) -> QueuedPlan:
+    """The moves that let free replicas start requests queued elsewhere (empty when none can).
+    `receivers_from`: only these replicas may receive (None: any)."""
     cfg = cfg or QueuedConfig()
-    receivers = [rc for v in views if (rc := _receiver(v, now, cfg)) is not None]
+    receivers = [
+        rc
+        for v in views
+        if (receivers_from is None or v.replica_id in receivers_from) and (rc := _receiver(v, now, cfg)) is not None
+    ]
     if not receivers:
         return QueuedPlan()
     queued = sorted(

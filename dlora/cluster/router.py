@@ -287,9 +287,6 @@ class Router:
         """The replica's slot, None once it was removed (`drain`)."""
         return next((s for s in self.slots if s.replica_id == replica_id), None)
 
-    def serving_ids(self) -> list[int]:
-        return [s.replica_id for s in self.slots if s.serving]
-
     # ---- elastic: add and remove replicas (dlora/cluster/elastic.py decides when) -------------
     async def add_replica(self, replica: Replica, preload: Sequence[AdapterRef] = ()) -> ReplicaSlot:
         """Start a new replica and take it into dispatch once started, with `preload` (the adapters
@@ -343,11 +340,11 @@ class Router:
                 await asyncio.sleep(DRAIN_POLL_S)
         except asyncio.CancelledError:  # taken back: it serves again (unless it failed meanwhile)
             slot.draining = False
-            self.counters["drain_moves"] += moved
             if not slot.healthy and slot.recovering is None:
                 self._mark_failed(slot)
             raise
-        self.counters["drain_moves"] += moved
+        finally:
+            self.counters["drain_moves"] += moved
         self._forget_slot(slot)
         if slot.recovering:
             slot.recovering.cancel()
@@ -357,8 +354,10 @@ class Router:
     def _drain_target(self, state: RequestState) -> int | None:
         """Where a drained replica's request goes: dispatch's choice among the serving replicas."""
         views = self.dispatch_views()
-        if not views:
-            return None
+        return self._dispatched(state, views) if views else None
+
+    def _dispatched(self, state: RequestState, views: list[ReplicaView]) -> int:
+        """The replica the dispatch policy picks for the request among `views`."""
         return self.dispatcher.choose(views, state.load(self.output_lengths), self.cost_params()).replica_id
 
     def _forget_slot(self, slot: ReplicaSlot) -> None:
@@ -626,8 +625,7 @@ class Router:
             return self._assign(state, home)
         if self.slo_dispatch is not None:
             return self._assign(state, self._slo_choose(state))
-        decision = self.dispatcher.choose(self.dispatch_views(), state.load(self.output_lengths), self.cost_params())
-        return self._assign(state, self.slot(decision.replica_id))
+        return self._assign(state, self.slot(self._dispatched(state, self.dispatch_views())))
 
     def _slo_choose(self, state: RequestState) -> ReplicaSlot:
         """Aladdin's dispatch (dlora/slo/feasible_dispatch.py): the replicas where every request,

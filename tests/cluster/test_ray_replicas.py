@@ -170,16 +170,21 @@ def assert_greedy(reqs, outs, oracle) -> None:
         assert len(ids) == N_TOKENS, r.request_id
 
 
+async def busiest_once_streaming(router) -> int:
+    """Once 8 tokens have streamed: the replica holding the most requests."""
+    while sum(len(st.generated) for st in router.requests.values()) < 8:
+        await asyncio.sleep(0.005)
+    held = [st.slot.replica_id for st in router.requests.values() if st.slot is not None]
+    return max(set(held), key=held.count)
+
+
 def test_draining_a_replica_moves_its_streams_token_exact(cluster, oracle):
     loop, router, adapters, factory = cluster
     reqs = elastic_requests("d", oracle, adapters)
 
     async def run():
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
-        while sum(len(st.generated) for st in router.requests.values()) < 8:
-            await asyncio.sleep(0.005)
-        held = [st.slot.replica_id for st in router.requests.values() if st.slot is not None]
-        victim = max(set(held), key=held.count)
+        victim = await busiest_once_streaming(router)
         result = await router.drain(victim)
         return victim, result, await asyncio.gather(*tasks)
 
@@ -220,10 +225,7 @@ def test_a_replica_failing_during_its_drain_loses_no_stream(cluster, oracle):
 
     async def run():
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
-        while sum(len(st.generated) for st in router.requests.values()) < 8:
-            await asyncio.sleep(0.005)
-        held = [st.slot.replica_id for st in router.requests.values() if st.slot is not None]
-        victim = router.slot(max(set(held), key=held.count))
+        victim = router.slot(await busiest_once_streaming(router))
         restarts = victim.restarts
         draining = asyncio.create_task(router.drain(victim.replica_id))
         await asyncio.sleep(0)  # the drain has begun

@@ -76,6 +76,13 @@ class AutoscaleConfig:
         for key in ("scale_out_cooldown_s", "scale_in_cooldown_s", "hysteresis", "max_queue_wait_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be >= 0")
+        for key in ("min_arrivals", "min_finished", "extra_replicas"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be a whole number >= 0")
+        if self.frontier_points < 1:
+            raise ValueError(f"cluster.autoscale.frontier_points={self.frontier_points!r}: must be a whole number >= 1")
+        if not 0 <= self.min_attainment <= 1:
+            raise ValueError(f"cluster.autoscale.min_attainment={self.min_attainment!r}: must be in [0, 1]")
         if self.capacity_rps_prior is not None and self.capacity_rps_prior <= 0:
             raise ValueError(f"cluster.autoscale.capacity_rps_prior={self.capacity_rps_prior!r}: must be > 0 or null")
 

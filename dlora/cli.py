@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     "dlora.server.serve_cmd",  # dlora serve
     "dlora.models.cli",  # dlora make-test-model, dlora prepare-model
     "dlora.bench.cli",  # dlora bench
+    "dlora.batch.cli",  # dlora batch run
 )
 
 

@@ -459,6 +459,35 @@ class SloTargetsConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """Offline batch jobs (/v1/files, /v1/batches and `dlora batch run`)."""
+
+    max_file_mib: float = 200.0  # an uploaded file's size; larger -> 413
+    max_requests: int = 50_000  # lines in one batch's input file (OpenAI's limit); more -> the batch fails
+    # The engine priority of batch requests (lower runs first; online requests are 0 unless a client
+    # may set its own): queued batch work is admitted after online work and preempted before it.
+    priority: int = 1_000_000
+    # Batch requests in the engines at once while no online request is in flight; None: the engines'
+    # max_num_seqs per serving replica. Online requests in flight take their places one for one.
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_kinds(self, "batch")
+        _check(self.max_file_mib > 0, "batch.max_file_mib", self.max_file_mib, "must be > 0")
+        _check(self.max_requests >= 1, "batch.max_requests", self.max_requests, "must be a whole number >= 1")
+        _check(
+            self.max_in_flight is None or self.max_in_flight >= 1,
+            "batch.max_in_flight",
+            self.max_in_flight,
+            "must be a whole number >= 1, or null (max_num_seqs per serving replica)",
+        )
+
+    @property
+    def max_file_bytes(self) -> int:
+        return int(self.max_file_mib * 1024 * 1024)
+
+
+@dataclass(frozen=True)
 class AdapterSpec:
     name: str
     path: str
@@ -483,6 +512,7 @@ class DloraConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     slo: SloTargetsConfig = field(default_factory=SloTargetsConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     adapters: tuple[AdapterSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -524,6 +554,7 @@ _SECTIONS = {
     "cluster": ClusterConfig,
     "scheduling": SchedulingConfig,
     "slo": SloTargetsConfig,
+    "batch": BatchConfig,
 }
 
 

@@ -35,6 +35,7 @@ from dlora.cluster.snapshots import ClusterView
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef
 from dlora.slo.reopt_period import ReoptPeriod
+from dlora.waits import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,7 @@ class Balancer:
 
     async def _sleep_until(self, deadline: float) -> bool:
         """Until the next tick; True if an event woke the loop first."""
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), max(0.0, deadline - loop.time()))
-        except TimeoutError:
+        if not await wait_event(self._wakeup, deadline - asyncio.get_running_loop().time()):
             return False
         self._wakeup.clear()
         return True

@@ -25,6 +25,7 @@ from dlora.replica.messages import (
     SamplingSpec,
     TokenLogprob,
 )
+from dlora.waits import wait_event
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -242,9 +243,7 @@ class EngineHost:
 
     async def _abort_until_ended(self, request_id: str, ended: asyncio.Event) -> None:
         while not ended.is_set() and self.engine is not None:
-            try:
-                await asyncio.wait_for(ended.wait(), ABORT_RETRY_S)
-            except TimeoutError:
+            if not await wait_event(ended, ABORT_RETRY_S):
                 try:
                     await self.engine.abort(request_id)
                 except Exception as e:  # the engine died: its streams fail, and the router resubmits them

@@ -2,10 +2,10 @@
 
 A pure ASGI middleware (Starlette's BaseHTTPMiddleware buffers and breaks streaming) in front of
 every route. In order:
-  * an inference request without the API key (when `server.api_key` is set) -> 401, before its
+  * an inference request or a file upload without the API key (when `server.api_key` is set) -> 401, before its
     body is read;
-  * a body over `server.max_body_bytes` -> 413 (the declared Content-Length, else bytes counted as
-    they arrive, for chunked bodies; nothing more is read);
+  * a body over `server.max_body_bytes` (a file upload: `batch.max_file_mib`) -> 413 (the declared
+    Content-Length, else bytes counted as they arrive, for chunked bodies; nothing more is read);
   * an inference request asking for more than `server.max_choices_per_request` completions
     (prompts x n: each is one engine request) -> 400 naming `n` (or `prompt` when n is 1);
   * an inference request whose completions would push the cluster's in-flight completions past
@@ -30,6 +30,8 @@ from dlora.server.auth import authorized
 from dlora.server.errors import error_body, error_response
 
 INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None}
+UPLOAD_PATH = "/v1/files"  # batch input files: their own size limit (batch.max_file_mib)
+UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart body's headers and boundaries around the file
 RETRY_AFTER_S = 1  # in-flight completions end within seconds on a busy server: come back soon
 
 
@@ -54,6 +56,11 @@ def fanout_of(path: str, body: bytes) -> Fanout | None:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return Fanout()
+    return fanout_of_data(path, data)
+
+
+def fanout_of_data(path: str, data: object) -> Fanout:
+    """The same for a parsed body of an inference path (a batch line's)."""
     if not isinstance(data, dict):
         return Fanout()
     n = data.get("n", 1)
@@ -99,11 +106,15 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         limits = state.cfg.server
-        if scope["path"] in INFERENCE_PATHS and not authorized(_header(scope, b"authorization"), state.cfg.api_key):
+        guarded = scope["path"] in INFERENCE_PATHS or scope["path"] == UPLOAD_PATH
+        if guarded and not authorized(_header(scope, b"authorization"), state.cfg.api_key):
             await self._refuse(state, scope, send, "unauthorized", 401, "Unauthorized")
             return
+        max_bytes, limit_key = limits.max_body_bytes, "server.max_body_bytes"
+        if scope["path"] == UPLOAD_PATH:
+            max_bytes, limit_key = state.cfg.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_mib"
         try:
-            body, receive = await _read_body(scope, receive, limits.max_body_bytes)
+            body, receive = await _read_body(scope, receive, max_bytes)
         except BodyTooLarge:
             await self._refuse(
                 state,
@@ -111,8 +122,7 @@ class AdmissionMiddleware:
                 send,
                 "body_too_large",
                 413,
-                f"request body is larger than the server's limit of {limits.max_body_bytes} bytes "
-                "(server.max_body_bytes)",
+                f"request body is larger than the server's limit of {max_bytes} bytes ({limit_key})",
             )
             return
         fanout = fanout_of(scope["path"], body) if body is not None else None

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dlora.adapters.registry_store import RegistryPersistError
 from dlora.config import ServerConfig
-from dlora.server import admission, errors, routes_admin, routes_openai
+from dlora.server import admission, errors, routes_admin, routes_batch, routes_openai
 from dlora.server.drain import Drain, DrainMiddleware
 from dlora.server.state import ServerState
 
@@ -22,6 +22,9 @@ def _refresh_gauges(state: ServerState) -> None:
     # What the balancer's loop last read: a scrape never waits on a replica.
     starting = frozenset(state.elastic.starting) if state.elastic is not None else frozenset()
     state.metrics.update_cluster(state.router, len(state.adapters.registry), starting)
+    if state.batches is not None:
+        statuses = [b.status for b in state.batches.records.values()]
+        state.metrics.update_batches(statuses, state.batches.gate.in_flight)
 
 
 def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | None = None) -> FastAPI:
@@ -49,6 +52,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
 
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_batch.router)
 
     @app.get("/health")
     async def health(request: Request):

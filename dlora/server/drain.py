@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dlora.server.errors import error_body
+from dlora.waits import wait_event
 
 _SSE = b"text/event-stream"
 
@@ -64,11 +65,7 @@ class Drain:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request is in flight within `timeout_s`."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0))
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._idle, timeout_s)
 
     async def wait_expired(self) -> None:
         await self._expired.wait()

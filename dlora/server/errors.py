@@ -12,6 +12,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlora.cluster.errors import ClusterError
@@ -90,6 +91,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
     return (f"{field}: {msg}" if field else msg), field
+
+
+def invalid_body(exc: ValidationError) -> APIError:
+    """A body that failed its model's validation, as the 400 its route would have answered."""
+    message, field = _validation_message(RequestValidationError(exc.errors()))
+    return APIError(400, message, field)
 
 
 def install(app: FastAPI) -> None:

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from dlora.batch.store import ACTIVE, ENDED
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, BatchingState
 from dlora.slo.attainment import AdapterCounts, AdapterName
 
+BATCH_STATUSES = (*ACTIVE, *ENDED)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
@@ -154,6 +156,11 @@ class Metrics:
             "Requests moved off replicas the autoscaler removed (queued ones resubmitted, running ones co-migrated)",
             registry=r,
         )
+        self.batches = Gauge("dlora_batches", "Batches (/v1/batches) by status", ["status"], registry=r)
+        self.batch_requests = Counter(
+            "dlora_batch_requests", "Finished batch requests (lines), by outcome", ["outcome"], registry=r
+        )
+        self.batch_in_flight = Gauge("dlora_batch_in_flight", "Batch requests in the engines now", registry=r)
         self._replica_labels: set[str] = set()  # replicas with gauges, so a removed one's are dropped
         # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
         self.cluster = ClusterCollector()
@@ -181,6 +188,12 @@ class Metrics:
         self.scale_events.labels(event.direction, event.reason).inc()
         self.scale_seconds.labels(event.direction).observe(event.seconds)
         self.drain_moved.inc(event.moved)
+
+    def update_batches(self, statuses: list[str], in_flight: int) -> None:
+        """The batch gauges: every known batch's status, and the batch requests running now."""
+        for status in BATCH_STATUSES:
+            self.batches.labels(status).set(statuses.count(status))
+        self.batch_in_flight.set(in_flight)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

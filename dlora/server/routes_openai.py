@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -122,47 +123,71 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def _completions(body: CompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
+    if not body.stream:
+        return await until_disconnect(request, _json(completion_body(state, body, rid)))
+    call = await _prepare_completion(state, body, rid)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    sent_prefix: set[int] = set()
+
+    def chunk(job: Job, delta) -> dict:
+        pre = "" if job.index in sent_prefix else call.prefix(job)
+        sent_prefix.add(job.index)
+        return call.envelope([fmt.completion_chunk_choice(job.index, delta, pre, body.return_token_ids)])
+
+    usage_chunk = (lambda u: call.envelope([]) | {"usage": u}) if include_usage else None
+    return _sse_response(_stream(state, call.jobs, call.label, chunk, usage_chunk))
+
+
+async def _json(work: Awaitable[dict]) -> JSONResponse:
+    return JSONResponse(await work)
+
+
+@dataclass
+class _CompletionCall:
+    """A /v1/completions request turned into engine jobs, and what its responses are built from."""
+
+    rid: str
+    body: CompletionRequest
+    jobs: list[Job]
+    prompts: list[list[int]]
+    texts: list[str | None]
+    label: str
+    detokenize: Callable[[list[int]], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def prefix(self, job: Job) -> str:
+        if not self.body.echo:
+            return ""
+        text = self.texts[job.prompt_index]
+        return text if text is not None else self.detokenize(self.prompts[job.prompt_index])
+
+    def envelope(self, choices: list[dict]) -> dict:
+        return fmt.envelope(self.rid, "text_completion", self.created, self.body.model, choices)
+
+
+async def _prepare_completion(state, body: CompletionRequest, rid: str, priority: int | None = None) -> _CompletionCall:
     _admit(state, body)
+    if priority is not None:
+        body = body.model_copy(update={"priority": priority})
     adapter = await resolve_adapter(state, body.model)
     prompts, texts = await _tokenize_prompts(state, body.prompt)
     jobs = make_jobs(rid, prompts, body, adapter, body.logprobs, state.max_model_len, state.vocab_size)
-    created, label = int(time.time()), body.model
-    if adapter is None:
-        label = ""
+    label = "" if adapter is None else body.model
+    return _CompletionCall(rid, body, jobs, prompts, texts, label, state.tokenizer.decode)
 
-    def prefix(job: Job) -> str:
-        if not body.echo:
-            return ""
-        text = texts[job.prompt_index]
-        return text if text is not None else state.tokenizer.decode(prompts[job.prompt_index])
 
-    def envelope(choices: list[dict]) -> dict:
-        return fmt.envelope(rid, "text_completion", created, body.model, choices)
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sent_prefix: set[int] = set()
-
-        def chunk(job: Job, delta) -> dict:
-            pre = "" if job.index in sent_prefix else prefix(job)
-            sent_prefix.add(job.index)
-            return envelope([fmt.completion_chunk_choice(job.index, delta, pre, body.return_token_ids)])
-
-        usage_chunk = (lambda u: envelope([]) | {"usage": u}) if include_usage else None
-        return _sse_response(_stream(state, jobs, label, chunk, usage_chunk))
-
-    async def whole() -> JSONResponse:
-        results = await collect(state, jobs, label)
-        choices = [
-            fmt.completion_choice(r, prefix(jobs[i]), prompts[r.prompt_index] if body.return_token_ids else None)
-            for i, r in enumerate(results)
-        ]
-        prompt_tokens = sum(len(p) for p in prompts)
-        return JSONResponse(
-            envelope(choices) | {"usage": fmt.usage(prompt_tokens, sum(len(r.token_ids) for r in results))}
-        )
-
-    return await until_disconnect(request, whole())
+async def completion_body(state, body: CompletionRequest, rid: str, priority: int | None = None) -> dict:
+    """A whole (non-streamed) /v1/completions response body. `priority` replaces the request's
+    engine priority after the client's own value was checked (batch work runs behind online)."""
+    call = await _prepare_completion(state, body, rid, priority)
+    results = await collect(state, call.jobs, call.label)
+    ids = call.prompts if body.return_token_ids else None
+    choices = [
+        fmt.completion_choice(r, call.prefix(call.jobs[i]), ids[r.prompt_index] if ids else None)
+        for i, r in enumerate(results)
+    ]
+    prompt_tokens = sum(len(p) for p in call.prompts)
+    return call.envelope(choices) | {"usage": fmt.usage(prompt_tokens, sum(len(r.token_ids) for r in results))}
 
 
 @router.post("/v1/chat/completions")
@@ -173,35 +198,53 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def _chat_completions(body: ChatCompletionRequest, request: Request, rid: str) -> Response:
     state = request.app.state.dlora
+    if not body.stream:
+        return await until_disconnect(request, _json(chat_completion_body(state, body, rid)))
+    call = await _prepare_chat(state, body, rid)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    first = [call.envelope("chat.completion.chunk", [fmt.chat_role_choice(j.index) for j in call.jobs])]
+
+    def chunk(job: Job, delta) -> dict:
+        return call.envelope("chat.completion.chunk", [fmt.chat_chunk_choice(job.index, delta, body.return_token_ids)])
+
+    usage_chunk = (lambda u: call.envelope("chat.completion.chunk", []) | {"usage": u}) if include_usage else None
+    return _sse_response(_stream(state, call.jobs, call.label, chunk, usage_chunk, first))
+
+
+@dataclass
+class _ChatCall:
+    """A /v1/chat/completions request turned into engine jobs."""
+
+    rid: str
+    body: ChatCompletionRequest
+    jobs: list[Job]
+    prompt: list[int]
+    label: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
+        return fmt.envelope(self.rid, obj, self.created, self.body.model, choices)
+
+
+async def _prepare_chat(state, body: ChatCompletionRequest, rid: str, priority: int | None = None) -> _ChatCall:
     _admit(state, body)
+    if priority is not None:
+        body = body.model_copy(update={"priority": priority})
     adapter = await resolve_adapter(state, body.model)
     prompt = await _chat_prompt(state, body)
     jobs = make_jobs(rid, [prompt], body, adapter, body.num_logprobs(), state.max_model_len, state.vocab_size)
-    created = int(time.time())
-    label = "" if adapter is None else body.model
+    return _ChatCall(rid, body, jobs, prompt, "" if adapter is None else body.model)
 
-    def envelope(obj: str, choices: list[dict]) -> dict:
-        return fmt.envelope(rid, obj, created, body.model, choices)
 
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        first = [envelope("chat.completion.chunk", [fmt.chat_role_choice(j.index) for j in jobs])]
-
-        def chunk(job: Job, delta) -> dict:
-            return envelope("chat.completion.chunk", [fmt.chat_chunk_choice(job.index, delta, body.return_token_ids)])
-
-        usage_chunk = (lambda u: envelope("chat.completion.chunk", []) | {"usage": u}) if include_usage else None
-        return _sse_response(_stream(state, jobs, label, chunk, usage_chunk, first))
-
-    async def whole() -> JSONResponse:
-        results = await collect(state, jobs, label)
-        body_json = envelope("chat.completion", [fmt.chat_choice(r, body.return_token_ids) for r in results])
-        body_json["usage"] = fmt.usage(len(prompt), sum(len(r.token_ids) for r in results))
-        if body.return_token_ids:
-            body_json["prompt_token_ids"] = prompt
-        return JSONResponse(body_json)
-
-    return await until_disconnect(request, whole())
+async def chat_completion_body(state, body: ChatCompletionRequest, rid: str, priority: int | None = None) -> dict:
+    """A whole (non-streamed) /v1/chat/completions response body; `priority` as in completion_body."""
+    call = await _prepare_chat(state, body, rid, priority)
+    results = await collect(state, call.jobs, call.label)
+    out = call.envelope("chat.completion", [fmt.chat_choice(r, body.return_token_ids) for r in results])
+    out["usage"] = fmt.usage(len(call.prompt), sum(len(r.token_ids) for r in results))
+    if body.return_token_ids:
+        out["prompt_token_ids"] = call.prompt
+    return out
 
 
 @router.get("/v1/models")

@@ -15,6 +15,8 @@ from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.resolver import AdapterResolver, FilesystemResolver
 from dlora.adapters.resolver_s3 import S3Resolver
 from dlora.adapters.validate import BaseModelShapes
+from dlora.batch.execute import server_batches
+from dlora.batch.service import BatchService
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.elastic import ElasticCluster
 from dlora.cluster.host_cache import MIB
@@ -41,6 +43,8 @@ class ServerState:
     balancer: Balancer
     # The autoscaler's controller (`cluster.autoscale`); None: a fixed replica count.
     elastic: ElasticCluster | None = None
+    # /v1/files and /v1/batches (set by build_state once the state exists: batch lines run through it).
+    batches: BatchService | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -48,11 +52,15 @@ class ServerState:
         self._tasks.append(asyncio.create_task(self.balancer.run()))
         if self.elastic is not None:
             self._tasks.append(asyncio.create_task(self.elastic.run()))
+        if self.batches is not None:
+            self.batches.start()
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.batches is not None:
+            await self.batches.close()
         if self.elastic is not None:
             await self.elastic.close()
         await self.router.shutdown()
@@ -179,6 +187,7 @@ async def build_state(
             on_event=metrics.observe_scale_event,
         )
     state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer, elastic)
+    state.batches = server_batches(state)
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
     return state

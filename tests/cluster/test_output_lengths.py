@@ -133,3 +133,15 @@ def test_migration_problem_prices_requests_by_the_estimate():
     work = {g.adapter: g.work[0] for g in prob.groups}
     assert work["long"] == pytest.approx([150 * per_token] * 3)
     assert work["short"] == pytest.approx([5 * per_token])
+
+
+def test_the_lengths_an_estimate_draws_on_are_the_adapters_own_once_it_has_enough():
+    est = OutputLengthEstimator(OutputLengthConfig(min_samples=2))
+    assert est.lengths_for("a") == []
+    est.observe("b", 7)
+    assert est.lengths_for("a") == [7]  # pooled until "a" has min_samples of its own
+    est.observe("a", 3)
+    assert sorted(est.lengths_for("a")) == [3, 7]
+    est.observe("a", 5)
+    assert sorted(est.lengths_for("a")) == [3, 5]
+    assert OutputLengthEstimator(OutputLengthConfig(window=0)).lengths_for("a") == []

@@ -117,6 +117,12 @@ class OutputLengthEstimator:
         adapter with fewer than `min_samples` of its own is estimated from."""
         return list(self._pooled.recent)
 
+    def lengths_for(self, adapter: AdapterName) -> list[int]:
+        """The recent lengths an estimate for `adapter` draws on: its own once it has `min_samples`,
+        else every adapter's; empty before any request finished (or when disabled)."""
+        dist = self._source(adapter) if self.enabled else None
+        return list(dist.recent) if dist is not None else []
+
     def _source(self, adapter: AdapterName) -> _Sorted | None:
         dist = self._by_adapter.get(adapter)
         if dist is not None and len(dist) >= self.cfg.min_samples:

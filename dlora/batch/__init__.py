@@ -1,0 +1,1 @@
+"""Offline batch jobs: OpenAI's Files and Batches API and `dlora batch run` (map: docs/batch.md)."""

@@ -1,0 +1,253 @@
+"""The batches of one server: create, run, cancel, expire, and resume after a restart.
+
+Each active batch is one asyncio task. It reads its input file, turns every line into a request
+or that line's error, and runs the requests through the shared `BatchGate` (batch work yields to
+online work), journaling each finished line. When every line is done (or the batch is cancelled
+or its window runs out) it writes the output file (successful lines, in input order) and the error
+file (failed lines, and the lines an expired batch never ran), and ends. Statuses are OpenAI's:
+validating -> in_progress -> finalizing -> completed, or failed (the input as a whole is unusable),
+cancelling -> cancelled, expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+
+from dlora.batch.files import FileNotFound, FileStore
+from dlora.batch.gate import BatchGate
+from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error, parse_lines
+from dlora.batch.runner import Execute, run_lines
+from dlora.batch.store import ACTIVE, ENDED, BatchRecord, BatchStore
+from dlora.config import BatchConfig
+from dlora.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+WINDOW = re.compile(r"([1-9][0-9]{0,3})h")  # OpenAI's "24h"; any whole number of hours up to 9999
+SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
+MAX_METADATA = 16
+
+
+class BatchService:
+    def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, execute: Execute, gate: BatchGate):
+        self.cfg = cfg
+        self.files = files
+        self.store = store
+        self.execute = execute
+        self.gate = gate
+        self.records: dict[str, BatchRecord] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._cancel: dict[str, asyncio.Event] = {}
+        self.on_line: Callable[[str], None] = lambda outcome: None  # each finished line: completed | failed
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load every stored batch and resume the unfinished ones (in the running event loop)."""
+        for record in reversed(self.store.all()):
+            self.records[record.id] = record
+            if record.status in ACTIVE:
+                log.info("batch %s: resuming (%s)", record.id, record.status)
+                self._spawn(record)
+
+    async def close(self) -> None:
+        """Stop every batch where it is; its journal keeps what finished, a restart resumes it."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def wait(self, batch_id: str) -> BatchRecord:
+        """Until the batch has ended."""
+        task = self._tasks.get(batch_id)
+        if task is not None:
+            await asyncio.shield(task)
+        return self.get(batch_id)
+
+    # ---- the API -------------------------------------------------------------------------------
+    def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: object) -> BatchRecord:
+        if endpoint not in ENDPOINTS:
+            why = f"endpoint {endpoint!r} is not supported; use one of {', '.join(ENDPOINTS)}"
+            raise APIError(400, why, "endpoint")
+        window = WINDOW.fullmatch(completion_window) if isinstance(completion_window, str) else None
+        if window is None:
+            why = f"completion_window {completion_window!r} must be a number of hours such as '24h'"
+            raise APIError(400, why, "completion_window")
+        tags = _checked_metadata(metadata)
+        try:
+            source = self.files.get(input_file_id)
+        except FileNotFound:
+            raise APIError(404, f"No such file: {input_file_id!r}", "input_file_id") from None
+        if source.purpose != "batch":
+            raise APIError(400, f"file {input_file_id} has purpose {source.purpose!r}, not 'batch'", "input_file_id")
+        record = BatchRecord.new(endpoint, input_file_id, completion_window, int(window.group(1)) * 3600, tags)
+        self.store.save(record)
+        self.records[record.id] = record
+        self._spawn(record)
+        return record
+
+    def get(self, batch_id: str) -> BatchRecord:
+        record = self.records.get(batch_id)
+        if record is None:
+            raise APIError(404, f"No such batch: {batch_id!r}", "batch_id")
+        return record
+
+    def page(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """Newest first, from after the batch `after` (OpenAI's cursor); and whether more follow."""
+        ordered = sorted(self.records.values(), key=lambda r: (-r.created_at, r.id))
+        if after is not None:
+            ids = [r.id for r in ordered]
+            if after not in ids:
+                raise APIError(404, f"No such batch: {after!r}", "after")
+            ordered = ordered[ids.index(after) + 1 :]
+        return ordered[:limit], len(ordered) > limit
+
+    def cancel(self, batch_id: str) -> BatchRecord:
+        record = self.get(batch_id)
+        if record.status in ("cancelling", "cancelled"):
+            return record
+        if record.status in ENDED:
+            raise APIError(409, f"Cannot cancel a batch with status {record.status!r}", "batch_id")
+        record.enter("cancelling")
+        self.store.save(record)
+        event = self._cancel.get(batch_id)
+        if event is not None:
+            event.set()
+        return record
+
+    # ---- running a batch -----------------------------------------------------------------------
+    def _spawn(self, record: BatchRecord) -> None:
+        self._cancel[record.id] = asyncio.Event()
+        if record.status == "cancelling":
+            self._cancel[record.id].set()
+        task = asyncio.create_task(self._run(record), name=f"batch {record.id}")
+        self._tasks[record.id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
+
+    async def _run(self, record: BatchRecord) -> None:
+        try:
+            parsed = await self._validate(record)
+            if parsed is None:
+                return
+            ending = await self._run_lines(record, parsed)
+            await self._finalize(record, parsed, ending)
+        except asyncio.CancelledError:
+            self.store.save(record)  # counts as far as they went; the journal has every finished line
+            raise
+        except Exception as e:  # a disk error, a damaged journal: the batch fails, the server goes on
+            log.error("batch %s failed", record.id, exc_info=e)
+            self._fail(record, "internal_error", f"the batch could not be processed: {type(e).__name__}")
+
+    async def _validate(self, record: BatchRecord) -> list[BatchLine | LineError] | None:
+        try:
+            text = (await asyncio.to_thread(self.files.read, record.input_file_id)).decode()
+        except FileNotFound:
+            self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
+            return None
+        except UnicodeDecodeError:
+            self._fail(record, "invalid_file", "the input file is not UTF-8 text")
+            return None
+        parsed = await asyncio.to_thread(parse_lines, text, record.endpoint)
+        if not parsed:
+            self._fail(record, "empty_file", "the input file has no requests")
+            return None
+        if len(parsed) > self.cfg.max_requests:
+            why = f"the input file has {len(parsed)} requests; at most {self.cfg.max_requests} (batch.max_requests)"
+            self._fail(record, "too_many_requests", why)
+            return None
+        record.request_counts.total = len(parsed)
+        if record.status == "validating":
+            record.enter("in_progress")
+        self.store.save(record)
+        return parsed
+
+    async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> str:
+        """Run every line not yet journaled; the status the batch ends with."""
+        done = self.store.results(record.id)
+        self._recount(record, done)
+        for item in parsed:
+            if isinstance(item, LineError) and item.line not in done:
+                self._finish_line(record, done, item.line, error_output(item))
+        todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
+        cancelled = self._cancel[record.id]
+
+        def stopping() -> bool:
+            return cancelled.is_set() or self._expired(record)
+
+        def finished(line: BatchLine, output: dict) -> None:
+            self._finish_line(record, done, line.line, output)
+
+        save = lambda: self.store.save(record)  # noqa: E731
+        await run_lines(todo, self.execute, self.gate, finished, stopping, save, SAVE_EVERY_S)
+        if cancelled.is_set():
+            return "cancelled"
+        return "expired" if len(done) < len(parsed) else "completed"
+
+    def _expired(self, record: BatchRecord) -> bool:
+        return time.time() >= record.expires_at
+
+    def _finish_line(self, record: BatchRecord, done: dict[int, dict], line: int, output: dict) -> None:
+        self.store.append_result(record.id, line, output)
+        done[line] = output
+        outcome = "failed" if is_error(output) else "completed"
+        if outcome == "failed":
+            record.request_counts.failed += 1
+        else:
+            record.request_counts.completed += 1
+        self.on_line(outcome)
+
+    @staticmethod
+    def _recount(record: BatchRecord, done: dict[int, dict]) -> None:
+        failed = sum(1 for out in done.values() if is_error(out))
+        record.request_counts.completed, record.request_counts.failed = len(done) - failed, failed
+
+    async def _finalize(self, record: BatchRecord, parsed: list[BatchLine | LineError], ending: str) -> None:
+        if ending != "cancelled":
+            record.enter("finalizing")
+            self.store.save(record)
+        done = self.store.results(record.id)
+        outputs: list[dict] = []
+        errors: list[dict] = []
+        for item in parsed:
+            output = done.get(item.line)
+            if output is None and ending == "expired":
+                why = "the batch expired before this request ran"
+                output = error_output(LineError(item.line, item.custom_id, "batch_expired", why))
+            if output is not None:
+                (errors if is_error(output) else outputs).append(output)
+        if outputs:
+            record.output_file_id = await self._write_file(record, "output", outputs)
+        if errors:
+            record.error_file_id = await self._write_file(record, "error", errors)
+        self._recount(record, done)
+        if ending == "expired":
+            record.request_counts.failed += len(parsed) - len(done)
+        record.enter(ending)
+        self.store.save(record)
+        log.info("batch %s %s: %s", record.id, ending, record.request_counts)
+
+    async def _write_file(self, record: BatchRecord, kind: str, lines: list[dict]) -> str:
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        made = await asyncio.to_thread(self.files.create, content, f"{record.id}_{kind}.jsonl", "batch_output")
+        return made.id
+
+    def _fail(self, record: BatchRecord, code: str, message: str) -> None:
+        record.errors = [{"code": code, "message": message, "param": None, "line": None}]
+        record.enter("failed")
+        self.store.save(record)
+
+
+def _checked_metadata(metadata: object) -> dict[str, str] | None:
+    """OpenAI's rule: up to 16 string pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return None
+    if isinstance(metadata, dict) and len(metadata) <= MAX_METADATA:
+        pairs = list(metadata.items())
+        if all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in pairs):
+            return dict(pairs)
+    why = "metadata must map at most 16 strings of up to 64 characters to strings of up to 512"
+    raise APIError(400, why, "metadata")

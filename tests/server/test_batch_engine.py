@@ -1,0 +1,135 @@
+"""Batches on a real engine (the tiny fp32 model, greedy): through the official `openai` client
+against the shared server, and `dlora batch run` on its own in-process cluster. Every output's
+tokens equal HF + PEFT's greedy tokens and what the same request gets online; bad lines are that
+line's error. The life cycle in detail (cancel, expiry, restart): tests/batch/test_batch_api.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import yaml
+
+from tests import harness
+
+MAX_TOKENS = 10
+PROMPTS = {"tiny-base": "def main(", "a0": "import os\nimport sys\n", "a1": "class Foo:\n    def", "a2": "for i in"}
+
+
+def completion_line(custom_id: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def chat_line(custom_id: str, model: str, text: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0, "return_token_ids": True}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def jsonl(lines: list) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+def chat_ids(oracle, text: str) -> list[int]:
+    """The prompt the server builds for one user message: the tiny model's chat template."""
+    tok = oracle.tokenizer()
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def adapter_of(model: str) -> str | None:
+    return None if model == "tiny-base" else model
+
+
+def run_batch(client: openai.OpenAI, lines: list, endpoint: str):
+    f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+
+    def lines_of(file_id):
+        return [json.loads(x) for x in client.files.content(file_id).text.splitlines()] if file_id else []
+
+    return batch, lines_of(batch.output_file_id), lines_of(batch.error_file_id)
+
+
+def test_a_completions_batch_equals_hf_peft_and_the_same_requests_online(tiny_server, oracle):
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0)
+    lines = [completion_line(f"c-{m}", m, p) for m, p in PROMPTS.items()]
+    batch, out, errors = run_batch(
+        client, [*lines, completion_line("bad", "a0", "x") | {"method": "GET"}], "/v1/completions"
+    )
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    for o, line in zip(out, lines):
+        model = line["body"]["model"]
+        choice = o["response"]["body"]["choices"][0]
+        ids = oracle.tokenizer()(line["body"]["prompt"])["input_ids"]
+        assert choice["token_ids"] == oracle.greedy(adapter_of(model), ids, MAX_TOKENS), model
+        body = {k: v for k, v in line["body"].items() if k != "return_token_ids"}
+        online = client.completions.create(**body, extra_body={"return_token_ids": True})
+        assert choice["text"] == online.choices[0].text
+
+
+def test_a_chat_batch_equals_hf_peft(tiny_server, oracle):
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0)
+    lines = [chat_line("x", "a1", "Name a colour."), chat_line("y", "tiny-base", "Count to three.")]
+    batch, out, errors = run_batch(client, lines, "/v1/chat/completions")
+    assert batch.request_counts.completed == 2 and not errors
+    for o, line in zip(out, lines):
+        choice = o["response"]["body"]["choices"][0]
+        prompt_ids = chat_ids(oracle, line["body"]["messages"][0]["content"])
+        assert o["response"]["body"]["prompt_token_ids"] == prompt_ids
+        assert choice["token_ids"] == oracle.greedy(adapter_of(line["body"]["model"]), prompt_ids, MAX_TOKENS)
+
+
+@pytest.mark.engine
+def test_dlora_batch_run_writes_vllm_run_batch_output_in_input_order(tiny_model, oracle, tmp_path):
+    lines = [completion_line("c0", "a0", PROMPTS["a0"]), chat_line("c1", "a2", "Hi."), "{oops"]
+    lines.append(completion_line("c3", "tiny-base", PROMPTS["tiny-base"]))
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
+    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port())
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlora.cli",
+        "batch",
+        "run",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "o.jsonl"),
+    ]
+    done = subprocess.run(
+        [*cmd, "--config", str(tmp_path / "cfg.yaml"), "--no-progress"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4 requests, 3 succeeded, 1 failed" in done.stdout
+    out = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["c0", "c1", None, "c3"]
+    assert out[2]["error"]["code"] == "invalid_json" and out[2]["error"]["line"] == 3
+    tok = oracle.tokenizer()
+    expected = {
+        "c0": oracle.greedy("a0", tok(PROMPTS["a0"])["input_ids"], MAX_TOKENS),
+        "c1": oracle.greedy("a2", chat_ids(oracle, "Hi."), MAX_TOKENS),
+        "c3": oracle.greedy(None, tok(PROMPTS["tiny-base"])["input_ids"], MAX_TOKENS),
+    }
+    for o in (out[0], out[1], out[3]):
+        assert o["response"]["status_code"] == 200
+        assert o["response"]["body"]["choices"][0]["token_ids"] == expected[o["custom_id"]]
+
+
+def test_dlora_batch_run_names_a_missing_input_file(tmp_path):
+    cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "cannot read the input file" in done.stderr and "nope.jsonl" in done.stderr

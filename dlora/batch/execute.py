@@ -38,15 +38,9 @@ async def execute_line(state, line: BatchLine, priority: int) -> dict:
 
 
 async def _answer(state, line: BatchLine, rid: str, priority: int) -> dict:
-    limit = state.cfg.server.max_choices_per_request
-    fanout = fanout_of_data(line.url, line.body)
-    if fanout.choices > limit:
-        raise APIError(
-            400,
-            f"this request asks for {fanout.choices} completions; the server allows at most {limit} per request "
-            "(server.max_choices_per_request)",
-            "n" if fanout.n > 1 else "prompt",
-        )
+    too_wide = fanout_of_data(line.url, line.body).too_wide(state.cfg.server.max_choices_per_request)
+    if too_wide is not None:
+        raise APIError(400, *too_wide)
     if line.url == "/v1/completions":
         return await completion_body(state, CompletionRequest.model_validate(line.body), rid, priority)
     return await chat_completion_body(state, ChatCompletionRequest.model_validate(line.body), rid, priority)

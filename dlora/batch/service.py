@@ -61,13 +61,6 @@ class BatchService:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def wait(self, batch_id: str) -> BatchRecord:
-        """Until the batch has ended."""
-        task = self._tasks.get(batch_id)
-        if task is not None:
-            await asyncio.shield(task)
-        return self.get(batch_id)
-
     # ---- the API -------------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str, completion_window: str, metadata: object) -> BatchRecord:
         if endpoint not in ENDPOINTS:
@@ -133,8 +126,8 @@ class BatchService:
             parsed = await self._validate(record)
             if parsed is None:
                 return
-            ending = await self._run_lines(record, parsed)
-            await self._finalize(record, parsed, ending)
+            ending, done = await self._run_lines(record, parsed)
+            await self._finalize(record, parsed, ending, done)
         except asyncio.CancelledError:
             self.store.save(record)  # counts as far as they went; the journal has every finished line
             raise
@@ -165,8 +158,9 @@ class BatchService:
         self.store.save(record)
         return parsed
 
-    async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> str:
-        """Run every line not yet journaled; the status the batch ends with."""
+    async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> tuple[str, dict[int, dict]]:
+        """Run every line not yet journaled; the status the batch ends with, and every finished
+        line's output by line number (the journal's content). The counts follow each line."""
         done = self.store.results(record.id)
         self._recount(record, done)
         for item in parsed:
@@ -184,8 +178,8 @@ class BatchService:
         save = lambda: self.store.save(record)  # noqa: E731
         await run_lines(todo, self.execute, self.gate, finished, stopping, save, SAVE_EVERY_S)
         if cancelled.is_set():
-            return "cancelled"
-        return "expired" if len(done) < len(parsed) else "completed"
+            return "cancelled", done
+        return ("expired" if len(done) < len(parsed) else "completed"), done
 
     def _expired(self, record: BatchRecord) -> bool:
         return time.time() >= record.expires_at
@@ -205,11 +199,12 @@ class BatchService:
         failed = sum(1 for out in done.values() if is_error(out))
         record.request_counts.completed, record.request_counts.failed = len(done) - failed, failed
 
-    async def _finalize(self, record: BatchRecord, parsed: list[BatchLine | LineError], ending: str) -> None:
+    async def _finalize(
+        self, record: BatchRecord, parsed: list[BatchLine | LineError], ending: str, done: dict[int, dict]
+    ) -> None:
         if ending != "cancelled":
             record.enter("finalizing")
             self.store.save(record)
-        done = self.store.results(record.id)
         outputs: list[dict] = []
         errors: list[dict] = []
         for item in parsed:
@@ -223,7 +218,6 @@ class BatchService:
             record.output_file_id = await self._write_file(record, "output", outputs)
         if errors:
             record.error_file_id = await self._write_file(record, "error", errors)
-        self._recount(record, done)
         if ending == "expired":
             record.request_counts.failed += len(parsed) - len(done)
         record.enter(ending)

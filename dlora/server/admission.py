@@ -46,6 +46,16 @@ class Fanout:
     def choices(self) -> int:
         return self.prompts * self.n
 
+    def too_wide(self, limit: int) -> tuple[str, str] | None:
+        """The 400's message and param when this asks for more than `limit` completions, else None."""
+        if self.choices <= limit:
+            return None
+        message = (
+            f"this request asks for {self.choices} completions ({self.prompts} prompt(s) x n={self.n}); the "
+            f"server allows at most {limit} per request (server.max_choices_per_request)"
+        )
+        return message, "n" if self.n > 1 else "prompt"
+
 
 def fanout_of(path: str, body: bytes) -> Fanout | None:
     """The request's prompts x n from its raw JSON; None for other routes. A malformed body counts
@@ -129,18 +139,9 @@ class AdmissionMiddleware:
         if fanout is None:
             await self.app(scope, receive, send)
             return
-        if fanout.choices > limits.max_choices_per_request:
-            await self._refuse(
-                state,
-                scope,
-                send,
-                "fanout",
-                400,
-                f"this request asks for {fanout.choices} completions ({fanout.prompts} prompt(s) x "
-                f"n={fanout.n}); the server allows at most {limits.max_choices_per_request} per request "
-                "(server.max_choices_per_request)",
-                "n" if fanout.n > 1 else "prompt",
-            )
+        too_wide = fanout.too_wide(limits.max_choices_per_request)
+        if too_wide is not None:
+            await self._refuse(state, scope, send, "fanout", 400, *too_wide)
             return
         if not self.in_flight.take(fanout.choices, limits.max_pending_requests):
             await self._refuse(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
@@ -31,9 +33,11 @@ def _batches(request: Request) -> BatchService:
     return request.app.state.dlora.batches
 
 
-def _file_or_404(request: Request, file_id: str):
+@contextlib.contextmanager
+def _file_404(file_id: str) -> Iterator[None]:
+    """A file the store does not have is the client's 404."""
     try:
-        return _batches(request).files.get(file_id)
+        yield
     except FileNotFound:
         raise APIError(404, f"No such file: {file_id!r}", "file_id") from None
 
@@ -54,19 +58,21 @@ async def list_files(request: Request, purpose: str | None = None):
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str):
-    return _file_or_404(request, file_id).to_openai()
+    with _file_404(file_id):
+        return _batches(request).files.get(file_id).to_openai()
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str):
-    _file_or_404(request, file_id)
-    return FileResponse(_batches(request).files.content_path(file_id), media_type="application/jsonl")
+    with _file_404(file_id):
+        path = _batches(request).files.content_path(file_id)
+    return FileResponse(path, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str):
-    _file_or_404(request, file_id)
-    _batches(request).files.delete(file_id)
+    with _file_404(file_id):
+        _batches(request).files.delete(file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

@@ -36,11 +36,12 @@ class CountingReplica(ToyReplica):
 
 
 @contextlib.asynccontextmanager
-async def toy_server(tiny_model, state_dir, replica: ToyReplica | None = None, **overrides):
+async def toy_server(tiny_model, state_dir, step_s: float = 0.002, max_in_flight: int | None = None, **overrides):
+    """The app over one counting toy replica taking `step_s` a token; `batch.max_in_flight` set."""
     raw = harness.tiny_config(tiny_model, state_dir, 0)
-    raw["batch"] = {}
+    raw["batch"] = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
     cfg = from_dict(harness.apply_overrides(raw, overrides))
-    replica = replica or CountingReplica(0)
+    replica = CountingReplica(0, step_s=step_s)
     state = await build_state(cfg, replicas=[replica])
 
     async def make_state():
@@ -180,8 +181,7 @@ def test_cancel_stops_the_batch_aborts_its_running_requests_and_keeps_what_finis
     lines = [request_line(f"r{i}", "a0", f"prompt {i}", max_tokens=40) for i in range(30)]
 
     async def run():
-        replica = CountingReplica(0, step_s=0.02)
-        async with toy_server(tiny_model, tmp_path / "state", replica, **{"batch.max_in_flight": 2}) as (
+        async with toy_server(tiny_model, tmp_path / "state", step_s=0.02, max_in_flight=2) as (
             client,
             state,
             _,
@@ -209,8 +209,7 @@ def test_an_expired_batch_reports_the_lines_it_never_ran(tiny_model, tmp_path):
     lines = [request_line(f"r{i}", "a0", f"prompt {i}", max_tokens=30) for i in range(20)]
 
     async def run():
-        replica = CountingReplica(0, step_s=0.02)
-        async with toy_server(tiny_model, tmp_path / "state", replica, **{"batch.max_in_flight": 1}) as (
+        async with toy_server(tiny_model, tmp_path / "state", step_s=0.02, max_in_flight=1) as (
             client,
             state,
             _,
@@ -232,8 +231,7 @@ def test_a_restart_resumes_the_batch_without_redoing_finished_lines(tiny_model, 
     state_dir = tmp_path / "state"
 
     async def first_run() -> tuple[str, int]:
-        replica = CountingReplica(0, step_s=0.02)
-        async with toy_server(tiny_model, state_dir, replica, **{"batch.max_in_flight": 2}) as (client, state, _):
+        async with toy_server(tiny_model, state_dir, step_s=0.02, max_in_flight=2) as (client, state, _):
             batch = await submit(client, lines)
             while (await client.batches.retrieve(batch.id)).request_counts.completed < 4:
                 await asyncio.sleep(0.02)
@@ -241,8 +239,7 @@ def test_a_restart_resumes_the_batch_without_redoing_finished_lines(tiny_model, 
         return batch.id, len(state.batches.store.results(batch.id))
 
     async def second_run(batch_id: str, finished_before: int):
-        replica = CountingReplica(0, step_s=0.002)
-        async with toy_server(tiny_model, state_dir, replica) as (client, _, _):
+        async with toy_server(tiny_model, state_dir, step_s=0.002) as (client, _, replica):
             done = await until(client, batch_id, ("completed",))
             assert done.request_counts.completed == 12
             assert replica.requests_seen == 12 - finished_before
@@ -261,8 +258,7 @@ def test_batch_work_yields_its_places_to_online_requests(tiny_model, tmp_path):
     lines = [request_line(f"r{i}", "a0", f"prompt {i}", max_tokens=5) for i in range(40)]
 
     async def run():
-        replica = CountingReplica(0, step_s=0.01)
-        async with toy_server(tiny_model, tmp_path / "state", replica, **{"batch.max_in_flight": 4}) as (
+        async with toy_server(tiny_model, tmp_path / "state", step_s=0.01, max_in_flight=4) as (
             client,
             state,
             _,

@@ -29,6 +29,7 @@ Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's i
 | `Platform.get_punica_wrapper`, replaced on the platform class (`lora_backend.install`) | `lora_backend.py` | worker | makes vLLM build dlora's punica wrapper (`engine.lora_backend: einsum / triton`) |
 | `PunicaWrapperCPU` / `PunicaWrapperGPU`, subclassed | `punica_wrapper.py` | worker | LoRA linears on dlora's kernels, and mixed merged steps (subtracting the merged adapter's delta) |
 | `vllm.lora.ops.torch_ops.lora_ops.bgmv_*` and `punica_cpu.bgmv_*`, replaced (`cpu_lora_fix.install`) | `cpu_lora_fix.py` | worker | vLLM's CPU ops give base-model tokens (index -1) the last slot's adapter |
+| `tokenizers.decoders.DecodeStream`, replaced by `dlora/replica/decode_stream.py` (`install`, from `EngineHost.start`) | `../replica/decode_stream.py` | replica host (AsyncLLM's output processor) | tokenizers' stream echoes the whole prompt when the prompt's text ends in half a character, as a request moved right after such a token does |
 | imports with side effects: `worker.py` runs `cpu_lora_fix.install()` and `lora_backend.install()`; `scheduler.py` adds the EngineCore utilities | `worker.py`, `scheduler.py` | worker, EngineCore | vLLM imports these modules before the model is built and before the first step, the only moment the patches can take effect |
 
 Modules without a seam of their own: `merge.py` and `pristine_rows.py` (the weight merger, worker),

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from dlora.config import DloraConfig
+from dlora.replica import decode_stream
 from dlora.replica.errors import EngineNotStarted
 from dlora.replica.messages import (
     AdapterRef,
@@ -161,6 +162,7 @@ class EngineHost:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        decode_stream.install()  # before the engine's output processor makes its first stream
         self._early_aborts.clear()  # a new engine: every request the old one knew of has failed
 
         self.engine = AsyncLLM.from_engine_args(build_engine_args(self.cfg, self.model_path))

@@ -127,6 +127,30 @@ def test_a_later_leg_with_the_same_id_runs_to_its_end(host):
 
 
 @pytest.mark.engine
+def test_a_prompt_ending_in_half_a_character_is_not_echoed(host, tiny_model):
+    """A request moved in the middle of a multi-byte character continues with a prompt that ends
+    in half of it: its text goes on from the held-back bytes, never repeating the prompt's."""
+    from transformers import AutoTokenizer
+
+    h, loop = host
+    tok = AutoTokenizer.from_pretrained(str(tiny_model.base))
+    clean = tok("x = '")["input_ids"]
+    half = tok("中", add_special_tokens=False)["input_ids"][:2]
+    req = greedy("half-char", clean + half, 8)
+
+    async def run():
+        return [d async for d in h.generate(req)]
+
+    deltas = loop.run_until_complete(run())
+    out = [t for d in deltas for t in d.token_ids]
+    text = "".join(d.text for d in deltas)
+    # Oracle: the full decode less the clean prompt's text (the held-back bytes come first).
+    whole = tok.decode(clean + half + out, skip_special_tokens=True)
+    assert text == whole[len(tok.decode(clean, skip_special_tokens=True)) :]
+    assert not text.startswith("x = '")
+
+
+@pytest.mark.engine
 def test_an_abort_that_overtakes_its_generate_call_ends_that_request_once(host):
     """Ray runs an async actor's calls concurrently, so a migration's abort can reach the replica
     before the generate call sent ahead of it: the request must still end, without running, and

@@ -458,6 +458,9 @@ class SloTargetsConfig:
         return SloConfig(ttft_s=self.ttft_s, tpot_s=self.tpot_s, relative_k=self.relative_k)
 
 
+BATCH_PLANNERS = ("stages", "none")
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """Offline batch jobs (/v1/files, /v1/batches and `dlora batch run`)."""
@@ -470,9 +473,14 @@ class BatchConfig:
     # Batch requests in the engines at once while no online request is in flight; None: the engines'
     # max_num_seqs per serving replica. Online requests in flight take their places one for one.
     max_in_flight: int | None = None
+    # How a batch's lines are ordered over the replicas: "stages" plans which adapters run merged on
+    # which replica and in what order (sample-then-simulate, dlora/batch/plan.py); "none" sends them
+    # as they come, to whichever replica dispatch picks.
+    planner: str = "stages"
 
     def __post_init__(self) -> None:
         _check_kinds(self, "batch")
+        _check(self.planner in BATCH_PLANNERS, "batch.planner", self.planner, f"must be one of {BATCH_PLANNERS}")
         _check(self.max_file_mib > 0, "batch.max_file_mib", self.max_file_mib, "must be > 0")
         _check(self.max_requests >= 1, "batch.max_requests", self.max_requests, "must be a whole number >= 1")
         _check(

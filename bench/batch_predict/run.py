@@ -1,5 +1,6 @@
-"""How long sample-then-simulate takes on a large offline batch: 100,000 requests over 256 adapters
-on 32 replicas (the size a batch planner must handle in a few seconds).
+"""How long sample-then-simulate and the stage planner take on a large offline batch: 100,000
+requests over 256 adapters on 32 replicas (the size a batch planner must handle in a few seconds),
+and how much faster the stage plan is than sending everything at once, in simulation.
 
     .venv/bin/python -m bench.batch_predict.run            # 32 x 256 x 100,000, 5 reps, ~1 min
     .venv/bin/python -m bench.batch_predict.run --quick    # 8 x 64 x 10,000
@@ -9,8 +10,11 @@ Requests pick adapters by Zipf(1.0); prompt lengths are log-normal (median 150 t
 drawn from 20..400), as the router's output-length window would hold. Every replica has the
 default step-cost priors. Each rep times `dlora.batch.predict.predict` (draw lengths, dispatch,
 simulate every replica) on the same inputs with a different sampling seed; reported: the median
-and max time, the predicted makespan per rep (its spread is the sampling noise), and the number
-of simulated engine steps. Writes bench/batch_predict/result.json.
+and max time, the predicted makespan per rep (its spread is the sampling noise). Then, per merged
+step cost ratio (0.6, the GPU-shaped prior, and 0.85, the einsum CPU kernels' prior), each rep
+times `dlora.batch.plan.plan_stages` (lengths drawn, then the plan) and compares its simulated
+makespan with `dispatch_plan`'s (every request sent at once, the router's least-work dispatch,
+steps merged only where a replica happens to run one adapter). Writes bench/batch_predict/result.json.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
-from dlora.batch.predict import Work, predict
+from dlora.batch.plan import Job, dispatch_plan, plan_stages
+from dlora.batch.predict import Work, predict, sample_lengths
 from dlora.bench.provenance import provenance
 from dlora.cluster.estimators.cost_model import CostParams
 
@@ -41,6 +46,33 @@ def workload(requests: int, adapters: int, seed: int) -> tuple[list[Work], dict[
         mean = rng.uniform(20, 400)
         history[a] = [min(512, 1 + int(rng.expovariate(1 / mean))) for _ in range(256)]
     return works, history
+
+
+MERGED_RATIOS = (0.6, 0.85)
+
+
+def plan_reps(works: list[Work], history: dict[str, list[int]], args, ratio: float) -> dict:
+    """Per rep: the stage planner's time (lengths drawn, segments chosen) and its makespan against
+    sending every request at once, with merged steps at `ratio` of an unmerged step's cost."""
+    params = [CostParams(merged_ratio=ratio)] * args.replicas
+    out: dict[str, list] = {"plan_seconds": [], "plan_makespan_s": [], "fcfs_makespan_s": [], "segments": []}
+    for rep in range(args.reps):
+        t0 = time.perf_counter()
+        drawn = sample_lengths(works, lambda a: history.get(a, []), random.Random(rep))
+        jobs = [Job(w.adapter, (w.prompt_tokens,), (n,)) for w, n in zip(works, drawn)]
+        plan = plan_stages(jobs, params)
+        out["plan_seconds"].append(time.perf_counter() - t0)
+        flat = dispatch_plan(jobs, params)
+        out["plan_makespan_s"].append(plan.makespan_s)
+        out["fcfs_makespan_s"].append(flat.makespan_s)
+        out["segments"].append(len(plan.segments))
+        print(
+            f"merged ratio {ratio}, rep {rep + 1}/{args.reps}: planned in {out['plan_seconds'][-1]:.2f} s, "
+            f"{len(plan.segments)} segments, makespan {plan.makespan_s:.0f} s vs {flat.makespan_s:.0f} s sent at once",
+            flush=True,
+        )
+    out["makespan_vs_fcfs_plan"] = [f / p for f, p in zip(out["fcfs_makespan_s"], out["plan_makespan_s"])]
+    return out
 
 
 def main() -> None:
@@ -65,6 +97,7 @@ def main() -> None:
         makespans.append(plan.makespan_s)
         print(f"rep {rep + 1}/{args.reps}: {seconds[-1]:.2f} s, predicted makespan {plan.makespan_s:.0f} s", flush=True)
     per_replica = [plan.replica_of.count(r) for r in range(args.replicas)]
+    planner = {str(ratio): plan_reps(works, history, args, ratio) for ratio in MERGED_RATIOS}
     result = {
         **provenance("bench.batch_predict.run"),
         "setup": {
@@ -77,7 +110,14 @@ def main() -> None:
         "predict_seconds": seconds,
         "predicted_makespan_s": makespans,
         "requests_per_replica_min_max": [min(per_replica), max(per_replica)],
+        "planner": planner,
         "summary": {
+            "plan_seconds_median": statistics.median(t for p in planner.values() for t in p["plan_seconds"]),
+            "plan_seconds_max": max(t for p in planner.values() for t in p["plan_seconds"]),
+            **{
+                f"makespan_vs_fcfs_plan_merged_ratio_{ratio}": statistics.median(p["makespan_vs_fcfs_plan"])
+                for ratio, p in planner.items()
+            },
             "predict_seconds_median": statistics.median(seconds),
             "predict_seconds_max": max(seconds),
             "target_seconds": 5.0,

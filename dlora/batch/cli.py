@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
 async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
     from tqdm import tqdm
 
-    from dlora.batch.execute import batch_gate, execute_line
+    from dlora.batch.execute import batch_gate, batch_planner, execute_line
     from dlora.batch.lines import BatchLine, error_output
-    from dlora.batch.runner import run_lines
+    from dlora.batch.planned import run_batch
     from dlora.server.serve_cmd import start_state
 
     state = await start_state(cfg)
@@ -84,8 +84,8 @@ async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
                 outputs[item.line] = error_output(item)
         lines = [item for item in parsed if isinstance(item, BatchLine)]
         bar = tqdm(total=len(parsed), initial=len(outputs), unit="req", disable=not progress, file=sys.stderr)
-        plan = PlanEta(state, lines)
-        first = plan.eta_s(outputs)
+        eta = PlanEta(state, lines)
+        first = eta.eta_s(outputs)
         log.info("predicted makespan at start (step-cost priors until the replicas' steps are fitted): %.0f s", first)
         started = time.monotonic()
 
@@ -94,48 +94,45 @@ async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
             bar.update(1)
 
         def tick() -> None:
-            bar.set_postfix_str(f"plan ETA {plan.eta_s(outputs):.0f} s", refresh=True)
+            bar.set_postfix_str(f"plan ETA {eta.eta_s(outputs):.0f} s", refresh=True)
 
-        await run_lines(
-            lines,
-            lambda line: execute_line(state, line, cfg.batch.priority),
-            gate=batch_gate(state),
-            on_done=done,
-            on_tick=tick,
-            tick_s=PLAN_EVERY_S,
+        execute = lambda line: execute_line(state, line, cfg.batch.priority)  # noqa: E731
+        ran = await run_batch(
+            lines, execute, batch_gate(state), batch_planner(state), done, on_tick=tick, tick_s=PLAN_EVERY_S
         )
         bar.close()
         timing = f"took {time.monotonic() - started:.1f} s (predicted at start: {first:.1f} s)"
+        if ran.summary():
+            timing += f"; {ran.summary()}"
         return [outputs[item.line] for item in parsed], timing
     finally:
         await state.close()
 
 
 class PlanEta:
-    """The time left by sample-then-simulate: the lines not finished yet, simulated on the
-    replicas with their step-cost models as fitted so far and their adapters' output lengths."""
+    """The time left by sample-then-simulate: the lines not finished yet, planned again on the
+    replicas with their step-cost models as fitted so far and their adapters' output lengths
+    (sent as they come with `batch.planner: none`)."""
 
     def __init__(self, state, lines) -> None:
-        from dlora.batch.predict import works_of
-
-        tokenizer, cfg = state.tokenizer, state.cfg
-
-        def count(text: str) -> int:
-            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        from dlora.batch.execute import line_works
 
         self.state = state
-        self.works = {
-            line.line: works_of(line.url, line.body, count, state.base_model_name, cfg.model.max_model_len)
-            for line in lines
-        }
+        self.lines = list(lines)
+        self.works = line_works(state, self.lines)
 
     def eta_s(self, finished: dict[int, dict]) -> float:
+        from dlora.batch.planned import line_plan
         from dlora.batch.predict import predict
 
         router = self.state.router
-        left = [w for line, works in self.works.items() if line not in finished for w in works]
+        left = [(line, ws) for line, ws in zip(self.lines, self.works) if line.line not in finished]
         costs = router.cost_params()
-        params = [costs[rid] for rid in router.healthy_ids()]
+        params = {rid: costs[rid] for rid in router.healthy_ids() if rid in costs}
         if not left or not params:
             return 0.0
-        return predict(left, params, router.output_lengths.lengths_for).makespan_s
+        lengths = router.output_lengths.lengths_for
+        if self.state.cfg.batch.planner == "none":
+            return predict([w for _, ws in left for w in ws], list(params.values()), lengths).makespan_s
+        lines, works = zip(*left)
+        return line_plan(lines, works, params, lengths, self.state.cfg.engine.max_num_seqs).predicted_s

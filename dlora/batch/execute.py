@@ -8,19 +8,27 @@ error, shaped as the route would have answered it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from dlora.batch.files import FileStore
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine, LineError, error_output, ok_output
+from dlora.batch.planned import LinePlan, line_plan
+from dlora.batch.predict import Work, works_of
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
+from dlora.cluster.estimators.cost_model import CostParams
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
 from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
 from dlora.server.routes_openai import chat_completion_body, completion_body
+
+log = logging.getLogger(__name__)
 
 
 async def execute_line(state, line: BatchLine, priority: int) -> dict:
@@ -62,6 +70,63 @@ def batch_gate(state) -> BatchGate:
     return BatchGate(limit, lambda: online_in_flight(state.router, cfg.batch.priority))
 
 
+def line_works(state, lines: Sequence[BatchLine]) -> list[list[Work]]:
+    """The engine requests each line makes, with prompt sizes from the server's tokenizer."""
+    tokenizer, cfg = state.tokenizer, state.cfg
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return [works_of(line.url, line.body, count, state.base_model_name, cfg.model.max_model_len) for line in lines]
+
+
+class ServerPlanner:
+    """`batch.planner: stages` over this server's router: its replicas' fitted step costs and its
+    adapters' output-length histories."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def _params(self) -> dict[int, CostParams]:
+        router = self.state.router
+        costs = router.cost_params()
+        return {rid: costs[rid] for rid in router.healthy_ids() if rid in costs}
+
+    def pilot_size(self, lines: Sequence[BatchLine]) -> int:
+        """One batch per serving replica (at most a tenth of the lines) while a replica's step costs
+        are still the priors or no request of any kind has finished yet; else none."""
+        router, params = self.state.router, self._params()
+        fitted = all(router.cost_models[rid].fitted for rid in params)
+        if not params or (fitted and router.output_lengths.lengths_for(None)):
+            return 0
+        return min(len(lines) // 10, self.state.cfg.engine.max_num_seqs * len(params))
+
+    async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
+        params = self._params()
+        if not lines or not params:
+            return None
+        router = self.state.router
+        works = await asyncio.to_thread(line_works, self.state, lines)
+        # The length histories change on the event loop: the planner's thread reads a copy.
+        lengths = {a: list(router.output_lengths.lengths_for(a)) for a in {w.adapter for ws in works for w in ws}}
+        per_replica = self.state.cfg.engine.max_num_seqs
+        plan = await asyncio.to_thread(line_plan, lines, works, params, lengths.__getitem__, per_replica)
+        log.info(
+            "batch plan for %d lines on %d replicas: %s, %d segments, predicted %.0f s",
+            len(lines),
+            len(params),
+            plan.mode,
+            plan.segments,
+            plan.predicted_s,
+        )
+        return plan
+
+
+def batch_planner(state) -> ServerPlanner | None:
+    """The configured planner (`batch.planner`); None sends a batch's lines as they come."""
+    return ServerPlanner(state) if state.cfg.batch.planner == "stages" else None
+
+
 def server_batches(state) -> BatchService:
     """The server's batch service: files and batches under its state directory, lines run at the
     configured batch priority through `batch_gate`."""
@@ -72,6 +137,7 @@ def server_batches(state) -> BatchService:
         BatchStore(cfg.state_dir / "batches"),
         lambda line: execute_line(state, line, cfg.batch.priority),
         batch_gate(state),
+        batch_planner(state),
     )
     service.on_line = lambda outcome: state.metrics.batch_requests.labels(outcome).inc()
     return service

@@ -10,16 +10,17 @@ batching is simulated with its fitted step-cost model (dlora/cluster/estimators/
     step time = per_iteration_s + per_decode_token_s * running + per_prefill_token_s * prefill tokens
 
 Requests are admitted first come first served while fewer than `max_batch` run; a request runs
-one step per output token (its first step also prefills its prompt). Between two finishes every
-step is the same, so the simulation jumps from finish to finish: O(n log n) for n requests.
-Not modelled: KV-cache limits (preemption), chunked prefill, merged steps.
+one step per output token (its first step also prefills its prompt). A step whose requests all
+use one adapter runs merged, at `merged_ratio` of the cost. Between two finishes every step is
+the same, so the simulation jumps from finish to finish: O(n log n) for n requests.
+Not modelled: KV-cache limits (preemption), chunked prefill, the cost of a merge switch.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,11 +67,18 @@ def sample_lengths(
     return drawn
 
 
-def simulate_replica(prompts: Sequence[int], outputs: Sequence[int], p: CostParams) -> list[float]:
-    """Finish time (seconds from 0) of each request on one replica, all waiting at time 0, FCFS."""
+def simulate_replica(
+    prompts: Sequence[int], outputs: Sequence[int], p: CostParams, adapters: Sequence[str | None] | None = None
+) -> list[float]:
+    """Finish time (seconds from 0) of each request on one replica, all waiting at time 0, FCFS.
+
+    With `adapters`, a step whose running requests all use one adapter (or none) runs merged and
+    costs `merged_ratio` of an unmerged one, as dLoRA's engines switch when a replica serves one
+    adapter; the switch itself is not charged."""
     finish = [0.0] * len(prompts)
     waiting = deque(range(len(prompts)))
     running: list[tuple[int, int]] = []  # (the step count at which it finishes, request)
+    using: Counter[str | None] = Counter()  # adapters of the running requests
     t, steps = 0.0, 0
     while waiting or running:
         prefill = 0
@@ -78,11 +86,19 @@ def simulate_replica(prompts: Sequence[int], outputs: Sequence[int], p: CostPara
             i = waiting.popleft()
             heapq.heappush(running, (steps + outputs[i], i))
             prefill += prompts[i]
+            if adapters is not None:
+                using[adapters[i]] += 1
+        scale = p.merged_ratio if adapters is not None and len(using) == 1 else 1.0
         k = running[0][0] - steps  # steps until the next request finishes, each with this batch
-        t += k * (p.per_iteration_s + p.per_decode_token_s * len(running)) + prefill * p.per_prefill_token_s
+        t += scale * (k * (p.per_iteration_s + p.per_decode_token_s * len(running)) + prefill * p.per_prefill_token_s)
         steps += k
         while running and running[0][0] == steps:
-            finish[heapq.heappop(running)[1]] = t
+            i = heapq.heappop(running)[1]
+            finish[i] = t
+            if adapters is not None:
+                using[adapters[i]] -= 1
+                if not using[adapters[i]]:
+                    del using[adapters[i]]
     return finish
 
 
@@ -114,7 +130,9 @@ def predict(
     finish = [0.0] * len(works)
     for r, p in enumerate(params):
         mine = [i for i, j in enumerate(replica_of) if j == r]
-        times = simulate_replica([works[i].prompt_tokens for i in mine], [outputs[i] for i in mine], p)
+        times = simulate_replica(
+            [works[i].prompt_tokens for i in mine], [outputs[i] for i in mine], p, [works[i].adapter for i in mine]
+        )
         for i, f in zip(mine, times):
             finish[i] = f
     return Prediction(max(finish, default=0.0), tuple(finish), tuple(replica_of))

@@ -2,10 +2,11 @@
 
 Each active batch is one asyncio task. It reads its input file, turns every line into a request
 or that line's error, and runs the requests through the shared `BatchGate` (batch work yields to
-online work), journaling each finished line. When every line is done (or the batch is cancelled
-or its window runs out) it writes the output file (successful lines, in input order) and the error
-file (failed lines, and the lines an expired batch never ran), and ends. Statuses are OpenAI's:
-validating -> in_progress -> finalizing -> completed, or failed (the input as a whole is unusable),
+online work) in the order its plan gives (dlora/batch/planned.py), journaling each finished line.
+When every line is done (or the batch is cancelled or its window runs out) it writes the output
+file (successful lines, in input order) and the error file (failed lines, and the lines an
+expired batch never ran), and ends. Statuses are OpenAI's: validating -> in_progress ->
+finalizing -> completed, or failed (the input as a whole is unusable),
 cancelling -> cancelled, expired.
 """
 
@@ -21,7 +22,8 @@ from collections.abc import Callable
 from dlora.batch.files import FileNotFound, FileStore
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error, parse_lines
-from dlora.batch.runner import Execute, run_lines
+from dlora.batch.planned import BatchPlanner, run_batch
+from dlora.batch.runner import Execute
 from dlora.batch.store import ACTIVE, ENDED, BatchRecord, BatchStore
 from dlora.config import BatchConfig
 from dlora.server.errors import APIError
@@ -34,12 +36,21 @@ MAX_METADATA = 16
 
 
 class BatchService:
-    def __init__(self, cfg: BatchConfig, files: FileStore, store: BatchStore, execute: Execute, gate: BatchGate):
+    def __init__(
+        self,
+        cfg: BatchConfig,
+        files: FileStore,
+        store: BatchStore,
+        execute: Execute,
+        gate: BatchGate,
+        planner: BatchPlanner | None = None,
+    ):
         self.cfg = cfg
         self.files = files
         self.store = store
         self.execute = execute
         self.gate = gate
+        self.planner = planner
         self.records: dict[str, BatchRecord] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel: dict[str, asyncio.Event] = {}
@@ -176,7 +187,7 @@ class BatchService:
             self._finish_line(record, done, line.line, output)
 
         save = lambda: self.store.save(record)  # noqa: E731
-        await run_lines(todo, self.execute, self.gate, finished, stopping, save, SAVE_EVERY_S)
+        await run_batch(todo, self.execute, self.gate, self.planner, finished, stopping, save, SAVE_EVERY_S)
         if cancelled.is_set():
             return "cancelled", done
         return ("expired" if len(done) < len(parsed) else "completed"), done

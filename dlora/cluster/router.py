@@ -32,12 +32,13 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.cost_model import MERGED_RATIO_PRIOR, CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.host_cache import HostCache
 from dlora.cluster.interruptible import InterruptibleStream
@@ -51,6 +52,11 @@ from dlora.slo.config import SloConfig
 from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
+
+# The replica that requests started in this context go to first (a batch plan's placement, set by
+# dlora/batch/planned.py in each line's task); dispatch decides when it is None or not serving. A
+# context variable because the request reaches the router through the online routes' handlers.
+preferred_replica: ContextVar[int | None] = ContextVar("dlora_preferred_replica", default=None)
 
 __all__ = ["NoReplicaError", "RequestTimeout", "ResubmissionLimit", "Router", "RouterConfig"]
 
@@ -185,6 +191,9 @@ class RouterConfig:
     batch_adapter_slots: int = 1 << 20  # distinct adapters in one engine step (vLLM max_loras)
     kv_capacity_tokens: int = 1 << 17  # per replica until its engine's stats report the real one
     max_batch: int = 64  # requests one engine step may run (vLLM max_num_seqs)
+    # merged step cost / unmerged until a replica's merged steps are measured: the engines' LoRA
+    # backend's prior (scheduling.merged_cost_ratio), so dispatch and batch plans price merging alike
+    merged_ratio_prior: float = MERGED_RATIO_PRIOR
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
     output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
     max_resubmissions: int = 2  # replica failures a request survives (migrations don't count)
@@ -234,7 +243,10 @@ class Router:
         self.adapter_sizes: dict[int, int] = {}  # adapter id -> bytes, of every version loaded somewhere
         # Fitted from each replica's measured steps (refresh_stats); kept across restarts (same hardware).
         self.cost_models = {
-            s.replica_id: ReplicaCostModel(CostParams(max_batch=self.cfg.max_batch)) for s in self.slots
+            s.replica_id: ReplicaCostModel(
+                CostParams(max_batch=self.cfg.max_batch, merged_ratio=self.cfg.merged_ratio_prior)
+            )
+            for s in self.slots
         }
         # Lengths of finished requests per adapter: what dispatch and migration expect instead of max_tokens.
         self.output_lengths = OutputLengthEstimator(self.cfg.output_lengths)
@@ -692,7 +704,7 @@ class Router:
             req = dataclasses.replace(req, arrival_time=time.time())
         while req.adapter is not None and req.adapter.int_id in self.superseded:
             req = dataclasses.replace(req, adapter=self.superseded[req.adapter.int_id])
-        state = RequestState(req, arrival=self.clock())
+        state = RequestState(req, arrival=self.clock(), migrate_to=preferred_replica.get())
         self.arrivals.append((state.arrival, state.adapter))
         self.arrivals_total += 1
         adapter = state.adapter or ""

@@ -88,6 +88,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
         host_cache_bytes=None if cfg.engine.max_cpu_lora_mib is None else int(cfg.engine.max_cpu_lora_mib * MIB),
         batch_adapter_slots=cfg.engine.max_loras,
         max_batch=cfg.engine.max_num_seqs,
+        merged_ratio_prior=cfg.scheduling.for_lora_backend(cfg.engine.lora_backend).merged_cost_prior,
         output_lengths=cfg.cluster.output_lengths(),
         max_resubmissions=cfg.cluster.max_resubmissions,
         actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,

@@ -11,8 +11,10 @@ from dlora.batch.predict import Prediction, Work, predict, sample_lengths, simul
 from dlora.cluster.estimators.cost_model import CostParams
 
 
-def params(it=0.0, dec=0.0, pre=0.0, batch=1) -> CostParams:
-    return CostParams(per_iteration_s=it, per_decode_token_s=dec, per_prefill_token_s=pre, max_batch=batch)
+def params(it=0.0, dec=0.0, pre=0.0, batch=1, merged=1.0) -> CostParams:
+    return CostParams(
+        per_iteration_s=it, per_decode_token_s=dec, per_prefill_token_s=pre, max_batch=batch, merged_ratio=merged
+    )
 
 
 @pytest.mark.parametrize(
@@ -28,7 +30,18 @@ def test_hand_worked_schedules(prompts, outputs, p, finish):
     assert simulate_replica(prompts, outputs, p) == pytest.approx(finish)
 
 
-def step_by_step(prompts, outputs, p: CostParams) -> list[float]:
+def test_steps_of_one_adapter_run_merged():
+    p = params(it=1, batch=2, merged=0.5)
+    # a and b together for 2 steps (unmerged), then b alone for 1 merged step
+    assert simulate_replica([0, 0], [2, 3], p, ["a", "b"]) == pytest.approx([2, 2.5])
+    # one adapter throughout: every step merged
+    assert simulate_replica([0, 0], [2, 3], p, ["a", "a"]) == pytest.approx([1, 1.5])
+    # the base model alone also runs without a LoRA term
+    assert simulate_replica([0, 0], [2, 3], p, [None, None]) == pytest.approx([1, 1.5])
+    assert simulate_replica([0, 0], [2, 3], p) == pytest.approx([2, 3])  # no adapters given: unmerged
+
+
+def step_by_step(prompts, outputs, p: CostParams, adapters=None) -> list[float]:
     """The oracle: one loop iteration per engine step."""
     finish = [0.0] * len(prompts)
     waiting, running, t = list(range(len(prompts))), {}, 0.0
@@ -38,7 +51,9 @@ def step_by_step(prompts, outputs, p: CostParams) -> list[float]:
             i = waiting.pop(0)
             running[i] = outputs[i]
             prefill += prompts[i]
-        t += p.per_iteration_s + p.per_decode_token_s * len(running) + p.per_prefill_token_s * prefill
+        step = p.per_iteration_s + p.per_decode_token_s * len(running) + p.per_prefill_token_s * prefill
+        merged = adapters is not None and len({adapters[i] for i in running}) == 1
+        t += step * (p.merged_ratio if merged else 1.0)
         for i in list(running):
             running[i] -= 1
             if running[i] == 0:
@@ -53,8 +68,15 @@ def test_the_event_jumps_equal_a_step_by_step_simulation(seed):
     n = rng.randint(1, 40)
     prompts = [rng.randint(1, 300) for _ in range(n)]
     outputs = [rng.randint(1, 60) for _ in range(n)]
-    p = params(it=rng.uniform(0, 0.01), dec=rng.uniform(0, 0.002), pre=rng.uniform(0, 0.001), batch=rng.randint(1, 8))
-    assert simulate_replica(prompts, outputs, p) == pytest.approx(step_by_step(prompts, outputs, p))
+    p = params(
+        it=rng.uniform(0, 0.01),
+        dec=rng.uniform(0, 0.002),
+        pre=rng.uniform(0, 0.001),
+        batch=rng.randint(1, 8),
+        merged=rng.uniform(0.3, 1),
+    )
+    adapters = [rng.choice(["a", "b", None]) for _ in range(n)] if seed % 2 else None
+    assert simulate_replica(prompts, outputs, p, adapters) == pytest.approx(step_by_step(prompts, outputs, p, adapters))
 
 
 def test_lengths_are_drawn_from_the_adapters_history_and_capped():

@@ -695,3 +695,15 @@ def test_reoptimize_settings_are_checked():
         ClusterConfig(reoptimize="sometimes")
     with pytest.raises(ConfigError, match="cluster.reoptimize_min_s"):
         ClusterConfig(reoptimize="adaptive", reoptimize_min_s=20.0, migration_interval_s=10.0)
+
+
+def test_merged_steps_are_priced_by_the_lora_backends_prior_until_measured():
+    from dlora import config
+    from dlora.server.state import router_config
+
+    router = Router([ToyReplica(0)], cfg=RouterConfig(merged_ratio_prior=0.85))
+    assert router.cost_params()[0].merged_ratio == 0.85
+    einsum = config.from_dict({"engine": {"lora_backend": "einsum"}})
+    assert router_config(einsum).merged_ratio_prior == 0.85  # scheduling.merged_cost_ratio unset: einsum's
+    chosen = config.from_dict({"engine": {"lora_backend": "einsum"}, "scheduling": {"merged_cost_ratio": 0.7}})
+    assert router_config(chosen).merged_ratio_prior == 0.7

@@ -186,3 +186,28 @@ def test_preload_counts_bytes_when_the_cache_has_a_budget():
         assert (await sbalancer.maybe_preload()).loads == (("big", 1),)
 
     asyncio.run(run())
+
+
+def test_requests_started_with_a_preferred_replica_go_there_unless_it_stopped_serving():
+    """A batch plan's placement reaches the router through `preferred_replica`, set in the task that
+    sends the request; round-robin dispatch would have spread them."""
+    from dlora.cluster.router import preferred_replica
+
+    async def where(router: Router, req: GenerateRequest, rid: int | None) -> int:
+        preferred_replica.set(rid)
+        seen = None
+        async for _ in router.generate(req):
+            seen = seen if seen is not None else router.requests[req.request_id].slot.replica_id
+        return seen
+
+    async def run():
+        router, replicas = make(n=3)
+        await router.start()
+        placed = await asyncio.gather(*(asyncio.create_task(where(router, request(f"r{i}", A), 2)) for i in range(4)))
+        assert placed == [2, 2, 2, 2]
+        assert [A.int_id in r.loaded for r in replicas] == [False, False, True]  # loaded where they went
+        router.slot(2).healthy = False
+        assert await asyncio.create_task(where(router, request("r9", None), 2)) in (0, 1)
+        assert await asyncio.create_task(where(router, request("r10", None), None)) in (0, 1)
+
+    asyncio.run(run())

@@ -133,3 +133,29 @@ def test_dlora_batch_run_names_a_missing_input_file(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "cannot read the input file" in done.stderr and "nope.jsonl" in done.stderr
+
+
+@pytest.mark.engine
+def test_a_planned_batch_runs_adapters_merged_by_stage_and_equals_hf_peft(tiny_model, oracle, tmp_path):
+    """Enough lines of a few adapters that the stage plan beats sending them at once: they run in
+    stages (segments of one adapter, merged), and every output is still HF + PEFT's."""
+    prompts = ["def f(", "x = [", "import ", "class A", "while True", "return "]
+    lines = [completion_line(f"a0-{i}", "a0", p) for i, p in enumerate(prompts * 2)]
+    lines += [completion_line(f"a1-{i}", "a1", p) for i, p in enumerate(prompts + prompts[:2])]
+    lines += [completion_line(f"base-{i}", "tiny-base", p) for i, p in enumerate(prompts[:4])]
+    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
+    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port(), batch={"planner": "stages"})
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", "-i", str(tmp_path / "in.jsonl")]
+    cmd += ["-o", str(tmp_path / "o.jsonl"), "--config", str(tmp_path / "cfg.yaml"), "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "24 requests, 24 succeeded, 0 failed" in done.stdout
+    assert "then plan: stages" in done.stdout, done.stdout
+    tok = oracle.tokenizer()
+    out = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    for o, line in zip(out, lines):
+        body = line["body"]
+        expected = oracle.greedy(adapter_of(body["model"]), tok(body["prompt"])["input_ids"], MAX_TOKENS)
+        assert o["custom_id"] == line["custom_id"]
+        assert o["response"]["body"]["choices"][0]["token_ids"] == expected, line["custom_id"]

@@ -11,8 +11,8 @@ output times the decode cost, with the per-step overhead shared by a full batch 
 Counting every request at full-batch cost makes its work independent of what else runs on the
 replica, so pending time is additive and the ILP stays linear; it underestimates the latency of a
 nearly idle replica, which is harmless because load balancing only matters when replicas are busy.
-Requests of the replica's merged adapter run at `merged_ratio` (a 0.6 prior, refitted from merged
-steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
+Requests of the replica's merged adapter run at `merged_ratio` (the LoRA backend's prior,
+refitted from merged steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
 waits for one (`batch_slot_wait`). The coefficients start from priors and are refitted from the
 replica's measured steps (`IterationSample`) by least squares pulled towards the priors, so one
 step size seen so far cannot produce a wild fit.
@@ -34,6 +34,7 @@ import numpy as np
 
 from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, RequestLoad
 
+MERGED_RATIO_PRIOR = 0.6  # a GPU-shaped prior; the server passes its LoRA backend's (RouterConfig)
 MIN_SAMPLES = 8  # unmerged steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3
 RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
@@ -49,7 +50,7 @@ class CostParams:
     per_iteration_s: float = 0.004  # fixed cost of a step: scheduling, sampling, Python
     per_decode_token_s: float = 0.001  # marginal cost of one more sequence in a decode step
     per_prefill_token_s: float = 0.0002  # cost of one prompt (or re-prefilled) token
-    merged_ratio: float = 0.6  # merged step cost / unmerged step cost (a GPU-shaped prior)
+    merged_ratio: float = MERGED_RATIO_PRIOR  # merged step cost / unmerged step cost
     # add_lora (~3 ms) + an actor round trip, rounded up; replaced by the replica's measured loads
     adapter_load_s: float = 0.02
     max_batch: int = 32  # sequences per step (vLLM max_num_seqs)
@@ -139,6 +140,11 @@ class ReplicaCostModel:
         self._unmerged: deque[IterationSample] = deque(maxlen=window)
         self._merged: deque[IterationSample] = deque(maxlen=window)
         self._load_s: float | None = None  # None: no load measured yet, the prior prices it
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the step costs come from this replica's measured steps (else from the priors)."""
+        return len(self._unmerged) >= MIN_SAMPLES
 
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""

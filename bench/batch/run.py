@@ -1,0 +1,268 @@
+"""An offline batch over 16 adapters: vLLM's `run-batch`, dlora with the lines sent as they come,
+and dlora with the stage planner.
+
+The batch: `--requests` ShareGPT conversations (first turns, lengths as vLLM's ShareGPT loader
+filters them; output lengths capped at `--max-tokens`) as /v1/completions lines, adapters drawn by
+Zipf(1.0) over 16 random PEFT adapters of the default model (SmolLM2-135M-Instruct, fp32), greedy,
+EOS honoured (no ignore_eos). Two adapter kinds: rank 8 on q/k/v/o, and rank 64 on all seven
+projections (where merging pays most on this CPU, bench/where_merging_pays). Systems:
+
+- `vllm`: `python -m vllm.entrypoints.openai.run_batch --enable-lora`, one engine on both cores
+  (its makespan: its wall time less the wall time of the same command on a one-line file, i.e.
+  less its start-up);
+- `unplanned`: `dlora batch run` as configs/default.yaml ships it (2 replicas, one per core) with
+  `batch.planner: none`: every line sent at once, dispatch and dLoRA's switching decide;
+- `planned`: the same with `batch.planner: stages` (sampling pass, then the stage plan).
+
+dlora's makespan is the time `dlora batch run` prints (first line sent to last line done; its
+start-up is not in it). Reps alternate the systems. Also recorded: the planner's predicted time
+for the lines after its sampling pass against the measured time of that part.
+
+    .venv/bin/python -m bench.batch.run --requests 2000              # the full batch, hours here
+    .venv/bin/python -m bench.batch.run --requests 200 --kinds r64-all
+
+Writes bench/batch/result.json and result.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from dlora import env
+from dlora.bench.provenance import provenance
+from dlora.bench.servers import make_random_adapters, write_result
+from dlora.bench.workload import WorkloadSpec, generate_workload
+from dlora.sim.step_costs import ALL_PROJECTIONS, QKVO
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+KINDS = {"r8-qkvo": (8, QKVO), "r64-all": (64, ALL_PROJECTIONS)}
+SYSTEMS = ("unplanned", "planned", "vllm")
+ADAPTERS = 16
+MAX_MODEL_LEN = 2048
+KV_GIB = 2
+# lora_alpha / r of the random adapters: small enough that the model still answers and stops, so
+# output lengths vary by prompt and adapter as a real batch's do
+ADAPTER_SCALE = 0.25
+TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
+PLAN = re.compile(
+    r"sampling pass (\d+) lines, then plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s"
+)
+
+
+def batch_lines(requests) -> str:
+    out = []
+    for i, r in enumerate(requests):
+        body = {"model": r.adapter, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0}
+        out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+    return "\n".join(out) + "\n"
+
+
+def dlora_config(base: Path, adapters: list[Path], rank: int, planner: str, state: Path) -> dict:
+    cfg = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    cfg["model"] = {**cfg["model"], "path": str(base), "served_name": "base", "max_model_len": MAX_MODEL_LEN}
+    cfg["engine"]["max_lora_rank"] = max(rank, cfg["engine"]["max_lora_rank"])
+    cfg["engine"]["kv_cache_space_gib"] = KV_GIB
+    cfg["server"] = {**cfg["server"], "state_dir": str(state), "adapter_roots": [str(adapters[0].parent)]}
+    cfg["adapters"] = [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)]
+    cfg["batch"] = {"planner": planner}
+    return cfg
+
+
+def vllm_command(base: Path, adapters: list[Path], rank: int, inp: Path, out: Path) -> list[str]:
+    engine = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["engine"]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(inp), "-o", str(out)]
+    cmd += ["--model", str(base), "--served-model-name", "base", "--dtype", "float32"]
+    cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(engine["max_num_seqs"]), "--enforce-eager"]
+    cmd += ["--enable-lora", "--max-loras", str(engine["max_loras"]), "--max-lora-rank", str(max(rank, 16))]
+    return cmd + ["--lora-modules", *[f"a{i}={p}" for i, p in enumerate(adapters)]]
+
+
+def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
+    cfg_path = work / f"{tag}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    out = work / f"{tag}.out.jsonl"
+    cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", str(inp), "-o", str(out)]
+    cmd += ["--config", str(cfg_path), "--no-progress"]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
+    wall = time.monotonic() - t0
+    (work / f"{tag}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tag}: dlora batch run failed, see {work / f'{tag}.log'}")
+    m = TOOK.search(done.stdout)
+    assert m is not None, done.stdout
+    point = {"makespan_s": float(m.group(1)), "predicted_at_start_s": float(m.group(2)), "wall_s": wall}
+    plan = PLAN.search(m.group(3) or "")
+    if plan is not None:
+        point |= {
+            "pilot_lines": int(plan.group(1)),
+            "plan_mode": plan.group(2),
+            "segments": int(plan.group(3)),
+            "plan_predicted_s": float(plan.group(4)),
+            "plan_measured_s": float(plan.group(5)),
+        }
+    point["failed_lines"] = sum(1 for x in out.read_text().splitlines() if json.loads(x).get("error"))
+    return point
+
+
+def run_vllm(cmd: list[str], work: Path, tag: str) -> float:
+    env_vars = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    t0 = time.monotonic()
+    with open(work / f"{tag}.log", "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_vars, timeout=6 * 3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tag}: vLLM run_batch failed, see {work / f'{tag}.log'}")
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=256, help="cap on each request's ShareGPT output length")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=HERE / "result.json")
+    args = ap.parse_args()
+    from dlora.models.smollm2 import prepare_smollm2
+
+    base = prepare_smollm2()
+    work = Path(env.cache_dir()) / "bench-run" / "batch"
+    work.mkdir(parents=True, exist_ok=True)
+    names = tuple(f"a{i}" for i in range(ADAPTERS))
+    spec = WorkloadSpec(
+        num_prompts=args.requests,
+        adapters=names,
+        distribution="zipf",
+        alpha=1.0,
+        dataset="sharegpt",
+        max_model_len=MAX_MODEL_LEN,
+        tokenizer=str(base),
+        seed=args.seed,
+    )
+    requests = generate_workload(spec)
+    for r in requests:
+        r.output_len = min(r.output_len, args.max_tokens)
+    inp = work / "input.jsonl"
+    inp.write_text(batch_lines(requests))
+    (work / "one.jsonl").write_text(batch_lines(requests[:1]))
+    per_adapter = {a: sum(r.adapter == a for r in requests) for a in names}
+    print(f"{len(requests)} requests, per adapter {list(per_adapter.values())}", flush=True)
+    t_start = time.monotonic()
+    points: list[dict] = []
+    for kind in args.kinds:
+        rank, modules = KINDS[kind]
+        adapters = make_random_adapters(
+            base,
+            env.cache_dir() / "bench-adapters" / "smollm2-batch",
+            ADAPTERS,
+            rank,
+            scales=[ADAPTER_SCALE] * ADAPTERS,
+            target_modules=modules,
+        )
+        for rep in range(args.reps):
+            order = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
+            for system in order:
+                tag = f"{kind}-{system}-{rep}"
+                if system == "vllm":
+                    startup = run_vllm(
+                        vllm_command(base, adapters, rank, work / "one.jsonl", work / "o1"), work, tag + "-one"
+                    )
+                    wall = run_vllm(vllm_command(base, adapters, rank, inp, work / f"{tag}.out.jsonl"), work, tag)
+                    point = {"makespan_s": wall - startup, "wall_s": wall, "startup_s": startup}
+                else:
+                    planner = "stages" if system == "planned" else "none"
+                    point = run_dlora(
+                        dlora_config(base, adapters, rank, planner, work / f"state-{tag}"), inp, work, tag
+                    )
+                points.append({"kind": kind, "system": system, "rep": rep, **point})
+                (work / "points.json").write_text(json.dumps(points))
+                elapsed = (time.monotonic() - t_start) / 60
+                print(
+                    f"[{elapsed:5.1f} min] {kind} {system} rep {rep}: makespan {point['makespan_s']:.1f} s", flush=True
+                )
+    result = {
+        **provenance("bench.batch.run"),
+        "workload": {
+            "requests": len(requests),
+            "adapters": ADAPTERS,
+            "distribution": "zipf 1.0",
+            "per_adapter": per_adapter,
+            "dataset": "sharegpt (vLLM's length filter)",
+            "max_tokens_cap": args.max_tokens,
+            "prompt_tokens_total": sum(r.prompt_len for r in requests),
+            "max_tokens_total": sum(r.output_len for r in requests),
+            "greedy": True,
+            "ignore_eos": False,
+            "adapter_scale": ADAPTER_SCALE,
+        },
+        "dlora_config_last": dlora_config(base, adapters, rank, "stages", work / "state"),
+        "vllm_command_last": shlex.join(vllm_command(base, adapters, rank, inp, work / "out.jsonl")),
+        "points": points,
+        "summary": summarize(points),
+        "wall_seconds": time.monotonic() - t_start,
+    }
+    write_result(result, args.out, plot)
+    return 0
+
+
+def summarize(points: list[dict]) -> dict:
+    out: dict = {}
+    for kind in sorted({p["kind"] for p in points}):
+        med = {
+            s: statistics.median(p["makespan_s"] for p in points if p["kind"] == kind and p["system"] == s)
+            for s in SYSTEMS
+            if any(p["kind"] == kind and p["system"] == s for p in points)
+        }
+        out[kind] = {f"makespan_s_{s}": v for s, v in med.items()}
+        if "planned" in med and "vllm" in med:
+            out[kind]["makespan_vs_vllm"] = med["vllm"] / med["planned"]
+        if "planned" in med and "unplanned" in med:
+            out[kind]["makespan_vs_unplanned"] = med["unplanned"] / med["planned"]
+        errors = [
+            (p["plan_predicted_s"] - p["plan_measured_s"]) / p["plan_measured_s"]
+            for p in points
+            if p["kind"] == kind and "plan_measured_s" in p
+        ]
+        if errors:
+            out[kind]["plan_prediction_error"] = statistics.median(errors)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted(result["summary"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for j, system in enumerate(SYSTEMS):
+        xs, ys = [], []
+        for i, kind in enumerate(kinds):
+            v = result["summary"][kind].get(f"makespan_s_{system}")
+            if v is not None:
+                xs.append(i + (j - 1) * width)
+                ys.append(v)
+        ax.bar(xs, ys, width, label=system)
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_ylabel("makespan (s)")
+    w = result["workload"]
+    ax.set_title(f"{w['requests']} ShareGPT requests over {w['adapters']} adapters (Zipf 1.0)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,161 @@
+"""Running a batch by its plan (pure asyncio, a fake line executor): lines start on their
+segment's replica, a segment waits for the previous one to drain, at most `per_replica` lines run
+per replica, idle replicas take work from the busiest one (repair), and a stop ends the run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from dlora.batch.gate import BatchGate
+from dlora.batch.lines import BatchLine
+from dlora.batch.planned import LinePlan, QueuedSegment, line_plan, run_planned
+from dlora.batch.predict import Work
+from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.router import preferred_replica
+
+
+def line(n: int) -> BatchLine:
+    return BatchLine(n, f"c{n}", "/v1/completions", {"model": "m", "prompt": "x"})
+
+
+def segment(numbers, adapter="a", mode="merged") -> QueuedSegment:
+    return QueuedSegment(mode, adapter, deque(line(n) for n in numbers), {n: 1.0 for n in numbers})
+
+
+class Recorder:
+    """Runs each line for `seconds[line]` (default 0.01) and records where and when it ran."""
+
+    def __init__(self, seconds=None) -> None:
+        self.seconds = seconds or {}
+        self.ran: dict[int, tuple[int | None, float, float]] = {}  # line -> (replica, start, end)
+        self.running: dict[int | None, int] = {}
+        self.most: dict[int | None, int] = {}
+
+    async def __call__(self, ln: BatchLine) -> dict:
+        loop = asyncio.get_running_loop()
+        rid, start = preferred_replica.get(), loop.time()
+        self.running[rid] = self.running.get(rid, 0) + 1
+        self.most[rid] = max(self.most.get(rid, 0), self.running[rid])
+        await asyncio.sleep(self.seconds.get(ln.line, 0.01))
+        self.running[rid] -= 1
+        self.ran[ln.line] = (rid, start, loop.time())
+        return {"custom_id": ln.custom_id}
+
+
+def run(plan: LinePlan, rec: Recorder, stop=lambda: False) -> tuple[dict[int, dict], int]:
+    done: dict[int, dict] = {}
+
+    async def go():
+        gate = BatchGate(lambda: 100, lambda: 0)
+        return await run_planned(plan, rec, gate, lambda ln, out: done.__setitem__(ln.line, out), stop, tick_s=0.01)
+
+    return done, asyncio.run(go())
+
+
+def test_lines_run_on_their_replica_and_a_segment_waits_for_the_last_to_drain():
+    plan = LinePlan(
+        {7: deque([segment([1, 2, 3]), segment([4, 5], "b")]), 9: deque([segment([6, 7], "c")])}, 0, "stages", 8
+    )
+    rec = Recorder({1: 0.1, 6: 0.3, 7: 0.3})  # replica 9 stays busy: nothing moves
+    done, steals = run(plan, rec)
+    assert sorted(done) == [1, 2, 3, 4, 5, 6, 7] and steals == 0
+    assert {n: rec.ran[n][0] for n in done} == {1: 7, 2: 7, 3: 7, 4: 7, 5: 7, 6: 9, 7: 9}
+    first_drained = max(rec.ran[n][2] for n in (1, 2, 3))
+    assert min(rec.ran[n][1] for n in (4, 5)) >= first_drained  # b started after a's slowest line
+    assert preferred_replica.get() is None  # set only inside each line's own task
+
+
+def test_at_most_per_replica_lines_run_on_a_replica():
+    plan = LinePlan({0: deque([segment(range(1, 21))])}, 0, "stages", 3)
+    rec = Recorder()
+    done, _ = run(plan, rec)
+    assert len(done) == 20 and rec.most[0] == 3
+
+
+def test_an_idle_replica_takes_the_busiest_replicas_last_segment():
+    plan = LinePlan(
+        {0: deque([segment([1, 2]), segment([3, 4], "b"), segment([5, 6], "c")]), 1: deque()}, 0, "stages", 4
+    )
+    rec = Recorder()
+    done, steals = run(plan, rec)
+    assert len(done) == 6 and steals >= 1
+    assert rec.ran[5][0] == rec.ran[6][0] == 1  # the last segment moved whole
+    assert rec.ran[1][0] == rec.ran[2][0] == 0
+
+
+def test_an_idle_replica_takes_the_back_half_of_a_long_segment():
+    plan = LinePlan({0: deque([segment(range(1, 41))]), 1: deque()}, 0, "stages", 2)
+    rec = Recorder()
+    done, steals = run(plan, rec)
+    assert len(done) == 40 and steals >= 1
+    on_1 = sorted(n for n, (rid, _, _) in rec.ran.items() if rid == 1)
+    assert on_1 and on_1[-1] == 40 and 1 not in on_1  # taken from the back, in order
+    assert 10 <= len(on_1) <= 30  # about half, so both end together
+
+
+def test_a_stop_starts_nothing_more_and_cancels_the_running_lines():
+    plan = LinePlan({0: deque([segment(range(1, 11))])}, 0, "stages", 2)
+    rec = Recorder({n: 0.2 for n in range(1, 11)})
+    started = []
+    real = rec.__call__
+
+    async def execute(ln):
+        started.append(ln.line)
+        return await real(ln)
+
+    stopping = {"now": False}
+
+    async def go():
+        gate = BatchGate(lambda: 100, lambda: 0)
+        asyncio.get_running_loop().call_later(0.05, stopping.__setitem__, "now", True)
+        done: dict = {}
+        await run_planned(
+            plan, execute, gate, lambda ln, out: done.__setitem__(ln.line, out), lambda: stopping["now"], tick_s=0.01
+        )
+        return done, gate.in_flight
+
+    done, in_flight = asyncio.run(go())
+    assert started == [1, 2] and done == {} and in_flight == 0
+
+
+def test_line_plan_groups_lines_and_orders_by_replica_ids():
+    lines = [line(n) for n in range(1, 9)]
+    works = [[Work("a" if n % 4 in (1, 2) else "b", 10, 16)] for n in range(1, 9)]  # a a b b a a b b
+    p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)
+    plan = line_plan(lines, works, {3: p, 5: p}, lambda a: [], per_replica=4)
+    assert set(plan.queues) == {3, 5} and plan.mode == "stages"
+    placed = {ln.line: rid for rid, segs in plan.queues.items() for s in segs for ln in s.lines}
+    assert sorted(placed) == list(range(1, 9))
+    assert len({placed[n] for n in (1, 2, 5, 6)}) == len({placed[n] for n in (3, 4, 7, 8)}) == 1  # merged apart
+    assert plan.predicted_s == pytest.approx(16 * 0.5)  # one batch of 4 per replica, 16 merged steps
+
+
+def test_a_sampling_pass_runs_first_and_the_rest_runs_by_the_plan_made_after_it():
+    from dlora.batch.planned import run_batch
+
+    rec = Recorder()
+    planned_with: list = []
+
+    class Planner:
+        def pilot_size(self, lines):
+            return 3
+
+        async def plan(self, lines):
+            planned_with.append((sorted(ln.line for ln in lines), sorted(rec.ran)))  # what had run by then
+            return LinePlan({4: deque([segment([ln.line for ln in lines])])}, 0, "stages", 8)
+
+    done: dict = {}
+
+    async def go():
+        gate = BatchGate(lambda: 100, lambda: 0)
+        lines = [line(n) for n in range(1, 9)]
+        await run_batch(lines, rec, gate, Planner(), lambda ln, out: done.__setitem__(ln.line, out), tick_s=0.01)
+
+    asyncio.run(go())
+    assert sorted(done) == list(range(1, 9))
+    assert planned_with == [([4, 5, 6, 7, 8], [1, 2, 3])]  # planned after the pass had finished
+    assert [rec.ran[n][0] for n in (1, 2, 3)] == [None, None, None]  # the pass: dispatch decides
+    assert [rec.ran[n][0] for n in range(4, 9)] == [4] * 5

@@ -12,11 +12,11 @@ projections (where merging pays most on this CPU, bench/where_merging_pays). Sys
   less its start-up);
 - `unplanned`: `dlora batch run` as configs/default.yaml ships it (2 replicas, one per core) with
   `batch.planner: none`: every line sent at once, dispatch and dLoRA's switching decide;
-- `planned`: the same with `batch.planner: stages` (sampling pass, then the stage plan).
+- `planned`: the same with `batch.planner: stages` (the stage plan).
 
 dlora's makespan is the time `dlora batch run` prints (first line sent to last line done; its
 start-up is not in it). Reps alternate the systems. Also recorded: the planner's predicted time
-for the lines after its sampling pass against the measured time of that part.
+against the measured time of the planned run.
 
     .venv/bin/python -m bench.batch.run --requests 2000              # the full batch, hours here
     .venv/bin/python -m bench.batch.run --requests 200 --kinds r64-all
@@ -56,9 +56,7 @@ KV_GIB = 2
 # output lengths vary by prompt and adapter as a real batch's do
 ADAPTER_SCALE = 0.25
 TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
-PLAN = re.compile(
-    r"sampling pass (\d+) lines, then plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s"
-)
+PLAN = re.compile(r"plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s")
 
 
 def batch_lines(requests) -> str:
@@ -107,11 +105,10 @@ def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
     plan = PLAN.search(m.group(3) or "")
     if plan is not None:
         point |= {
-            "pilot_lines": int(plan.group(1)),
-            "plan_mode": plan.group(2),
-            "segments": int(plan.group(3)),
-            "plan_predicted_s": float(plan.group(4)),
-            "plan_measured_s": float(plan.group(5)),
+            "plan_mode": plan.group(1),
+            "segments": int(plan.group(2)),
+            "plan_predicted_s": float(plan.group(3)),
+            "plan_measured_s": float(plan.group(4)),
         }
     point["failed_lines"] = sum(1 for x in out.read_text().splitlines() if json.loads(x).get("error"))
     return point
@@ -266,3 +263,7 @@ def plot(result: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

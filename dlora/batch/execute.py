@@ -27,6 +27,7 @@ from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
 from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
 from dlora.server.routes_openai import chat_completion_body, completion_body
+from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +89,14 @@ class ServerPlanner:
         self.state = state
 
     def _params(self) -> dict[int, CostParams]:
+        """Every serving replica priced alike, by the mean of their fitted costs: they are one kind
+        of hardware, and a fit from a few small steps must not make one replica look free (the
+        plan would send it every line)."""
         router = self.state.router
         costs = router.cost_params()
-        return {rid: costs[rid] for rid in router.healthy_ids() if rid in costs}
-
-    def pilot_size(self, lines: Sequence[BatchLine]) -> int:
-        """One batch per serving replica (at most a tenth of the lines) while a replica's step costs
-        are still the priors or no request of any kind has finished yet; else none."""
-        router, params = self.state.router, self._params()
-        fitted = all(router.cost_models[rid].fitted for rid in params)
-        if not params or (fitted and router.output_lengths.lengths_for(None)):
-            return 0
-        return min(len(lines) // 10, self.state.cfg.engine.max_num_seqs * len(params))
+        serving = [rid for rid in router.healthy_ids() if rid in costs]
+        shared = mean_params([costs[rid] for rid in serving])
+        return {rid: shared for rid in serving}
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
         params = self._params()

@@ -179,10 +179,6 @@ async def run_planned(
 
 
 class BatchPlanner(Protocol):
-    def pilot_size(self, lines: Sequence[BatchLine]) -> int:
-        """How many of the lines run first, unplanned, to measure step costs and output lengths."""
-        ...
-
     def plan(self, lines: Sequence[BatchLine]) -> Awaitable[LinePlan | None]:
         """The plan for the lines, or None to send them as they come."""
         ...
@@ -190,21 +186,19 @@ class BatchPlanner(Protocol):
 
 @dataclass(frozen=True)
 class BatchRun:
-    """How a batch ran: the sampling pass, the plan, and how long the planned part took."""
+    """How a batch ran: its plan, and how long running by it took."""
 
-    pilot_lines: int
     plan: LinePlan | None
     planned_s: float | None  # measured time from the plan's start to its last line's end
     repairs: int  # segments moved to another replica
 
     def summary(self) -> str:
         if self.plan is None:
-            return f"sent as they came after a sampling pass of {self.pilot_lines} lines" if self.pilot_lines else ""
+            return ""
         p = self.plan
         measured = "" if self.planned_s is None else f", measured {self.planned_s:.1f} s"
         return (
-            f"sampling pass {self.pilot_lines} lines, then plan: {p.mode}, {p.segments} segments, "
-            f"predicted {p.predicted_s:.1f} s{measured}, {self.repairs} repairs"
+            f"plan: {p.mode}, {p.segments} segments, predicted {p.predicted_s:.1f} s{measured}, {self.repairs} repairs"
         )
 
 
@@ -218,18 +212,11 @@ async def run_batch(
     on_tick: Callable[[], None] = lambda: None,
     tick_s: float = 1.0,
 ) -> BatchRun:
-    """A batch's lines: the sampling pass (if the planner asks for one), then the plan for the rest
-    (or everything as it comes, without a planner or a plan)."""
-    pilot = planner.pilot_size(lines) if planner is not None else 0
-    if pilot:
-        await run_lines(lines[:pilot], execute, gate, on_done, stop, on_tick, tick_s)
-    rest = lines[pilot:]
-    if not rest or stop():
-        return BatchRun(pilot, None, None, 0)
-    plan = await planner.plan(rest) if planner is not None else None
+    """A batch's lines by the planner's plan, or as they come without a planner or a plan."""
+    plan = await planner.plan(lines) if planner is not None and lines else None
     if plan is None:
-        await run_lines(rest, execute, gate, on_done, stop, on_tick, tick_s)
-        return BatchRun(pilot, None, None, 0)
+        await run_lines(lines, execute, gate, on_done, stop, on_tick, tick_s)
+        return BatchRun(None, None, 0)
     started = time.monotonic()
     repairs = await run_planned(plan, execute, gate, on_done, stop, on_tick, tick_s)
-    return BatchRun(pilot, plan, None if stop() else time.monotonic() - started, repairs)
+    return BatchRun(plan, None if stop() else time.monotonic() - started, repairs)

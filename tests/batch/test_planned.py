@@ -133,29 +133,36 @@ def test_line_plan_groups_lines_and_orders_by_replica_ids():
     assert plan.predicted_s == pytest.approx(16 * 0.5)  # one batch of 4 per replica, 16 merged steps
 
 
-def test_a_sampling_pass_runs_first_and_the_rest_runs_by_the_plan_made_after_it():
+def test_a_batch_runs_by_its_plan_or_as_it_comes_without_one():
     from dlora.batch.planned import run_batch
 
-    rec = Recorder()
-    planned_with: list = []
-
     class Planner:
-        def pilot_size(self, lines):
-            return 3
+        def __init__(self, plan):
+            self.made, self.seen = plan, []
 
         async def plan(self, lines):
-            planned_with.append((sorted(ln.line for ln in lines), sorted(rec.ran)))  # what had run by then
-            return LinePlan({4: deque([segment([ln.line for ln in lines])])}, 0, "stages", 8)
+            self.seen.append(sorted(ln.line for ln in lines))
+            return self.made
 
-    done: dict = {}
+    def go(planner):
+        rec, done = Recorder(), {}
 
-    async def go():
-        gate = BatchGate(lambda: 100, lambda: 0)
-        lines = [line(n) for n in range(1, 9)]
-        await run_batch(lines, rec, gate, Planner(), lambda ln, out: done.__setitem__(ln.line, out), tick_s=0.01)
+        async def main():
+            gate = BatchGate(lambda: 100, lambda: 0)
+            lines = [line(n) for n in range(1, 6)]
+            return await run_batch(
+                lines, rec, gate, planner, lambda ln, out: done.__setitem__(ln.line, out), tick_s=0.01
+            )
 
-    asyncio.run(go())
-    assert sorted(done) == list(range(1, 9))
-    assert planned_with == [([4, 5, 6, 7, 8], [1, 2, 3])]  # planned after the pass had finished
-    assert [rec.ran[n][0] for n in (1, 2, 3)] == [None, None, None]  # the pass: dispatch decides
-    assert [rec.ran[n][0] for n in range(4, 9)] == [4] * 5
+        return asyncio.run(main()), rec, done
+
+    planner = Planner(LinePlan({4: deque([segment([1, 2, 3, 4, 5])])}, 2.5, "stages", 8, segments=1))
+    ran, rec, done = go(planner)
+    assert planner.seen == [[1, 2, 3, 4, 5]] and sorted(done) == [1, 2, 3, 4, 5]
+    assert {rec.ran[n][0] for n in done} == {4}
+    assert ran.plan is planner.made and ran.planned_s is not None and ran.repairs == 0
+    assert ran.summary().startswith("plan: stages, 1 segments, predicted 2.5 s, measured ")
+    for no_plan in (None, Planner(None)):
+        ran, rec, done = go(no_plan)
+        assert sorted(done) == [1, 2, 3, 4, 5] and {rec.ran[n][0] for n in done} == {None}
+        assert ran.plan is None and ran.summary() == ""

@@ -151,7 +151,7 @@ def test_a_planned_batch_runs_adapters_merged_by_stage_and_equals_hf_peft(tiny_m
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "24 requests, 24 succeeded, 0 failed" in done.stdout
-    assert "then plan: stages" in done.stdout, done.stdout
+    assert "; plan: stages" in done.stdout, done.stdout
     tok = oracle.tokenizer()
     out = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     for o, line in zip(out, lines):

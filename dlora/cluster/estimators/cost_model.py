@@ -141,11 +141,6 @@ class ReplicaCostModel:
         self._merged: deque[IterationSample] = deque(maxlen=window)
         self._load_s: float | None = None  # None: no load measured yet, the prior prices it
 
-    @property
-    def fitted(self) -> bool:
-        """Whether the step costs come from this replica's measured steps (else from the priors)."""
-        return len(self._unmerged) >= MIN_SAMPLES
-
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
         if seconds < 0:

@@ -99,20 +99,36 @@ def resubmissions(url: str) -> float:
     )
 
 
+async def routed(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Requests the router has on each replica now, by replica id."""
+    text = (await client.get(f"{url}/metrics")).text
+    return {
+        line.split('replica="', 1)[1].split('"', 1)[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("dlora_replica_routed_requests{")
+    }
+
+
 def test_sigkilled_replica_process_loses_no_token(two_replica_server):
     url = two_replica_server.url
     pids = replica_pids(two_replica_server.proc.pid)
     assert len(pids) == 2, pids
 
+    at_kill: dict[str, float] = {}
+
     async def run(kill: bool) -> list[list[int]]:
+        nonlocal at_kill
         progress: dict = {}
         async with httpx.AsyncClient(timeout=300) as c:
             tasks = [asyncio.create_task(stream(c, url, m, p, progress)) for m, p in JOBS]
             if kill:
-                # Kill once every stream is under way (on a loaded machine one may already be done:
-                # the resubmission count below shows the kill still hit streams in flight).
-                while len(progress) < len(JOBS) and not any(t.done() for t in tasks):
-                    await asyncio.sleep(0.01)
+                # Kill once every stream is under way and both replicas carry some (which pid is
+                # which replica is not known here, so both must hold streams for the kill to hit any).
+                while not any(t.done() for t in tasks):
+                    at_kill = await routed(c, url)
+                    if len(progress) == len(JOBS) and len(at_kill) == 2 and min(at_kill.values()) > 0:
+                        break
+                    await asyncio.sleep(0.05)
                 os.kill(pids[0], signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
@@ -123,5 +139,6 @@ def test_sigkilled_replica_process_loses_no_token(two_replica_server):
     assert all(len(ids) == MAX_TOKENS for ids in disturbed)
     for (model, prompt), got, want in zip(JOBS, disturbed, reference):
         assert got == want, (model, prompt)  # no token lost, repeated or changed
-    assert resubmissions(url) > before  # the kill did hit streams, which moved to the other replica
+    # the kill did hit streams, which moved to the other replica
+    assert resubmissions(url) > before, f"routed requests at the kill: {at_kill}"
     assert time.monotonic() - t0 < 240

@@ -97,9 +97,8 @@ async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
             bar.set_postfix_str(f"plan ETA {eta.eta_s(outputs):.0f} s", refresh=True)
 
         execute = lambda line: execute_line(state, line, cfg.batch.priority)  # noqa: E731
-        ran = await run_batch(
-            lines, execute, batch_gate(state), batch_planner(state), done, on_tick=tick, tick_s=PLAN_EVERY_S
-        )
+        planner = batch_planner(state, {line.line: ws for line, ws in zip(lines, eta.works)})
+        ran = await run_batch(lines, execute, batch_gate(state), planner, done, on_tick=tick, tick_s=PLAN_EVERY_S)
         bar.close()
         timing = f"took {time.monotonic() - started:.1f} s (predicted at start: {first:.1f} s)"
         if ran.summary():
@@ -117,18 +116,18 @@ class PlanEta:
     def __init__(self, state, lines) -> None:
         from dlora.batch.execute import line_works
 
-        self.state = state
+        self.state = state  # the works are counted once: the planner takes them from here too
         self.lines = list(lines)
         self.works = line_works(state, self.lines)
 
     def eta_s(self, finished: dict[int, dict]) -> float:
+        from dlora.batch.execute import plan_params
         from dlora.batch.planned import line_plan
         from dlora.batch.predict import predict
 
         router = self.state.router
         left = [(line, ws) for line, ws in zip(self.lines, self.works) if line.line not in finished]
-        costs = router.cost_params()
-        params = {rid: costs[rid] for rid in router.healthy_ids() if rid in costs}
+        params = plan_params(router)
         if not left or not params:
             return 0.0
         lengths = router.output_lengths.lengths_for

@@ -31,16 +31,28 @@ from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
 
+# A line the cluster cannot take now (503: no replica up, no room for its adapter) is tried again
+# after these waits, doubling: a batch has hours, where an online client is told to retry.
+UNAVAILABLE_RETRY_FIRST_S = 1.0
+UNAVAILABLE_RETRY_MAX_S = 15.0
+
 
 async def execute_line(state, line: BatchLine, priority: int) -> dict:
-    """The line's output line (a success or its error)."""
+    """The line's output line (a success or its error). While the cluster answers 503 and a replica
+    may still come back, the line waits and runs again; the batch's cancel or expiry ends the wait."""
     rid = f"batch_req-{uuid.uuid4().hex}"
-    try:
-        return ok_output(line.custom_id, rid, await _answer(state, line, rid, priority))
-    except ValidationError as e:
-        err = invalid_body(e)
-    except Exception as e:
-        err = as_api_error(e, rid)
+    wait_s = UNAVAILABLE_RETRY_FIRST_S
+    while True:
+        try:
+            return ok_output(line.custom_id, rid, await _answer(state, line, rid, priority))
+        except ValidationError as e:
+            err = invalid_body(e)
+        except Exception as e:
+            err = as_api_error(e, rid)
+        if err.status != 503 or not state.router.may_serve_soon():
+            break
+        await asyncio.sleep(wait_s)
+        wait_s = min(2 * wait_s, UNAVAILABLE_RETRY_MAX_S)
     body = error_body(err.status, err.message, err.param)
     failure = LineError(line.line, line.custom_id, body["error"]["type"], err.message, err.status)
     return error_output(failure, rid, body)
@@ -81,29 +93,36 @@ def line_works(state, lines: Sequence[BatchLine]) -> list[list[Work]]:
     return [works_of(line.url, line.body, count, state.base_model_name, cfg.model.max_model_len) for line in lines]
 
 
+def plan_params(router) -> dict[int, CostParams]:
+    """Every serving replica priced alike, by the mean of their fitted costs: they are one kind of
+    hardware, and a fit from a few small steps must not make one replica look free (a plan would
+    send it every line)."""
+    costs = router.cost_params()
+    serving = [rid for rid in router.healthy_ids() if rid in costs]
+    shared = mean_params([costs[rid] for rid in serving])
+    return {rid: shared for rid in serving}
+
+
 class ServerPlanner:
     """`batch.planner: stages` over this server's router: its replicas' fitted step costs and its
-    adapters' output-length histories."""
+    adapters' output-length histories. `known_works` (line number -> its engine requests) spares
+    tokenizing lines a caller has already counted."""
 
-    def __init__(self, state) -> None:
+    def __init__(self, state, known_works: dict[int, list[Work]] | None = None) -> None:
         self.state = state
+        self.known_works = known_works or {}
 
-    def _params(self) -> dict[int, CostParams]:
-        """Every serving replica priced alike, by the mean of their fitted costs: they are one kind
-        of hardware, and a fit from a few small steps must not make one replica look free (the
-        plan would send it every line)."""
-        router = self.state.router
-        costs = router.cost_params()
-        serving = [rid for rid in router.healthy_ids() if rid in costs]
-        shared = mean_params([costs[rid] for rid in serving])
-        return {rid: shared for rid in serving}
+    def _works(self, lines: Sequence[BatchLine]) -> list[list[Work]]:
+        if all(line.line in self.known_works for line in lines):
+            return [self.known_works[line.line] for line in lines]
+        return line_works(self.state, lines)
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
-        params = self._params()
+        router = self.state.router
+        params = plan_params(router)
         if not lines or not params:
             return None
-        router = self.state.router
-        works = await asyncio.to_thread(line_works, self.state, lines)
+        works = await asyncio.to_thread(self._works, lines)
         # The length histories change on the event loop: the planner's thread reads a copy.
         lengths = {a: list(router.output_lengths.lengths_for(a)) for a in {w.adapter for ws in works for w in ws}}
         per_replica = self.state.cfg.engine.max_num_seqs
@@ -119,9 +138,9 @@ class ServerPlanner:
         return plan
 
 
-def batch_planner(state) -> ServerPlanner | None:
+def batch_planner(state, known_works: dict[int, list[Work]] | None = None) -> ServerPlanner | None:
     """The configured planner (`batch.planner`); None sends a batch's lines as they come."""
-    return ServerPlanner(state) if state.cfg.batch.planner == "stages" else None
+    return ServerPlanner(state, known_works) if state.cfg.batch.planner == "stages" else None
 
 
 def server_batches(state) -> BatchService:

@@ -493,6 +493,11 @@ class Router:
     def healthy_ids(self) -> list[int]:
         return [s.replica_id for s in self.slots if s.serving]
 
+    def may_serve_soon(self) -> bool:
+        """Whether a replica serves or is being rebuilt with rebuilds still succeeding: false only
+        when every replica has been given up (or none is left)."""
+        return any(not s.gave_up for s in self.slots)
+
     @staticmethod
     def _roomiest(slots: list[ReplicaSlot]) -> ReplicaSlot:
         """The replica with the most free host-cache bytes, then the fewest adapters loaded."""

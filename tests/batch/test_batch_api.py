@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -35,13 +35,32 @@ class CountingReplica(ToyReplica):
         return super().generate(req)
 
 
+@dataclass
+class SlowToReturnReplica(CountingReplica):
+    """A counting toy replica whose rebuild after `kill()` waits until `back` is set."""
+
+    back: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        if self.started:  # the first start is the server's own
+            await self.back.wait()
+        await super().start()
+
+
 @contextlib.asynccontextmanager
-async def toy_server(tiny_model, state_dir, step_s: float = 0.002, max_in_flight: int | None = None, **overrides):
+async def toy_server(
+    tiny_model,
+    state_dir,
+    step_s: float = 0.002,
+    max_in_flight: int | None = None,
+    replica_type: type[CountingReplica] = CountingReplica,
+    **overrides,
+):
     """The app over one counting toy replica taking `step_s` a token; `batch.max_in_flight` set."""
     raw = harness.tiny_config(tiny_model, state_dir, 0)
     raw["batch"] = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
     cfg = from_dict(harness.apply_overrides(raw, overrides))
-    replica = CountingReplica(0, step_s=step_s)
+    replica = replica_type(0, step_s=step_s)
     state = await build_state(cfg, replicas=[replica])
 
     async def make_state():
@@ -252,6 +271,34 @@ def test_a_restart_resumes_the_batch_without_redoing_finished_lines(tiny_model, 
     batch_id, finished_before = asyncio.run(first_run())
     assert 4 <= finished_before < 12
     asyncio.run(second_run(batch_id, finished_before))
+
+
+def test_lines_wait_out_a_cluster_with_no_replica_up_and_then_finish(tiny_model, tmp_path):
+    lines = [request_line(f"r{i}", "a0", f"prompt {i}", max_tokens=20) for i in range(8)]
+
+    async def run():
+        async with toy_server(
+            tiny_model, tmp_path / "state", step_s=0.02, max_in_flight=4, replica_type=SlowToReturnReplica
+        ) as (client, state, replica):
+            batch = await submit(client, lines)
+            while (await client.batches.retrieve(batch.id)).request_counts.completed < 2:
+                await asyncio.sleep(0.02)
+            replica.kill()
+            # The lines in flight fail over, find no replica up and, past the router's grace, are
+            # answered 503 (an online client would get it); batch lines wait for the replica.
+            await asyncio.sleep(state.router.cfg.recovery_grace_s + 2)
+            assert not state.router.healthy_ids()
+            assert (await client.batches.retrieve(batch.id)).request_counts.failed == 0
+            replica.back.set()
+            done = await until(client, batch.id, ("completed",), timeout=60)
+            assert (done.request_counts.completed, done.request_counts.failed) == (8, 0)
+            assert replica.started == 2
+            out = await file_lines(client, done.output_file_id)
+            for o, line in zip(out, lines):
+                online = await client.completions.create(**line["body"])
+                assert o["response"]["body"]["choices"][0]["text"] == online.choices[0].text
+
+    asyncio.run(run())
 
 
 def test_batch_work_yields_its_places_to_online_requests(tiny_model, tmp_path):

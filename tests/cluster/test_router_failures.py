@@ -256,11 +256,13 @@ def test_a_replica_that_cannot_be_rebuilt_is_given_up_and_not_retried_in_a_loop(
         await router.start()
         replica.kill()
         await router.refresh_stats()  # finds it dead: rebuilds start (1 s apart)
+        assert router.may_serve_soon()  # down, but rebuilds are still tried
         for _ in range(300):
             if router.slots[0].gave_up:
                 break
             await asyncio.sleep(0.01)
         assert router.slots[0].gave_up and router.slots[0].failed_restarts == 2 and not router.slots[0].healthy
+        assert not router.may_serve_soon()  # what batch lines read to stop waiting for a replica
         attempts = replica.started
         await asyncio.sleep(1.5)  # a tight loop would have tried again by now
         assert replica.started == attempts

@@ -9,6 +9,7 @@ error, shaped as the route would have answered it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
@@ -113,24 +114,32 @@ class ServerPlanner:
         self.known_works = known_works or {}
 
     def _works(self, lines: Sequence[BatchLine]) -> list[list[Work]]:
-        if all(line.line in self.known_works for line in lines):
-            return [self.known_works[line.line] for line in lines]
-        return line_works(self.state, lines)
+        new = [line for line in lines if line.line not in self.known_works]
+        self.known_works.update(zip((line.line for line in new), line_works(self.state, new)))
+        return [self.known_works[line.line] for line in lines]
+
+    def costs_measured(self) -> bool:
+        router = self.state.router
+        serving = [router.cost_models.get(rid) for rid in router.healthy_ids()]
+        return bool(serving) and all(m is not None and m.measured for m in serving)
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
         router = self.state.router
         params = plan_params(router)
         if not lines or not params:
             return None
+        measured = self.costs_measured()
         works = await asyncio.to_thread(self._works, lines)
         # The length histories change on the event loop: the planner's thread reads a copy.
         lengths = {a: list(router.output_lengths.lengths_for(a)) for a in {w.adapter for ws in works for w in ws}}
         per_replica = self.state.cfg.engine.max_num_seqs
         plan = await asyncio.to_thread(line_plan, lines, works, params, lengths.__getitem__, per_replica)
+        plan = dataclasses.replace(plan, measured_costs=measured)
         log.info(
-            "batch plan for %d lines on %d replicas: %s, %d segments, predicted %.0f s",
+            "batch plan for %d lines on %d replicas (step costs %s): %s, %d segments, predicted %.0f s",
             len(lines),
             len(params),
+            "measured" if measured else "from priors",
             plan.mode,
             plan.segments,
             plan.predicted_s,

@@ -11,11 +11,17 @@ Repair: the plan rests on drawn lengths and fitted costs, and the run departs fr
 that runs out of segments takes the last unstarted segment of the replica with the most work
 left, or, when that replica has nothing queued behind its current segment, the back half of the
 current segment's unstarted lines; the replicas end together whichever prediction was off.
+
+Re-planning: a plan made before the replicas' step costs were fitted rests on priors. Once they
+are measured (`BatchPlanner.costs_measured`), the lines not started yet are planned once more,
+and the run follows the new plan (a replica whose next segment continues its current one in the
+same mode goes on without draining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import deque
@@ -54,6 +60,7 @@ class LinePlan:
     mode: str  # "stages", or "dispatch" when sending every line at once was predicted as fast
     per_replica: int  # lines in flight per replica
     segments: int = field(default=0)
+    measured_costs: bool = False  # priced by the replicas' fitted step costs, not the priors
 
 
 def line_plan(
@@ -92,12 +99,64 @@ def _queues(plan: Plan, jobs, lines, ids, params) -> dict[int, deque[QueuedSegme
     return queues
 
 
+@dataclass(frozen=True)
+class Replan:
+    """The plan made again on measured step costs: when, and its prediction for the rest."""
+
+    at_s: float  # since the run started
+    plan: LinePlan
+
+    @property
+    def predicted_end_s(self) -> float:
+        return self.at_s + self.plan.predicted_s
+
+
 class _Run:
     def __init__(self, plan: LinePlan, execute: Execute, gate: BatchGate, on_done, stop) -> None:
         self.plan, self.execute, self.gate, self.on_done, self.stop = plan, execute, gate, on_done, stop
         self.current: dict[int, QueuedSegment | None] = {r: None for r in plan.queues}
+        self.workers: dict[int, asyncio.Task] = {}
         self.lines: set[asyncio.Task] = set()
         self.steals = 0
+
+    def start_workers(self) -> None:
+        """A worker for every replica that never had one, and again for one whose worker ended
+        (it found no work) and has segments queued now."""
+        for rid, queue in self.plan.queues.items():
+            worker = self.workers.get(rid)
+            if worker is None or (worker.done() and queue):
+                self.current.setdefault(rid, None)
+                self.workers[rid] = asyncio.create_task(self.replica(rid))
+
+    def unstarted(self) -> list[BatchLine]:
+        current = [ln for seg in self.current.values() if seg is not None for ln in seg.lines]
+        queued = [ln for queue in self.plan.queues.values() for seg in queue for ln in seg.lines]
+        return sorted(current + queued, key=lambda ln: ln.line)
+
+    def adopt(self, new: LinePlan) -> None:
+        """Run the lines not started yet by `new` (planned from an earlier `unstarted()`: lines
+        started since stay where they are). A current segment whose replica's next new segment
+        has the same mode and adapter takes that segment's lines; any other current segment
+        stops taking lines, drains, and its replica goes on with the new queue."""
+        still = {ln.line for ln in self.unstarted()}
+        queues: dict[int, deque[QueuedSegment]] = {}
+        for rid, queue in new.queues.items():
+            kept = (dataclasses.replace(s, lines=deque(x for x in s.lines if x.line in still)) for s in queue)
+            queues[rid] = deque(s for s in kept if s.lines)
+        for rid, cur in self.current.items():
+            if cur is None:
+                continue
+            follow = queues.get(rid)
+            if follow and (follow[0].mode, follow[0].adapter) == (cur.mode, cur.adapter):
+                nxt = follow.popleft()
+                cur.lines.clear()
+                cur.lines.extend(nxt.lines)
+                cur.work.update(nxt.work)
+            else:
+                cur.lines.clear()
+        self.plan = dataclasses.replace(new, queues=queues, per_replica=self.plan.per_replica)
+        for rid in self.current.keys() - queues.keys():
+            self.plan.queues[rid] = deque()  # a replica the new plan leaves out may still relieve others
 
     def left(self, rid: int) -> float:
         cur = self.current[rid]
@@ -149,6 +208,12 @@ class _Run:
         self.on_done(line, output)
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    repairs: int  # segments moved to another replica
+    replan: Replan | None
+
+
 async def run_planned(
     plan: LinePlan,
     execute: Execute,
@@ -157,30 +222,52 @@ async def run_planned(
     stop: Callable[[], bool] = lambda: False,
     on_tick: Callable[[], None] = lambda: None,
     tick_s: float = 1.0,
-) -> int:
-    """`run_lines`' contract (dlora/batch/runner.py) over a plan; returns how many segments were
-    moved to another replica by repair."""
+    planner: BatchPlanner | None = None,
+) -> PlannedRun:
+    """`run_lines`' contract (dlora/batch/runner.py) over a plan. With a `planner` and a plan not
+    made on measured costs, the unstarted lines are planned again once the costs are measured."""
     run = _Run(plan, execute, gate, on_done, stop)
-    workers = {asyncio.create_task(run.replica(rid)) for rid in plan.queues}
-    last_tick = time.monotonic()
+    run.start_workers()
+    started = last_tick = time.monotonic()
+    replan: Replan | None = None
     try:
-        while workers and not stop():
-            done, workers = await asyncio.wait(workers, timeout=tick_s)
+        while not stop():
+            live = {t for t in run.workers.values() if not t.done()}
+            if not live:
+                break
+            done, _ = await asyncio.wait(live, timeout=tick_s)
             for task in done:
                 task.result()  # a worker's own failure is the run's
-            if time.monotonic() - last_tick >= tick_s:
-                last_tick = time.monotonic()
-                on_tick()
+            if time.monotonic() - last_tick < tick_s:
+                continue
+            last_tick = time.monotonic()
+            on_tick()
+            if planner is not None and replan is None and not plan.measured_costs and planner.costs_measured():
+                replan = await _replan(run, planner, time.monotonic() - started)
     finally:
-        for task in workers | run.lines:
+        for task in {*run.workers.values(), *run.lines}:
             task.cancel()
-        await asyncio.gather(*workers, *run.lines, return_exceptions=True)
-    return run.steals
+        await asyncio.gather(*run.workers.values(), *run.lines, return_exceptions=True)
+    return PlannedRun(run.steals, replan)
+
+
+async def _replan(run: _Run, planner: BatchPlanner, at_s: float) -> Replan:
+    """Plan the unstarted lines again and run by that plan (once: the result says when)."""
+    left = run.unstarted()
+    new = await planner.plan(left) if left else None
+    if new is not None and not run.stop():
+        run.adopt(new)
+        run.start_workers()
+    return Replan(at_s, new if new is not None else dataclasses.replace(run.plan, predicted_s=0.0))
 
 
 class BatchPlanner(Protocol):
     def plan(self, lines: Sequence[BatchLine]) -> Awaitable[LinePlan | None]:
         """The plan for the lines, or None to send them as they come."""
+        ...
+
+    def costs_measured(self) -> bool:
+        """Whether every replica's step costs are fitted from its own steps by now."""
         ...
 
 
@@ -191,15 +278,22 @@ class BatchRun:
     plan: LinePlan | None
     planned_s: float | None  # measured time from the plan's start to its last line's end
     repairs: int  # segments moved to another replica
+    replan: Replan | None = None
 
     def summary(self) -> str:
         if self.plan is None:
             return ""
         p = self.plan
         measured = "" if self.planned_s is None else f", measured {self.planned_s:.1f} s"
-        return (
-            f"plan: {p.mode}, {p.segments} segments, predicted {p.predicted_s:.1f} s{measured}, {self.repairs} repairs"
-        )
+        text = f"plan: {p.mode}, {p.segments} segments, predicted {p.predicted_s:.1f} s{measured}"
+        text += f", {self.repairs} repairs"
+        if self.replan is not None:
+            r = self.replan
+            text += (
+                f"; planned again at {r.at_s:.1f} s on measured step costs: {r.plan.mode}, "
+                f"{r.plan.segments} segments, predicted {r.predicted_end_s:.1f} s in all"
+            )
+        return text
 
 
 async def run_batch(
@@ -218,5 +312,5 @@ async def run_batch(
         await run_lines(lines, execute, gate, on_done, stop, on_tick, tick_s)
         return BatchRun(None, None, 0)
     started = time.monotonic()
-    repairs = await run_planned(plan, execute, gate, on_done, stop, on_tick, tick_s)
-    return BatchRun(plan, None if stop() else time.monotonic() - started, repairs)
+    ran = await run_planned(plan, execute, gate, on_done, stop, on_tick, tick_s, planner)
+    return BatchRun(plan, None if stop() else time.monotonic() - started, ran.repairs, ran.replan)

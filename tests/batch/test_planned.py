@@ -50,7 +50,8 @@ def run(plan: LinePlan, rec: Recorder, stop=lambda: False) -> tuple[dict[int, di
 
     async def go():
         gate = BatchGate(lambda: 100, lambda: 0)
-        return await run_planned(plan, rec, gate, lambda ln, out: done.__setitem__(ln.line, out), stop, tick_s=0.01)
+        ran = await run_planned(plan, rec, gate, lambda ln, out: done.__setitem__(ln.line, out), stop, tick_s=0.01)
+        return ran.repairs
 
     return done, asyncio.run(go())
 
@@ -144,6 +145,9 @@ def test_a_batch_runs_by_its_plan_or_as_it_comes_without_one():
             self.seen.append(sorted(ln.line for ln in lines))
             return self.made
 
+        def costs_measured(self):
+            return False
+
     def go(planner):
         rec, done = Recorder(), {}
 
@@ -166,3 +170,63 @@ def test_a_batch_runs_by_its_plan_or_as_it_comes_without_one():
         ran, rec, done = go(no_plan)
         assert sorted(done) == [1, 2, 3, 4, 5] and {rec.ran[n][0] for n in done} == {None}
         assert ran.plan is None and ran.summary() == ""
+
+
+class MeasuringPlanner:
+    """Its costs count as measured from `measured_at` s into the run; a plan made then puts the
+    lines it is given alternately on replica 7 (as `segment_on_7` makes them) and replica 9."""
+
+    def __init__(self, measured_at: float, segment_on_7) -> None:
+        self.measured_at, self.segment_on_7, self.seen = measured_at, segment_on_7, []
+        self.t0 = asyncio.get_running_loop().time()
+
+    def costs_measured(self) -> bool:
+        return asyncio.get_running_loop().time() - self.t0 >= self.measured_at
+
+    async def plan(self, lines):
+        numbers = [ln.line for ln in lines]
+        self.seen.append(numbers)
+        queues = {7: deque([self.segment_on_7(numbers[0::2])]), 9: deque([segment(numbers[1::2], "c", "unmerged")])}
+        return LinePlan(queues, 1.5, "stages", 2, segments=2, measured_costs=True)
+
+
+@pytest.mark.parametrize("same_mode", [True, False])
+def test_the_unstarted_lines_are_planned_again_once_the_step_costs_are_measured(same_mode):
+    first = LinePlan({7: deque([segment(range(1, 11))])}, 9.0, "stages", 2, segments=1)  # on priors
+    # line 1 ends at 0.1 s, line 2 at 0.3 s; the costs are measured at 0.05 s, with both running;
+    # replica 9's lines are slow enough that it never runs out of work to relieve replica 7
+    rec = Recorder({1: 0.1, 2: 0.3, 4: 0.2, 6: 0.2, 8: 0.2, 10: 0.2})
+
+    async def go():
+        planner = MeasuringPlanner(0.05, lambda ns: segment(ns, "a" if same_mode else "b"))
+        done: dict = {}
+        gate = BatchGate(lambda: 100, lambda: 0)
+        ran = await run_planned(
+            first, rec, gate, lambda ln, out: done.__setitem__(ln.line, out), tick_s=0.01, planner=planner
+        )
+        return planner, done, ran
+
+    planner, done, ran = asyncio.run(go())
+    assert planner.seen == [list(range(3, 11))]  # once, the lines not started at the time
+    assert sorted(done) == list(range(1, 11))
+    assert {rec.ran[n][0] for n in (3, 5, 7, 9)} == {7} and {rec.ran[n][0] for n in (4, 6, 8, 10)} == {9}
+    assert ran.replan is not None and 0.05 <= ran.replan.at_s < 0.1
+    assert ran.replan.predicted_end_s == pytest.approx(ran.replan.at_s + 1.5)
+    line_2_end = rec.ran[2][2]
+    if same_mode:  # the new segment goes on from the current one: line 3 takes line 1's place
+        assert rec.ran[3][1] < line_2_end
+    else:  # another adapter merged: the current segment drains first
+        assert rec.ran[3][1] >= line_2_end
+
+
+def test_a_plan_made_on_measured_costs_is_not_made_again():
+    plan = LinePlan({7: deque([segment(range(1, 5))])}, 1.0, "stages", 2, segments=1, measured_costs=True)
+
+    async def go():
+        planner = MeasuringPlanner(0.0, segment)
+        gate = BatchGate(lambda: 100, lambda: 0)
+        ran = await run_planned(plan, Recorder(), gate, lambda ln, out: None, tick_s=0.01, planner=planner)
+        return planner, ran
+
+    planner, ran = asyncio.run(go())
+    assert planner.seen == [] and ran.replan is None

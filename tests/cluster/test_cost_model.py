@@ -82,12 +82,12 @@ def test_fit_with_a_single_step_shape_stays_nonnegative_and_predicts_it():
 def test_priors_hold_until_enough_samples_and_merged_ratio_is_measured():
     model = ReplicaCostModel(P)
     model.observe(IterationSample(8, 0, 8, 0.02))
-    assert model.params == P
+    assert model.params == P and not model.measured
     for i in range(16):
         n = 4 + i
         model.observe(IterationSample(n, 0, n, 0.0032 + 0.001 * n))
         model.observe(IterationSample(n, 0, n, 0.5 * (0.0032 + 0.001 * n), merged=True))
-    assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05)
+    assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05) and model.measured
 
 
 def test_invalid_params_are_rejected():

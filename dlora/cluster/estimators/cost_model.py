@@ -141,6 +141,11 @@ class ReplicaCostModel:
         self._merged: deque[IterationSample] = deque(maxlen=window)
         self._load_s: float | None = None  # None: no load measured yet, the prior prices it
 
+    @property
+    def measured(self) -> bool:
+        """Whether the step coefficients are fitted from this replica's steps (not the priors)."""
+        return len(self._unmerged) >= MIN_SAMPLES
+
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
         if seconds < 0:

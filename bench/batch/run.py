@@ -57,6 +57,9 @@ KV_GIB = 2
 ADAPTER_SCALE = 0.25
 TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
 PLAN = re.compile(r"plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s")
+REPLAN = re.compile(
+    r"planned again at ([0-9.]+) s on measured step costs: (\w+), (\d+) segments, predicted ([0-9.]+) s"
+)
 
 
 def batch_lines(requests) -> str:
@@ -109,6 +112,14 @@ def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
             "segments": int(plan.group(2)),
             "plan_predicted_s": float(plan.group(3)),
             "plan_measured_s": float(plan.group(4)),
+        }
+    replan = REPLAN.search(m.group(3) or "")
+    if replan is not None:
+        point |= {
+            "replan_at_s": float(replan.group(1)),
+            "replan_mode": replan.group(2),
+            "replan_segments": int(replan.group(3)),
+            "replan_predicted_s": float(replan.group(4)),
         }
     point["failed_lines"] = sum(1 for x in out.read_text().splitlines() if json.loads(x).get("error"))
     return point
@@ -188,8 +199,11 @@ def main() -> int:
                 points.append({"kind": kind, "system": system, "rep": rep, **point})
                 (work / "points.json").write_text(json.dumps(points))
                 elapsed = (time.monotonic() - t_start) / 60
+                failed = point.get("failed_lines", 0)
                 print(
-                    f"[{elapsed:5.1f} min] {kind} {system} rep {rep}: makespan {point['makespan_s']:.1f} s", flush=True
+                    f"[{elapsed:5.1f} min] {kind} {system} rep {rep}: makespan {point['makespan_s']:.1f} s, "
+                    f"{failed} lines failed",
+                    flush=True,
                 )
     result = {
         **provenance("bench.batch.run"),
@@ -229,13 +243,20 @@ def summarize(points: list[dict]) -> dict:
             out[kind]["makespan_vs_vllm"] = med["vllm"] / med["planned"]
         if "planned" in med and "unplanned" in med:
             out[kind]["makespan_vs_unplanned"] = med["unplanned"] / med["planned"]
-        errors = [
-            (p["plan_predicted_s"] - p["plan_measured_s"]) / p["plan_measured_s"]
-            for p in points
-            if p["kind"] == kind and "plan_measured_s" in p
-        ]
-        if errors:
-            out[kind]["plan_prediction_error"] = statistics.median(errors)
+        for key, predicted in (
+            ("plan_prediction_error", "plan_predicted_s"),
+            ("replan_prediction_error", "replan_predicted_s"),
+        ):
+            errors = [
+                (p[predicted] - p["plan_measured_s"]) / p["plan_measured_s"]
+                for p in points
+                if p["kind"] == kind and predicted in p and "plan_measured_s" in p
+            ]
+            if errors:
+                out[kind][key] = statistics.median(errors)
+        out[kind]["failed_lines"] = {
+            s: sum(p.get("failed_lines", 0) for p in points if p["kind"] == kind and p["system"] == s) for s in med
+        }
     return out
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from dlora import env
+from dlora.bench.memory import rss_gib
 from dlora.bench.provenance import provenance
 from dlora.bench.servers import make_random_adapters, write_result
 from dlora.bench.workload import WorkloadSpec, generate_workload
@@ -55,6 +56,7 @@ KV_GIB = 2
 # lora_alpha / r of the random adapters: small enough that the model still answers and stops, so
 # output lengths vary by prompt and adapter as a real batch's do
 ADAPTER_SCALE = 0.25
+MEMORY_EVERY_S = 10.0
 TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
 PLAN = re.compile(r"plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s")
 REPLAN = re.compile(
@@ -97,14 +99,24 @@ def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
     cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", str(inp), "-o", str(out)]
     cmd += ["--config", str(cfg_path), "--no-progress"]
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * 3600)
+    memory: list[tuple[float, list[float]]] = []  # (seconds since start, each engine process's RSS in GiB)
+    with open(work / f"{tag}.log", "w") as log, open(work / f"{tag}.stdout", "w") as out_file:
+        proc = subprocess.Popen(cmd, stdout=out_file, stderr=log, text=True)
+        while proc.poll() is None and time.monotonic() - t0 < 6 * 3600:
+            memory.append((round(time.monotonic() - t0, 1), rss_gib(proc.pid)["engine_processes"]))
+            time.sleep(MEMORY_EVERY_S)
+        proc.wait()
+    stdout = (work / f"{tag}.stdout").read_text()
     wall = time.monotonic() - t0
-    (work / f"{tag}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
+    if proc.returncode != 0:
         raise RuntimeError(f"{tag}: dlora batch run failed, see {work / f'{tag}.log'}")
-    m = TOOK.search(done.stdout)
-    assert m is not None, done.stdout
+    m = TOOK.search(stdout)
+    assert m is not None, stdout
     point = {"makespan_s": float(m.group(1)), "predicted_at_start_s": float(m.group(2)), "wall_s": wall}
+    # Engines' resident memory over the run: a replica that grows until the host is short of
+    # memory is killed by Ray's memory monitor.
+    point["engine_rss_gib_max"] = max((max(e) for _, e in memory if e), default=None)
+    point["engine_rss_gib"] = memory
     plan = PLAN.search(m.group(3) or "")
     if plan is not None:
         point |= {

@@ -28,6 +28,7 @@ import numpy as np
 
 from dlora import env
 from dlora.bench.adapter_copies import copies_of
+from dlora.bench.memory import rss_gib
 from dlora.bench.provenance import provenance
 from dlora.bench.runner import run_benchmark
 from dlora.bench.server_configs import shipped_engine_settings, shipped_server_config, vllm_server_command
@@ -72,34 +73,6 @@ def vllm_command(base: Path, adapters: list[Path]) -> list[str]:
     settings = dataclasses.replace(shipped_engine_settings(), max_loras=MAX_LORAS)
     cmd = vllm_server_command(base, adapters, PORTS["vllm"], settings)
     return cmd + ["--max-cpu-loras", str(max(len(adapters), MAX_LORAS))]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def rss_gib(proc) -> dict:
-    """Resident memory of a server's process tree (GiB, from /proc): in all, and each engine process's."""
-    total, engines, todo = 0.0, [], [proc.pid]
-    while todo:
-        pid = todo.pop()
-        todo += _children(pid)
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        rss = int(fields.get("VmRSS", "0 kB").split()[0]) / 2**20
-        total += rss
-        if "EngineCor" in fields.get("Name", ""):  # /proc truncates names to 15 characters
-            engines.append(round(rss, 3))
-    return {"total": round(total, 3), "engine_processes": engines}
 
 
 def cold_tail(adapter_of_request: list[str], ttfts: list[float]) -> list[float]:
@@ -177,7 +150,7 @@ def one_size(args, base: Path, n: int, work: Path) -> dict:
                     f"{m['failed']} failed",
                     flush=True,
                 )
-        memory = {name: rss_gib(procs[name]) for name in runs}
+        memory = {name: rss_gib(procs[name].pid) for name in runs}
     finally:
         for proc in procs.values():
             stop(proc)

@@ -186,17 +186,28 @@ class _Run:
             seg = self.current[rid] = self.next_segment(rid)
             if seg is None:
                 return
-            running: set[asyncio.Task] = set()
             while seg.lines and not self.stop():
-                await room.acquire()
-                if not seg.lines or not await self.gate.acquire(self.stop):
-                    room.release()
-                    break
-                task = asyncio.create_task(self.one(seg.lines.popleft(), rid, room))
-                running.add(task)
-                self.lines.add(task)
-            await asyncio.gather(*running)  # the segment drains before the next one starts
+                await self.run_segment(seg, rid, room)
+                # drained; lines a new plan added to it meanwhile (same adapter and mode) run first
         self.current[rid] = None
+
+    async def run_segment(self, seg: QueuedSegment, rid: int, room: asyncio.Semaphore) -> None:
+        """Start the segment's lines as places free up, then wait for them all (the next segment
+        starts on a drained replica)."""
+        running: set[asyncio.Task] = set()
+        while seg.lines and not self.stop():
+            await room.acquire()
+            if not seg.lines or not await self.gate.acquire(self.stop):
+                room.release()
+                break
+            if not seg.lines:  # taken by another replica or a new plan while this one waited
+                self.gate.release()
+                room.release()
+                break
+            task = asyncio.create_task(self.one(seg.lines.popleft(), rid, room))
+            running.add(task)
+            self.lines.add(task)
+        await asyncio.gather(*running)
 
     async def one(self, line: BatchLine, rid: int, room: asyncio.Semaphore) -> None:
         preferred_replica.set(rid)  # this task's own context: the router takes its requests to rid

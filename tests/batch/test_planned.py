@@ -5,6 +5,7 @@ per replica, idle replicas take work from the busiest one (repair), and a stop e
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 
 import pytest
@@ -230,3 +231,53 @@ def test_a_plan_made_on_measured_costs_is_not_made_again():
 
     planner, ran = asyncio.run(go())
     assert planner.seen == [] and ran.replan is None
+
+
+def random_plan(numbers, rids, rng, measured: bool) -> LinePlan:
+    """Segments of 1-6 lines of random modes and adapters, on random replicas of `rids`."""
+    queues: dict[int, deque[QueuedSegment]] = {r: deque() for r in rids}
+    numbers = list(numbers)
+    rng.shuffle(numbers)
+    while numbers:
+        size = rng.randint(1, 6)
+        chunk, numbers = numbers[:size], numbers[size:]
+        seg = segment(chunk, rng.choice(["a", "b", None]), rng.choice(["merged", "unmerged"]))
+        queues[rng.choice(rids)].append(seg)
+    return LinePlan(queues, 1.0, "stages", rng.randint(1, 4), measured_costs=measured)
+
+
+class RandomPlanner:
+    """Costs measured from `at` s on; plans the lines it is given at random, on random replicas,
+    after a random delay (lines start and finish while it plans)."""
+
+    def __init__(self, rng, at: float) -> None:
+        self.rng, self.at, self.t0 = rng, at, asyncio.get_running_loop().time()
+
+    def costs_measured(self) -> bool:
+        return asyncio.get_running_loop().time() - self.t0 >= self.at
+
+    async def plan(self, lines):
+        await asyncio.sleep(self.rng.random() * 0.05)
+        rids = self.rng.choice([[0, 1], [0], [1], [0, 1, 2]])
+        return random_plan([ln.line for ln in lines], rids, self.rng, True)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_line_runs_exactly_once_whatever_the_repairs_and_the_new_plan(seed):
+    rng = random.Random(seed)
+    n = rng.randint(5, 60)
+    first = random_plan(range(1, n + 1), [0, 1], rng, False)
+    rec = Recorder({i: rng.random() * 0.03 for i in range(1, n + 1)})
+    calls: list[int] = []
+
+    async def execute(ln):
+        calls.append(ln.line)
+        return await rec(ln)
+
+    async def go():
+        gate = BatchGate(lambda: rng.randint(2, 100), lambda: 0)
+        planner = RandomPlanner(rng, rng.random() * 0.1)
+        return await run_planned(first, execute, gate, lambda ln, out: None, tick_s=0.005, planner=planner)
+
+    asyncio.run(go())
+    assert sorted(calls) == list(range(1, n + 1))

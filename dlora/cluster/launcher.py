@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+OOM_POLICY_ENV = "RAY_worker_killing_policy_by_group"
+
+
 class RayJoinError(RuntimeError):
     """`cluster.ray_address` could not be joined; the message says why and what to do."""
 
@@ -30,6 +33,11 @@ def init_ray(cfg: DloraConfig) -> None:
         join_ray(cfg.cluster.ray_address)
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # When the host runs short of memory, Ray's memory monitor kills workers. Its default policy
+    # (Ray 2.56+) may kill several at once, and replicas are long-lived workers started together:
+    # every replica went at the same instant and nothing was left to serve. One at a time frees a
+    # replica's memory while the others serve its requests. Read by the raylet when it starts.
+    os.environ.setdefault(OOM_POLICY_ENV, "true")
     ray.init(
         num_cpus=max(cores, most_replicas(cfg) * cfg.cluster.cores_per_replica),
         include_dashboard=False,

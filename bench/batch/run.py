@@ -279,16 +279,19 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kinds = sorted(result["summary"])
+    systems = [s for s in SYSTEMS if any(f"makespan_s_{s}" in result["summary"][k] for k in kinds)]
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.25
-    for j, system in enumerate(SYSTEMS):
+    width = 0.8 / len(systems)
+    for j, system in enumerate(systems):
         xs, ys = [], []
         for i, kind in enumerate(kinds):
             v = result["summary"][kind].get(f"makespan_s_{system}")
             if v is not None:
-                xs.append(i + (j - 1) * width)
+                xs.append(i + (j - (len(systems) - 1) / 2) * width)
                 ys.append(v)
-        ax.bar(xs, ys, width, label=system)
+        bars = ax.bar(xs, ys, width, label=system)
+        ax.bar_label(bars, fmt="%.0f s")
+    ax.set_xlim(-0.6, len(kinds) - 0.4)
     ax.set_xticks(range(len(kinds)), kinds)
     ax.set_ylabel("makespan (s)")
     w = result["workload"]

@@ -67,32 +67,24 @@ def ray_cluster():
 
     from dlora.cluster.launcher import init_ray
 
+    ray.shutdown()  # a Ray another module left running here was not started by init_ray
     init_ray(DloraConfig())
     yield
     ray.shutdown()
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        pid = _parent(pid)
-    return False
-
-
 def test_the_ray_head_dlora_starts_kills_one_replica_at_a_time_when_memory_runs_short(ray_cluster):
     """Ray's memory monitor runs in the raylet, which reads its policy from its environment at start."""
+    import ray
+
     from dlora.cluster.launcher import OOM_POLICY_ENV
 
+    session = ray._private.worker._global_node.session_name  # this Ray, not another on the host
     environs = []
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "comm").read_text().strip() == "raylet":
-                if _descends_from(int(entry.name), os.getpid()):  # this test's Ray, not another's on the host
+                if session.encode() in (entry / "cmdline").read_bytes():
                     environs.append((entry / "environ").read_bytes().split(b"\0"))
         except OSError:
             continue

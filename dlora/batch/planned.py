@@ -197,7 +197,7 @@ class _Run:
         running: set[asyncio.Task] = set()
         while seg.lines and not self.stop():
             await room.acquire()
-            if not seg.lines or not await self.gate.acquire(self.stop):
+            if not await self.gate.acquire(self.stop):
                 room.release()
                 break
             if not seg.lines:  # taken by another replica or a new plan while this one waited
@@ -241,6 +241,7 @@ async def run_planned(
     run.start_workers()
     started = last_tick = time.monotonic()
     replan: Replan | None = None
+    replanned = False
     try:
         while not stop():
             live = {t for t in run.workers.values() if not t.done()}
@@ -253,7 +254,8 @@ async def run_planned(
                 continue
             last_tick = time.monotonic()
             on_tick()
-            if planner is not None and replan is None and not plan.measured_costs and planner.costs_measured():
+            if planner is not None and not replanned and not plan.measured_costs and planner.costs_measured():
+                replanned = True
                 replan = await _replan(run, planner, time.monotonic() - started)
     finally:
         for task in {*run.workers.values(), *run.lines}:
@@ -262,14 +264,15 @@ async def run_planned(
     return PlannedRun(run.steals, replan)
 
 
-async def _replan(run: _Run, planner: BatchPlanner, at_s: float) -> Replan:
-    """Plan the unstarted lines again and run by that plan (once: the result says when)."""
+async def _replan(run: _Run, planner: BatchPlanner, at_s: float) -> Replan | None:
+    """Plan the unstarted lines again and run by that plan; None when nothing was left to plan."""
     left = run.unstarted()
     new = await planner.plan(left) if left else None
-    if new is not None and not run.stop():
-        run.adopt(new)
-        run.start_workers()
-    return Replan(at_s, new if new is not None else dataclasses.replace(run.plan, predicted_s=0.0))
+    if new is None or run.stop():
+        return None
+    run.adopt(new)
+    run.start_workers()
+    return Replan(at_s, new)
 
 
 class BatchPlanner(Protocol):

@@ -79,12 +79,14 @@ def test_the_ray_head_dlora_starts_kills_one_replica_at_a_time_when_memory_runs_
 
     from dlora.cluster.launcher import OOM_POLICY_ENV
 
-    session = ray._private.worker._global_node.session_name  # this Ray, not another on the host
+    # Ray names each cluster it starts and passes the name to its raylet: the raylet of the
+    # cluster this test started, not of another one on the host.
+    cluster_name = ray._private.worker._global_node.session_name
     environs = []
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "comm").read_text().strip() == "raylet":
-                if session.encode() in (entry / "cmdline").read_bytes():
+                if cluster_name.encode() in (entry / "cmdline").read_bytes():
                     environs.append((entry / "environ").read_bytes().split(b"\0"))
         except OSError:
             continue

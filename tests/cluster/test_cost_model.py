@@ -1,6 +1,7 @@
 import pytest
 
 from dlora.cluster.estimators.cost_model import (
+    MIN_SAMPLES,
     CostParams,
     ReplicaCostModel,
     batch_slot_wait,
@@ -88,6 +89,27 @@ def test_priors_hold_until_enough_samples_and_merged_ratio_is_measured():
         model.observe(IterationSample(n, 0, n, 0.0032 + 0.001 * n))
         model.observe(IterationSample(n, 0, n, 0.5 * (0.0032 + 0.001 * n), merged=True))
     assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05) and model.measured
+
+
+def test_merged_steps_alone_measure_the_replica_through_the_prior_ratio():
+    # A replica that has only run merged: its merged steps are predicted as measured (twice the
+    # priors' cost here), its unmerged ones through the prior ratio (0.6), until unmerged steps come.
+    model = ReplicaCostModel(P)
+    for i in range(MIN_SAMPLES - 1):
+        n = 4 + i
+        model.observe(IterationSample(n, 0, n, 2 * 0.6 * (0.0032 + 0.001 * n), merged=True))
+    assert not model.measured and model.params.per_decode_token_s == P.per_decode_token_s
+    model.observe(IterationSample(20, 0, 20, 2 * 0.6 * (0.0032 + 0.001 * 20), merged=True))
+    assert model.measured
+    p = model.params
+    assert p.merged_ratio == P.merged_ratio
+    assert p.per_iteration_s + 10 * p.per_decode_token_s == pytest.approx(2 * (0.0032 + 0.01), rel=0.02)
+    for i in range(MIN_SAMPLES):
+        n = 4 + i
+        model.observe(IterationSample(n, 0, n, 0.0032 + 0.001 * n))
+    p = model.params  # unmerged steps now fix the scale and the merged ones the ratio: 1.2
+    assert p.per_decode_token_s == pytest.approx(0.001, rel=0.05)
+    assert p.merged_ratio == pytest.approx(1.2, rel=0.05)
 
 
 def test_invalid_params_are_rejected():

@@ -35,7 +35,7 @@ import numpy as np
 from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, RequestLoad
 
 MERGED_RATIO_PRIOR = 0.6  # a GPU-shaped prior; the server passes its LoRA backend's (RouterConfig)
-MIN_SAMPLES = 8  # unmerged steps needed before the fit replaces the priors
+MIN_SAMPLES = 8  # steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3
 RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
 # Weight of the newest adapter load in the load-time average: a few loads move it, so a replica
@@ -143,8 +143,12 @@ class ReplicaCostModel:
 
     @property
     def measured(self) -> bool:
-        """Whether the step coefficients are fitted from this replica's steps (not the priors)."""
-        return len(self._unmerged) >= MIN_SAMPLES
+        """Whether the step coefficients are fitted from this replica's steps (not the priors).
+
+        Merged steps alone count: a replica that has only run merged (a batch plan that starts
+        every replica merged) is priced from them, its unmerged steps through the prior ratio.
+        """
+        return len(self._unmerged) >= MIN_SAMPLES or len(self._merged) >= MIN_SAMPLES
 
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
@@ -166,26 +170,32 @@ class ReplicaCostModel:
         p = self.prior
         if len(self._unmerged) >= MIN_SAMPLES:
             p = _fit_linear(p, list(self._unmerged))
+        elif len(self._merged) >= MIN_SAMPLES:
+            # Only merged steps so far: they fix the scale, not the ratio, so the coefficients
+            # are the merged fit over the prior ratio and merged steps are predicted as measured.
+            return self._with_load(_fit_linear(p, list(self._merged), scale=1 / max(p.merged_ratio, 0.05)))
         if len(self._merged) >= MIN_MERGED_SAMPLES:
             p = dataclasses.replace(p, merged_ratio=_fit_merged_ratio(p, list(self._merged)))
-        if self._load_s is not None:
-            p = dataclasses.replace(p, adapter_load_s=self._load_s)
-        return p
+        return self._with_load(p)
+
+    def _with_load(self, p: CostParams) -> CostParams:
+        return p if self._load_s is None else dataclasses.replace(p, adapter_load_s=self._load_s)
 
 
 def _features(s: IterationSample) -> tuple[float, float, float]:
     return 1.0, float(s.decode_tokens), float(s.prefill_tokens)
 
 
-def _fit_linear(prior: CostParams, samples: list[IterationSample]) -> CostParams:
-    """Least squares with a weak ridge towards the prior (0.1% of the data's weight), clamped >= 0.
+def _fit_linear(prior: CostParams, samples: list[IterationSample], scale: float = 1.0) -> CostParams:
+    """Least squares with a weak ridge towards the prior (0.1% of the data's weight), clamped >= 0;
+    each step's seconds are multiplied by `scale` first.
 
     Why the ridge: steps often all have the same batch size, which makes the plain normal
     equations singular; the prior then decides how the time splits between the coefficients,
     while directions the data does determine are fitted almost as plain least squares.
     """
     x = np.array([_features(s) for s in samples])
-    y = np.array([s.seconds for s in samples])
+    y = np.array([s.seconds * scale for s in samples])
     theta0 = np.array([prior.per_iteration_s, prior.per_decode_token_s, prior.per_prefill_token_s])
     reg = np.diag(np.maximum(RIDGE * (x * x).sum(axis=0), 1e-12))
     theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ theta0)

@@ -246,6 +246,10 @@ class ClusterConfig:
     migration_solver: str = "auto"  # auto (HiGHS if installed, else CBC) | highs | cbc | greedy
     migration_time_limit_s: float = 0.05  # hard limit on one solve; greedy fallback after it
     migration_top_k: int = 2  # overloaded and underloaded replicas considered per round
+    # A round that moves running requests runs only when, simulated over this many draws of the
+    # output lengths, it lowers the touched replicas' summed completion time (their recompute
+    # included; dlora/cluster/migration/simulated_gain.py). 0: every planned round runs.
+    migration_check_draws: int = 16
     count_imbalance: int = 16  # trigger: unfinished-request counts differ by more than this
     queue_delay_s: float = 2.0  # trigger: a queued request waited this long while another replica is idle
     # With `migration`: on every monitor tick, requests queued on a replica at least
@@ -360,6 +364,9 @@ class ClusterConfig:
             "must be a whole number >= 1",
         )
         _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
+        _check(
+            self.migration_check_draws >= 0, "cluster.migration_check_draws", self.migration_check_draws, "must be >= 0"
+        )
         _check(
             self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
             "cluster.queued_min_wait_s",

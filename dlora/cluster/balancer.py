@@ -28,10 +28,11 @@ from dlora.cluster.migration.ilp import MigrationPlan, plan_migration
 from dlora.cluster.migration.problem import MigrationConfig
 from dlora.cluster.migration.queued import QueuedConfig, plan_queued, queued_trigger
 from dlora.cluster.migration.rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
+from dlora.cluster.migration.simulated_gain import checked
 from dlora.cluster.migration.trigger import Trigger, TriggerConfig, check_trigger
 from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
 from dlora.cluster.router import Router
-from dlora.cluster.snapshots import ClusterView
+from dlora.cluster.snapshots import ClusterView, ReplicaView
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef
 from dlora.slo.reopt_period import ReoptPeriod
@@ -171,9 +172,7 @@ class Balancer:
         if trigger is None:
             return None
         self.last_round_at = now
-        plan = await asyncio.to_thread(
-            plan_migration, ClusterView(tuple(views)), self.router.cost_params(), self.migration_cfg
-        )
+        plan = await self._plan_round(views)
         return await self._run_round(trigger, plan)
 
     async def maybe_reoptimize(self) -> MigrationRound | None:
@@ -196,10 +195,7 @@ class Balancer:
         self.last_preload_at = None  # the preload runs with the planned round
         done = None
         if self.cfg.migration:
-            views = self.router.views()
-            plan = await asyncio.to_thread(
-                plan_migration, ClusterView(tuple(views)), self.router.cost_params(), self.migration_cfg
-            )
+            plan = await self._plan_round(self.router.views())
             if plan.moves or plan.loads:
                 self.last_round_at = now
                 trigger = Trigger("period", -1, f"every {self.reopt.period_s:.1f} s")
@@ -244,6 +240,22 @@ class Balancer:
             solve_ms=1000 * (time.perf_counter() - t0),
         )
         return await self._run_round(trigger, plan)
+
+    async def _plan_round(self, views: list[ReplicaView]) -> MigrationPlan:
+        """The co-migration ILP's plan, solved off the event loop, kept only if moving its running
+        requests is simulated to pay (`cluster.migration_check_draws`, migration/simulated_gain.py)."""
+        params = self.router.cost_params()
+        # Read here, on the event loop: finished requests add to these while the solver runs.
+        lengths = {a: self.router.output_lengths.lengths_for(a) for a in {r.adapter for v in views for r in v.requests}}
+
+        def plan_and_check() -> MigrationPlan:
+            plan = plan_migration(ClusterView(tuple(views)), params, self.migration_cfg)
+            kept, gain = checked(plan, views, params, lambda a: lengths.get(a, ()), self.cfg.migration_check_draws)
+            if kept is not plan and gain is not None:
+                log.info("migration plan not run: %d move(s) simulated to cost %.3f s", len(plan.moves), -gain.median_s)
+            return kept
+
+        return await asyncio.to_thread(plan_and_check)
 
     async def _run_round(self, trigger: Trigger, plan: MigrationPlan) -> MigrationRound:
         moved = await self.execute(plan)

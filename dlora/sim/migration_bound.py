@@ -37,8 +37,9 @@ replicas, cheaply and without the machine's noise:
   every `TICK_S` the queued-request planner (`migration.queued.plan_queued`: requests queued a
   tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
   (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
-  the co-migration ILP (`plan_migration`), whose moved running requests recompute their context
-  on the receiver;
+  the co-migration ILP (`plan_migration`), run only when its moves are simulated to pay
+  (`migration.simulated_gain.checked`, the server's default draws), whose moved running requests
+  recompute their context on the receiver;
 - `balancer_events`: `balancer`, and the queued-request planner also runs on events, as the
   server's balancer does (`cluster.event_moves_min_wait_s`): whenever a replica's step ends with
   requests finished (slots freed), to that replica, and when a request has waited `move_after_s`
@@ -96,8 +97,10 @@ from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.migration.ilp import plan_migration
 from dlora.cluster.migration.queued import QueuedConfig, plan_queued
+from dlora.cluster.migration.simulated_gain import checked
 from dlora.cluster.migration.trigger import TriggerConfig, check_trigger
 from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
+from dlora.config import ClusterConfig
 from dlora.sim.step_costs import StepCosts, preset
 from dlora.slo import feasible_dispatch
 from dlora.slo.accounting import SloAccounting
@@ -113,6 +116,7 @@ MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this
 # count trigger; the queue-delay trigger's default)
 TICK_S = 0.5
 ROUND_TRIGGER = TriggerConfig(interval_s=2.0, count_imbalance=4, queue_delay_s=2.0)
+CHECK_DRAWS = ClusterConfig().migration_check_draws  # the server's default
 
 
 @dataclass(frozen=True)
@@ -339,7 +343,14 @@ class _Model:
         views = [self.view(r) for r in self.replicas]
         if check_trigger(views, t, self.last_round, ROUND_TRIGGER) is not None:
             self.last_round = t
-            rounds = plan_migration(ClusterView(tuple(views)), {v.replica_id: self.params for v in views})
+            params = {v.replica_id: self.params for v in views}
+            rounds, _ = checked(
+                plan_migration(ClusterView(tuple(views)), params),
+                views,
+                params,
+                self.estimator.lengths_for,
+                CHECK_DRAWS,
+            )
             self.apply(t, rounds.moves)
         if len(self.finished) < len(self.jobs):
             self.push(t + TICK_S, 4, 0)

@@ -707,3 +707,34 @@ def test_merged_steps_are_priced_by_the_lora_backends_prior_until_measured():
     assert router_config(einsum).merged_ratio_prior == 0.85  # scheduling.merged_cost_ratio unset: einsum's
     chosen = config.from_dict({"engine": {"lora_backend": "einsum"}, "scheduling": {"merged_cost_ratio": 0.7}})
     assert router_config(chosen).merged_ratio_prior == 0.7
+
+
+@pytest.mark.parametrize("draws", [0, 16])
+def test_a_round_whose_moves_are_simulated_to_cost_more_than_they_save_is_not_run(draws):
+    # Ten long-prompt requests on replica 0, replica 1 idle: the ILP, pricing each by its mean
+    # remaining output (1 in 50 of this adapter's requests ran 3000 tokens, so about 70), moves
+    # some. Sampled, nine draws in ten have every request end within 10 tokens, where re-prefilling
+    # 1000-token contexts costs more than the smaller batches save: with the check, nothing moves.
+    async def run():
+        router, _ = make(step_s=0.01, dispatch="round_robin")
+        await router.start()
+        for n in [10] * 49 + [3000]:
+            router.output_lengths.observe("a", n)
+        cfg = ClusterConfig(num_replicas=2, migration_interval_s=0.01, count_imbalance=4, migration_check_draws=draws)
+        balancer = Balancer(router, adapter_ref=lambda n: {"a": A, "b": B}[n], cfg=cfg)
+        router.slot(1).healthy = False
+        tasks = [asyncio.create_task(collect(router, request(f"q{i}", n=3000, prompt=(i,) * 1000))) for i in range(10)]
+        await asyncio.sleep(0.03)
+        router.slot(1).healthy = True
+        done = await balancer.maybe_migrate()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return done
+
+    done = asyncio.run(run())
+    assert done is not None and done.trigger.reason == "count"
+    if draws:
+        assert done.plan.moves == () and done.moved == 0 and "not run: simulated gain" in done.plan.status
+    else:
+        assert done.moved > 0

@@ -24,6 +24,7 @@ from dlora.batch.predict import Work, works_of
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.held_work import held_s, with_running
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
 from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -130,10 +131,12 @@ class ServerPlanner:
             return None
         measured = self.costs_measured()
         works = await asyncio.to_thread(self._works, lines)
-        # The length histories change on the event loop: the planner's thread reads a copy.
-        lengths = {a: list(router.output_lengths.lengths_for(a)) for a in {w.adapter for ws in works for w in ws}}
-        per_replica = self.state.cfg.engine.max_num_seqs
-        plan = await asyncio.to_thread(line_plan, lines, works, params, lengths.__getitem__, per_replica)
+        # Read on the event loop (requests finish and lengths are recorded there); the planner's
+        # thread gets copies.
+        held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}
+        adapters = {w.adapter for ws in works for w in ws} | {r.adapter for reqs in held.values() for r in reqs}
+        finished = {a: list(router.output_lengths.lengths_for(a)) for a in adapters}
+        plan = await asyncio.to_thread(self._plan, lines, works, params, held, finished)
         plan = dataclasses.replace(plan, measured_costs=measured)
         log.info(
             "batch plan for %d lines on %d replicas (step costs %s): %s, %d segments, predicted %.0f s",
@@ -145,6 +148,15 @@ class ServerPlanner:
             plan.predicted_s,
         )
         return plan
+
+    def _plan(self, lines, works, params, held, finished) -> LinePlan:
+        """The plan, each replica free once the requests it holds are done (lines of a plan made
+        earlier, online requests), lengths from the finished requests and the running ones."""
+        running = [r for reqs in held.values() for r in reqs if r.running]
+        lengths = with_running(finished, running)
+        busy = {rid: held_s(reqs, params[rid], lambda a: finished.get(a, ())) for rid, reqs in held.items()}
+        per_replica = self.state.cfg.engine.max_num_seqs
+        return line_plan(lines, works, params, lambda a: lengths.get(a, ()), per_replica, busy_s=busy)
 
 
 def batch_planner(state, known_works: dict[int, list[Work]] | None = None) -> ServerPlanner | None:

@@ -68,6 +68,7 @@ class Segment:
 class Plan:
     segments: tuple[Segment, ...]
     makespan_s: float
+    staged: bool = True  # False: every job sent at once (`dispatch_plan`)
 
     def queues(self, replicas: int) -> list[list[int]]:
         """Each replica's jobs in the order they are to start."""
@@ -149,15 +150,18 @@ class _Pending:
                 del self.by_adapter[a], self.left[a]
 
 
-def plan_stages(jobs: Sequence[Job], params: Sequence[CostParams]) -> Plan:
-    """The segments each replica runs, chosen greedily by throughput as replicas come free."""
+def plan_stages(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
+    """The segments each replica runs, chosen greedily by throughput as replicas come free (each
+    first after `busy_s`, the seconds it needs for what it holds already; 0 by default)."""
     if not params:
         raise ValueError("no replica to plan for")
     reference = params[0]
     work = [job_work(j, reference) for j in jobs]
     pending = _Pending(jobs, work)
     full_batch = reference.max_batch * sum(work) / max(1, len(work))  # a segment's least work
-    free = [(0.0, r) for r in range(len(params))]  # (when the replica's last segment ends, replica)
+    busy = list(busy_s) if busy_s is not None else [0.0] * len(params)
+    free = [(busy[r], r) for r in range(len(params))]  # (when the replica's last segment ends, replica)
+    heapq.heapify(free)
     segments: list[Segment] = []
     last: dict[int, Segment] = {}  # each replica's latest segment
     while pending.left:
@@ -174,7 +178,7 @@ def plan_stages(jobs: Sequence[Job], params: Sequence[CostParams]) -> Plan:
         segments.append(seg)
         last[r] = seg
         heapq.heappush(free, (seg.end_s, r))
-    return Plan(tuple(segments), max((s.end_s for s in segments), default=0.0))
+    return Plan(tuple(segments), max([s.end_s for s in segments] + busy))
 
 
 def _best_segment(pending: _Pending, jobs: Sequence[Job], p: CostParams, cap: float):
@@ -203,21 +207,25 @@ def _throughput(
     return sum(work[i] for i in chosen) / t if t > 0 else float("inf")
 
 
-def dispatch_plan(jobs: Sequence[Job], params: Sequence[CostParams]) -> Plan:
+def dispatch_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
     """Every job sent at once, each to the replica with the least work so far (the router's own
-    dispatch): one unmerged segment per replica, its steps merged only where one adapter runs."""
+    dispatch, which counts what each replica holds: `busy_s`): one unmerged segment per replica,
+    its steps merged only where one adapter runs, after what the replica holds (the engine mixes
+    the two; run back to back, the prediction errs late by less than the held requests' tail)."""
+    busy = list(busy_s) if busy_s is not None else [0.0] * len(params)
     sizes = [Work(j.adapter, sum(j.prompts), 0) for j in jobs]
-    replica_of = dispatch(sizes, [sum(j.outputs) for j in jobs], params)
+    replica_of = dispatch(sizes, [sum(j.outputs) for j in jobs], params, busy)
     segments = []
     for r, p in enumerate(params):
         mine = tuple(i for i, q in enumerate(replica_of) if q == r)
         if mine:
-            segments.append(Segment(r, UNMERGED, None, mine, 0.0, simulate_s([jobs[i] for i in mine], p)))
-    return Plan(tuple(segments), max((s.end_s for s in segments), default=0.0))
+            took = simulate_s([jobs[i] for i in mine], p)
+            segments.append(Segment(r, UNMERGED, None, mine, busy[r], busy[r] + took))
+    return Plan(tuple(segments), max([s.end_s for s in segments] + busy), staged=False)
 
 
-def choose_plan(jobs: Sequence[Job], params: Sequence[CostParams]) -> Plan:
+def choose_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
     """The stage plan, unless sending everything at once is predicted to be as fast (adapters
     too small to merge, or merging not cheaper on these replicas)."""
-    staged, flat = plan_stages(jobs, params), dispatch_plan(jobs, params)
+    staged, flat = plan_stages(jobs, params, busy_s), dispatch_plan(jobs, params, busy_s)
     return staged if staged.makespan_s < flat.makespan_s else flat

@@ -24,8 +24,8 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -70,8 +70,10 @@ def line_plan(
     lengths_of: Callable[[str | None], Sequence[int]],
     per_replica: int,
     seed: int = 0,
+    busy_s: Mapping[int, float] | None = None,
 ) -> LinePlan:
-    """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params` prices."""
+    """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params`
+    prices, each free after `busy_s` (replica id -> seconds of work it holds already; 0 if absent)."""
     flat = [w for ws in works for w in ws]
     drawn = iter(sample_lengths(flat, lengths_of, random.Random(seed)))
     jobs = [
@@ -79,14 +81,16 @@ def line_plan(
         for ws in works
     ]
     ids = sorted(params)
-    plan = choose_plan(jobs, [params[r] for r in ids])
+    plan = choose_plan(jobs, [params[r] for r in ids], [(busy_s or {}).get(r, 0.0) for r in ids])
     return LinePlan(
         _queues(plan, jobs, lines, ids, params), plan.makespan_s, _mode(plan), per_replica, len(plan.segments)
     )
 
 
 def _mode(plan: Plan) -> str:
-    staged = any(s.start_s > 0 or s.mode != "unmerged" for s in plan.segments)
+    per_replica = Counter(s.replica for s in plan.segments)
+    merged = any(s.mode != "unmerged" for s in plan.segments)
+    staged = plan.staged and (merged or any(n > 1 for n in per_replica.values()))
     return "stages" if staged else "dispatch"
 
 

@@ -102,10 +102,13 @@ def simulate_replica(
     return finish
 
 
-def dispatch(works: Sequence[Work], outputs: Sequence[int], params: Sequence[CostParams]) -> list[int]:
-    """The replica each request goes to: the one with the least work sent so far, counted as the
-    router's dispatch counts it (prefill plus output at a full batch's per-token cost)."""
-    load = [0.0] * len(params)
+def dispatch(
+    works: Sequence[Work], outputs: Sequence[int], params: Sequence[CostParams], held_s: Sequence[float] | None = None
+) -> list[int]:
+    """The replica each request goes to: the one with the least work sent so far (starting from
+    `held_s`, the seconds of work each holds already), counted as the router's dispatch counts it
+    (prefill plus output at a full batch's per-token cost)."""
+    load = list(held_s) if held_s is not None else [0.0] * len(params)
     chosen = []
     for w, n in zip(works, outputs):
         r = min(range(len(params)), key=lambda j: (load[j], j))

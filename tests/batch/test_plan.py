@@ -94,6 +94,31 @@ def test_the_plan_beats_sending_at_once_on_skewed_adapters():
     assert plan_stages(jobs, ps).makespan_s < 0.8 * dispatch_plan(jobs, ps).makespan_s
 
 
+def test_a_replica_busy_with_what_it_holds_starts_its_first_segment_after_it():
+    # The test above's two merged adapters, with replica 0 busy for 25 s (the lines of an earlier
+    # plan): replica 1 runs both adapters, one after the other (2 x 10 s), and ends first (20 s).
+    jobs = [Job(a, (0,), (10,)) for _ in range(32) for a in ("a", "a", "b", "b")]
+    p = params()
+    plan = plan_stages(jobs, [p, p], busy_s=[25.0, 0.0])
+    assert {s.replica for s in plan.segments} == {1}
+    assert [(s.start_s, s.end_s) for s in sorted(plan.segments, key=lambda s: s.start_s)] == [(0, 10), (10, 20)]
+    assert plan.makespan_s == 25.0  # what replica 0 holds ends last
+    # Sent at once, dispatch counts the held work too (a job is 10 tokens at 1/32 s: 0.3125 s):
+    # replica 1 takes the first 80 jobs (25 s), then the two alternate: 104 and 24 jobs.
+    flat = dispatch_plan(jobs, [p, p], busy_s=[25.0, 0.0])
+    by_replica = {s.replica: s for s in flat.segments}
+    assert (len(by_replica[0].jobs), len(by_replica[1].jobs)) == (24, 104)
+    assert by_replica[0].start_s == 25.0 and by_replica[1].start_s == 0.0
+
+
+def test_dispatch_starts_each_replicas_segment_after_what_it_holds():
+    jobs = jobs_of({"a": 32, "b": 32})
+    p = params(merged=1.0)
+    flat = dispatch_plan(jobs, [p, p], busy_s=[3.0, 3.0])
+    assert sorted((s.start_s, s.end_s) for s in flat.segments) == [(3.0, 13.0), (3.0, 13.0)]
+    assert flat.makespan_s == 13.0
+
+
 def test_no_replica_is_an_error():
     with pytest.raises(ValueError):
         plan_stages([Job("a", (1,), (1,))], [])

@@ -3,7 +3,8 @@ import random
 import pytest
 
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.migration.simulated_gain import draw_remaining, simulated_gain
+from dlora.cluster.estimators.held_work import draw_remaining
+from dlora.cluster.migration.simulated_gain import simulated_gain
 from tests.cluster.balancer_factories import make_replica, make_request
 
 # A step costs 10 ms whatever its batch, a prompt token 1 ms, two requests run at once: the

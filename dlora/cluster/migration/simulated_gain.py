@@ -8,8 +8,8 @@ moves running requests runs, its effect is simulated, as SamuLLM checks a plan: 
 each affected request's remaining output is drawn from its adapter's observed lengths longer than
 what it has generated (the router's `OutputLengthEstimator`; its expected remainder while nothing
 longer was observed), and every replica the round touches is simulated with its step-cost model
-(`dlora.batch.predict.simulate_replica`: running requests first, then the queue in arrival order,
-`max_batch` at a time), with and without the moves. A moved request joins the receiver's queue in
+(`dlora.cluster.estimators.held_work.finish_times`: running requests first, then the queue in
+arrival order, `max_batch` at a time), with and without the moves. A moved request joins the receiver's queue in
 its arrival order and prefills its whole context there. The gain of one draw is the drop in the
 summed completion times of the touched replicas' requests (their mean latency, times their
 count); the round runs when the median gain is positive.
@@ -20,17 +20,16 @@ call the same code.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dlora.batch.predict import simulate_replica
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.held_work import draw_remaining, finish_times
 from dlora.cluster.migration.ilp import MigrationPlan
-from dlora.cluster.snapshots import AdapterName, ReplicaView, RequestLoad
+from dlora.cluster.snapshots import AdapterName, ReplicaView
 
 DEFAULT_DRAWS = 16
 
@@ -46,15 +45,6 @@ class SimulatedGain:
     @property
     def worth_it(self) -> bool:
         return self.median_s > 0
-
-
-def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -> int:
-    """One draw of `r`'s remaining output tokens: a length from `lengths` (sorted) above what it
-    has generated, less that; its expected remainder when none is. At least 1."""
-    first_longer = bisect.bisect_right(lengths, r.output_tokens)
-    if first_longer < len(lengths):
-        return lengths[rng.randrange(first_longer, len(lengths))] - r.output_tokens
-    return max(1, round(r.remaining_output_tokens))
 
 
 def simulated_gain(
@@ -76,24 +66,13 @@ def simulated_gain(
     gains = []
     for _ in range(draws):
         left = {r.request_id: draw_remaining(r, lengths[r.adapter], rng) for reqs in on.values() for r in reqs}
-        before = sum(_finish_sum(list(reqs), set(), left, params[rid]) for rid, reqs in on.items())
+        before = sum(sum(finish_times(reqs, left, params[rid])) for rid, reqs in on.items())
         after = 0.0
         for rid in on:
             stay = [r for reqs_rid, reqs in on.items() for r in reqs if dst_of.get(r.request_id, reqs_rid) == rid]
-            after += _finish_sum(stay, {r.request_id for r in stay if r.request_id in dst_of}, left, params[rid])
+            after += sum(finish_times(stay, left, params[rid], {r.request_id for r in stay if r.request_id in dst_of}))
         gains.append(before - after)
     return SimulatedGain(statistics.median(gains), draws)
-
-
-def _finish_sum(reqs: list[RequestLoad], moved_in: set[str], left: Mapping[str, int], p: CostParams) -> float:
-    """Summed finish times of `reqs` on one replica: its running requests (those not `moved_in`)
-    first, with nothing to prefill, then the queued and moved-in ones in arrival order, each
-    prefilling its context (a queued request has generated nothing, or had elsewhere: recompute)."""
-    running = [r for r in reqs if r.running and r.request_id not in moved_in]
-    queued = sorted((r for r in reqs if not r.running or r.request_id in moved_in), key=lambda r: r.arrival)
-    order = running + queued
-    prompts = [0] * len(running) + [r.context_tokens for r in queued]
-    return sum(simulate_replica(prompts, [left[r.request_id] for r in order], p))
 
 
 def checked(

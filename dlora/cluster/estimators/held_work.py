@@ -1,0 +1,68 @@
+"""What the requests a replica holds still take, simulated from sampled output lengths.
+
+A running request's remaining output is unknown; its adapter's observed lengths (the router's
+`OutputLengthEstimator`) longer than what it has generated say how it may go on, so one draw
+picks one of them (SamuLLM samples its lengths the same way). A replica's held requests are then
+run through the step simulation (`dlora.batch.predict.simulate_replica`): running requests first
+with nothing to prefill, then the queue in arrival order (vLLM's order at equal priority), each
+prefilling its context (a request moved in from elsewhere recomputes what it generated there).
+
+Also here: the lengths of finished requests are a biased sample while long requests still run
+(the short ones finish first), so `with_running` adds a draw for each running request, conditioned
+on what it has generated, before the lengths are used for requests not started.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+from dlora.batch.predict import simulate_replica
+from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.snapshots import AdapterName, RequestLoad
+
+
+def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -> int:
+    """One draw of `r`'s remaining output tokens: a length from `lengths` (sorted) above what it
+    has generated, less that; its expected remainder when none is. At least 1."""
+    first_longer = bisect.bisect_right(lengths, r.output_tokens)
+    if first_longer < len(lengths):
+        return lengths[rng.randrange(first_longer, len(lengths))] - r.output_tokens
+    return max(1, round(r.remaining_output_tokens))
+
+
+def finish_times(
+    reqs: Sequence[RequestLoad], left: Mapping[str, int], p: CostParams, moved_in: Collection[str] = ()
+) -> list[float]:
+    """Finish time of each of `reqs` held by one replica (running ones first, not `moved_in`; then
+    the queued and moved-in ones by arrival), `left` giving each one's remaining output."""
+    running = [r for r in reqs if r.running and r.request_id not in moved_in]
+    queued = sorted((r for r in reqs if not r.running or r.request_id in moved_in), key=lambda r: r.arrival)
+    order = running + queued
+    prompts = [0] * len(running) + [r.context_tokens for r in queued]
+    return simulate_replica(prompts, [left[r.request_id] for r in order], p)
+
+
+def held_s(
+    reqs: Sequence[RequestLoad], p: CostParams, lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
+) -> float:
+    """Seconds until a replica has finished the requests it holds, for one draw of their lengths."""
+    rng = random.Random(seed)
+    sorted_lengths = {a: sorted(lengths_of(a)) for a in {r.adapter for r in reqs}}
+    left = {r.request_id: draw_remaining(r, sorted_lengths[r.adapter], rng) for r in reqs}
+    return max(finish_times(reqs, left, p), default=0.0)
+
+
+def with_running(
+    lengths: Mapping[AdapterName, Sequence[int]], running: Sequence[RequestLoad], seed: int = 0
+) -> dict[AdapterName, list[int]]:
+    """`lengths` (each adapter's finished requests' lengths) plus one drawn total length for each
+    running request that has generated tokens: what it has generated and a draw of the rest."""
+    rng = random.Random(seed)
+    out = {a: list(v) for a, v in lengths.items()}
+    for r in running:
+        if r.output_tokens > 0:
+            seen = sorted(lengths.get(r.adapter, ()))
+            out.setdefault(r.adapter, []).append(r.output_tokens + draw_remaining(r, seen, rng))
+    return out

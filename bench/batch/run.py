@@ -78,7 +78,7 @@ def dlora_config(
     rank: int,
     planner: str,
     state: Path,
-    kv_gib: float = KV_GIB,
+    kv_gib: int = KV_GIB,
     merged_cache_mib: float | None = None,
 ) -> dict:
     cfg = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
@@ -147,7 +147,7 @@ def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
     return point
 
 
-def run_vllm(cmd: list[str], work: Path, tag: str, kv_gib: float) -> float:
+def run_vllm(cmd: list[str], work: Path, tag: str, kv_gib: int) -> float:
     env_vars = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     t0 = time.monotonic()
     with open(work / f"{tag}.log", "w") as log:
@@ -168,7 +168,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "result.json")
     # Host memory: two rank-64 all-projection engines at the defaults pass Ray's memory threshold
     # on a 24 GiB host (see README.md); these shrink each engine.
-    ap.add_argument("--kv-gib", type=float, default=KV_GIB, help="KV cache space per engine")
+    ap.add_argument("--kv-gib", type=int, default=KV_GIB, help="KV cache space per engine (whole GiB)")
     ap.add_argument("--merged-cache-mib", type=float, help="engine.merged_cache_mib (default: the config's)")
     args = ap.parse_args()
     memory = {"kv_gib": args.kv_gib, "merged_cache_mib": args.merged_cache_mib}

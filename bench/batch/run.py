@@ -57,6 +57,7 @@ KV_GIB = 2
 # output lengths vary by prompt and adapter as a real batch's do
 ADAPTER_SCALE = 0.25
 MEMORY_EVERY_S = 10.0
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
 PLAN = re.compile(r"plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s")
 REPLAN = re.compile(
@@ -64,11 +65,15 @@ REPLAN = re.compile(
 )
 
 
-def batch_lines(requests) -> str:
+def batch_lines(requests, url: str = COMPLETIONS) -> str:
     out = []
     for i, r in enumerate(requests):
-        body = {"model": r.adapter, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0}
-        out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+        body = {"model": r.adapter, "max_tokens": r.output_len, "temperature": 0}
+        if url == CHAT:
+            body["messages"] = [{"role": "user", "content": r.prompt}]
+        else:
+            body["prompt"] = r.prompt
+        out.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url, "body": body}))
     return "\n".join(out) + "\n"
 
 
@@ -191,9 +196,12 @@ def main() -> int:
     requests = generate_workload(spec)
     for r in requests:
         r.output_len = min(r.output_len, args.max_tokens)
+    # vLLM's run-batch takes chat lines only (0.32: no /v1/completions), so with it every system
+    # gets chat lines (the prompt as the user's message), and they compare on the same requests.
+    url = CHAT if "vllm" in args.systems else COMPLETIONS
     inp = work / "input.jsonl"
-    inp.write_text(batch_lines(requests))
-    (work / "one.jsonl").write_text(batch_lines(requests[:1]))
+    inp.write_text(batch_lines(requests, url))
+    (work / "one.jsonl").write_text(batch_lines(requests[:1], url))
     per_adapter = {a: sum(r.adapter == a for r in requests) for a in names}
     print(f"{len(requests)} requests, per adapter {list(per_adapter.values())}", flush=True)
     t_start = time.monotonic()
@@ -245,6 +253,7 @@ def main() -> int:
             "distribution": "zipf 1.0",
             "per_adapter": per_adapter,
             "dataset": "sharegpt (vLLM's length filter)",
+            "endpoint": url,
             "max_tokens_cap": args.max_tokens,
             "prompt_tokens_total": sum(r.prompt_len for r in requests),
             "max_tokens_total": sum(r.output_len for r in requests),

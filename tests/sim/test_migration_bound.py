@@ -140,9 +140,9 @@ def test_the_event_balancer_moves_a_queued_request_when_a_slot_frees_not_at_the_
     assert got["gain_of_balancer_events"] == pytest.approx(got["gain_of_moves"])
 
 
-def test_a_balancer_round_moves_running_requests_off_an_overloaded_replica():
-    # six 10-token requests run on replica 0, none on replica 1: the count trigger fires (6 - 0 > 4)
-    # and the co-migration ILP moves some of them, which then queue on replica 1 to recompute
+def six_on_one_replica():
+    """Six 10-token requests running on replica 0, none on replica 1, after the tick at 1 s: the
+    count trigger fires (6 - 0 > 4) and the co-migration ILP plans to move some of them."""
     from dlora.sim.migration_bound import _Model
 
     jobs = [job(0, 10) for _ in range(6)]
@@ -152,9 +152,26 @@ def test_a_balancer_round_moves_running_requests_off_an_overloaded_replica():
     busy.resident["x"] = idle.resident["x"] = 0.0
     m.admitted.update({i: 0.0 for i in range(6)})
     m.tick(1.0)
+    return m, busy, idle
+
+
+def test_a_balancer_round_moves_running_requests_off_an_overloaded_replica(monkeypatch):
+    # The moved requests queue on replica 1 to recompute (the simulation check off: see the next test).
+    from dlora.sim import migration_bound
+
+    monkeypatch.setattr(migration_bound, "CHECK_DRAWS", 0)
+    m, busy, idle = six_on_one_replica()
     moved = idle.queue
     assert 2 <= len(moved) <= 3 and sorted(busy.running + moved) == list(range(6))
     assert all(m.sent_at[i] == 1.0 for i in moved) and m.last_round == 1.0
     assert m.moved == m.moved_running == len(moved)
     m.tick(1.5)  # within the round interval (2 s): no second round
     assert m.last_round == 1.0
+
+
+def test_a_round_whose_moves_the_simulation_finds_no_better_does_not_run():
+    # The server's check on: this model's steps take one second whatever their batch, so three
+    # sequences fewer leave replica 0's steps as long, and the moved three end no sooner on replica 1
+    # (10 steps there too): no gain, so the round is decided but moves nothing.
+    m, busy, idle = six_on_one_replica()
+    assert m.last_round == 1.0 and idle.queue == [] and sorted(busy.running) == list(range(6)) and m.moved == 0

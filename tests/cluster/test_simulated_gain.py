@@ -82,5 +82,5 @@ def test_the_drawn_lengths_decide_a_close_call():
 
 
 def test_no_moves_no_gain():
-    gain = simulated_gain(busy_replica(500), [], PARAMS, no_lengths)
+    gain = simulated_gain(busy_replica(500), [], PARAMS, no_lengths, draws=16)
     assert gain.median_s == 0 and gain.draws == 0 and not gain.worth_it

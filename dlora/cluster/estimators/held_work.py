@@ -60,9 +60,10 @@ def with_running(
     """`lengths` (each adapter's finished requests' lengths) plus one drawn total length for each
     running request that has generated tokens: what it has generated and a draw of the rest."""
     rng = random.Random(seed)
+    seen = {a: sorted(v) for a, v in lengths.items()}
     out = {a: list(v) for a, v in lengths.items()}
     for r in running:
         if r.output_tokens > 0:
-            seen = sorted(lengths.get(r.adapter, ()))
-            out.setdefault(r.adapter, []).append(r.output_tokens + draw_remaining(r, seen, rng))
+            total = r.output_tokens + draw_remaining(r, seen.get(r.adapter, []), rng)
+            out.setdefault(r.adapter, []).append(total)
     return out

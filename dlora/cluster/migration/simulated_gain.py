@@ -31,8 +31,6 @@ from dlora.cluster.estimators.held_work import draw_remaining, finish_times
 from dlora.cluster.migration.ilp import MigrationPlan
 from dlora.cluster.snapshots import AdapterName, ReplicaView
 
-DEFAULT_DRAWS = 16
-
 
 @dataclass(frozen=True)
 class SimulatedGain:
@@ -52,7 +50,7 @@ def simulated_gain(
     moves: Sequence[tuple[str, int, int]],
     params: Mapping[int, CostParams],
     lengths_of: Callable[[AdapterName], Sequence[int]],
-    draws: int = DEFAULT_DRAWS,
+    draws: int,
     seed: int = 0,
 ) -> SimulatedGain:
     """The median over `draws` samples of the completion time the moves save (see the module)."""
@@ -62,15 +60,17 @@ def simulated_gain(
     if not dst_of or not on:
         return SimulatedGain(0.0, 0)
     lengths = {r.adapter: sorted(lengths_of(r.adapter)) for reqs in on.values() for r in reqs}
+    # Where each request is after the moves (the same for every draw).
+    after_moves = {
+        rid: [r for src, reqs in on.items() for r in reqs if dst_of.get(r.request_id, src) == rid] for rid in on
+    }
+    moved_in = {rid: {r.request_id for r in reqs if r.request_id in dst_of} for rid, reqs in after_moves.items()}
     rng = random.Random(seed)
     gains = []
     for _ in range(draws):
         left = {r.request_id: draw_remaining(r, lengths[r.adapter], rng) for reqs in on.values() for r in reqs}
         before = sum(sum(finish_times(reqs, left, params[rid])) for rid, reqs in on.items())
-        after = 0.0
-        for rid in on:
-            stay = [r for reqs_rid, reqs in on.items() for r in reqs if dst_of.get(r.request_id, reqs_rid) == rid]
-            after += sum(finish_times(stay, left, params[rid], {r.request_id for r in stay if r.request_id in dst_of}))
+        after = sum(sum(finish_times(reqs, left, params[rid], moved_in[rid])) for rid, reqs in after_moves.items())
         gains.append(before - after)
     return SimulatedGain(statistics.median(gains), draws)
 
@@ -80,7 +80,7 @@ def checked(
     views: Sequence[ReplicaView],
     params: Mapping[int, CostParams],
     lengths_of: Callable[[AdapterName], Sequence[int]],
-    draws: int = DEFAULT_DRAWS,
+    draws: int,
 ) -> tuple[MigrationPlan, SimulatedGain | None]:
     """`plan` as it is when it moves no running request (or `draws` is 0); else, when the
     simulation finds no gain, the same plan with nothing to do. Also the gain simulated, if any."""

@@ -61,6 +61,8 @@ adapters:
         ("cluster: {output_length_prior: 0.5}", r"cluster.output_length_prior=0.5: must be a whole number \(or null\)"),
         ("cluster: {migrate_queued: 'yes'}", r"cluster.migrate_queued='yes': must be true or false"),
         ("cluster: {queued_min_wait_s: -0.1}", r"cluster.queued_min_wait_s=-0.1: must be a number of seconds >= 0"),
+        ("cluster: {migration_check_draws: -1}", r"cluster.migration_check_draws=-1: must be >= 0"),
+        ("cluster: {migration_check_draws: 2.5}", r"cluster.migration_check_draws=2.5: must be a whole number"),
         ("cluster: {rebalance_min_gain_s: -1}", r"cluster.rebalance_min_gain_s=-1: must be a number of seconds >= 0"),
         # Every field's kind is checked against its annotation before the field's own range check,
         # so a string or a YAML bool is named instead of failing with Python's comparison TypeError.

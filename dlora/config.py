@@ -270,8 +270,12 @@ class ClusterConfig:
     # (so a request that kills replicas cannot cycle restarts through the cluster).
     max_resubmissions: int = 2
     # Deadline on every call to a replica actor other than a request's stream (stats, adapter
-    # loads, aborts); a replica that misses it is treated as failed.
+    # loads, aborts); a replica that misses it is pinged (an answer that does not wait for the
+    # engine), and treated as failed if the ping misses the deadline too.
     actor_call_timeout_s: float = 30.0
+    # A replica whose pings answer is busy, not dead (one engine step can outlast the deadline:
+    # a long prefill on one core); a call it leaves unanswered this long means its engine hangs.
+    replica_stall_timeout_s: float = 300.0
     # Deadline on building a replica's engine (start and rebuild after a failure).
     replica_start_timeout_s: float = 600.0
     # A replica that fails to rebuild this many times in a row is reported unhealthy and left alone.
@@ -348,6 +352,7 @@ class ClusterConfig:
             "queue_delay_s",
             "placement_interval_s",
             "actor_call_timeout_s",
+            "replica_stall_timeout_s",
             "replica_start_timeout_s",
         ):
             _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")

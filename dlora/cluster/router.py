@@ -7,7 +7,10 @@ client's stream goes on with no duplicated or missing tokens:
   * migration: the balancer sets `migrate_to` and aborts the request on its replica; the engine
     ends the stream with finish_reason "abort", which the router swallows;
   * failure: the replica's actor died or restarted, or its engine died (`ReplicaFailure`), or it
-    missed a call's deadline (`actor_call_timeout_s`); the replica is rebuilt in the background
+    stopped answering: a call that misses its deadline (`actor_call_timeout_s`) is followed by a
+    ping that does not wait for the engine; a replica that answers it is slow (a long engine step),
+    not dead, and is waited for up to `replica_stall_timeout_s`; one that does not, or that leaves a
+    call unanswered that long, has failed. A failed replica is rebuilt in the background
     and its pinned adapters are loaded again. A request is resubmitted after at most
     `max_resubmissions` failures, then fails (`ResubmissionLimit`): it may be what kills them.
 Bounds: a request that passes its deadline (`request_timeout_s`) is aborted and fails with
@@ -76,6 +79,7 @@ class Replica(Protocol):
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None: ...
     async def remove_adapter(self, int_id: int) -> bool: ...
     async def stats(self) -> ReplicaStats: ...
+    async def ping(self) -> None: ...  # answers without waiting for the engine; raises if it died
     async def shutdown(self) -> None: ...
 
 
@@ -103,6 +107,10 @@ class ReplicaSlot:
     # Being removed (`Router.drain`): nothing new is sent here, its requests move elsewhere, and a
     # failure does not rebuild it.
     draining: bool = False
+    # The stats read still unanswered, if any, and when it was asked (event-loop time): a slow
+    # replica's read is awaited again by the next refresh, not asked twice.
+    stats_call: asyncio.Future | None = None
+    stats_asked_at: float = 0.0
 
     @property
     def replica_id(self) -> int:
@@ -197,7 +205,9 @@ class RouterConfig:
     # Output lengths the balancer expects (dispatch, migration): per-adapter history of finished requests.
     output_lengths: OutputLengthConfig = field(default_factory=OutputLengthConfig)
     max_resubmissions: int = 2  # replica failures a request survives (migrations don't count)
-    actor_call_timeout_s: float = 30.0  # every replica call but a stream; missed: the replica failed
+    actor_call_timeout_s: float = 30.0  # every replica call but a stream; missed: the replica is pinged
+    # A call a replica that still answers pings has left unanswered this long: its engine hangs.
+    replica_stall_timeout_s: float = 300.0
     replica_start_timeout_s: float = 600.0  # building a replica's engine
     max_restart_attempts: int = 5  # failed rebuilds in a row before a replica is given up
     request_timeout_s: float | None = None  # a request's deadline from arrival (None: none)
@@ -381,14 +391,43 @@ class Router:
         self.reported.pop(rid, None)
 
     async def _call(self, slot: ReplicaSlot, call, timeout_s: float | None = None):
-        """A replica call with a deadline: a replica that misses it counts as failed."""
-        timeout_s = timeout_s or self.cfg.actor_call_timeout_s
+        """A replica call with a deadline. At each missed deadline the replica is pinged: one that
+        answers is busy (one engine step can outlast the deadline) and the call is awaited again,
+        up to `replica_stall_timeout_s` in all; one that does not answer has failed, and so has one
+        whose call is still unanswered at the stall bound. Failures raise ReplicaFailure."""
+        task = asyncio.ensure_future(call)
+        asked_at = asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(call, timeout_s)
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(task), timeout_s or self.cfg.actor_call_timeout_s)
+                except TimeoutError:
+                    await self._check_alive(slot, asked_at)
+        finally:
+            task.cancel()  # a no-op once it is done
+
+    async def _check_alive(self, slot: ReplicaSlot, asked_at: float) -> None:
+        """After a missed deadline: raises ReplicaFailure unless the replica answers a ping and
+        the call asked at `asked_at` is younger than the stall bound."""
+        waited = asyncio.get_running_loop().time() - asked_at
+        if waited >= self.cfg.replica_stall_timeout_s:
+            raise ReplicaFailure(f"replica {slot.replica_id} left a call unanswered for {waited:.0f} s")
+        try:
+            await asyncio.wait_for(slot.replica.ping(), self.cfg.actor_call_timeout_s)
         except TimeoutError:
-            raise ReplicaFailure(f"replica {slot.replica_id} did not answer within {timeout_s:g} s") from None
+            raise ReplicaFailure(
+                f"replica {slot.replica_id} did not answer a ping within {self.cfg.actor_call_timeout_s:g} s"
+            ) from None
+        except ReplicaFailure:
+            raise
+        except Exception as e:  # whatever a dead actor raises: it is gone either way
+            raise ReplicaFailure(f"replica {slot.replica_id} failed a ping: {e}") from e
+        self.counters["busy_deadlines"] += 1
+        log.info("replica %d is busy: a call has waited %.0f s; its pings answer", slot.replica_id, waited)
 
     def _mark_failed(self, slot: ReplicaSlot) -> None:
+        if slot.stats_call is not None:  # asked of the failed engine: the rebuilt one is asked afresh
+            slot.stats_call.cancel()
         if slot.recovering or (slot.draining and not slot.healthy):
             return
         slot.healthy = False
@@ -896,16 +935,29 @@ class Router:
         return True
 
     async def _read_stats(self, s: ReplicaSlot) -> ReplicaStats | None:
+        """The replica's stats, or None: unhealthy, failed now, or busy (its read, still pending,
+        is awaited again by the next refresh instead of being asked twice)."""
         if not s.healthy:
             return None
+        loop = asyncio.get_running_loop()
+        if s.stats_call is None or s.stats_call.done():
+            s.stats_call, s.stats_asked_at = asyncio.ensure_future(s.replica.stats()), loop.time()
         try:
-            return await self._call(s, s.replica.stats())
-        except ReplicaFailure as e:  # e.g. Ray restarted the actor, or it hangs: rebuild it before a request finds out
-            log.warning("replica %d failed its stats read (%s); rebuilding it", s.replica_id, e)
-            self._mark_failed(s)
+            return await asyncio.wait_for(asyncio.shield(s.stats_call), self.cfg.actor_call_timeout_s)
+        except TimeoutError:
+            try:
+                await self._check_alive(s, s.stats_asked_at)
+            except ReplicaFailure as e:
+                self._stats_failed(s, e)
+        except ReplicaFailure as e:  # e.g. Ray restarted the actor: rebuild it before a request finds out
+            self._stats_failed(s, e)
         except Exception as e:
             log.warning("replica %d: stats read failed: %s", s.replica_id, e)
         return None
+
+    def _stats_failed(self, s: ReplicaSlot, e: ReplicaFailure) -> None:
+        log.warning("replica %d failed its stats read (%s); rebuilding it", s.replica_id, e)
+        self._mark_failed(s)
 
     async def refresh_stats(self) -> list[ReplicaStats]:
         """Read every replica's stats (at once: a hung one costs one deadline, not one per replica)
@@ -914,6 +966,9 @@ class Router:
         out = []
         slots = list(self.slots)  # a replica added or removed meanwhile is read next time
         for s, st in zip(slots, await asyncio.gather(*(self._read_stats(s) for s in slots))):
+            if st is None and s.healthy and s.replica_id in self.reported:
+                out.append(self.reported[s.replica_id])  # busy: its last report stands until the read answers
+                continue
             st = st or ReplicaStats(replica_id=s.replica_id, num_unfinished=0, healthy=False)
             s.last_stats = st if st.healthy else s.last_stats
             if s not in self.slots:

@@ -87,6 +87,11 @@ class ReplicaActor:
             device_adapter_ids=await self._device_adapter_ids(),
         )
 
+    async def ping(self) -> None:
+        """Answers at once, between engine steps or during one (the engine core is its own
+        process): raises only if the engine died or was never started."""
+        await self.host.check_health()
+
     async def _device_adapter_ids(self) -> list[int]:
         try:
             return await self.host.device_adapter_ids()
@@ -215,6 +220,9 @@ class RayReplica:
 
     async def stats(self) -> ReplicaStats:
         return await self._call(self.actor.stats.remote())
+
+    async def ping(self) -> None:
+        await self._call(self.actor.ping.remote())
 
     async def shutdown(self) -> None:
         if self._reader is not None:

@@ -413,7 +413,13 @@ class ClusterCollector:
             "request's SLO: sent to the least pending time",
         )
         infeasible.add_metric([], self.counters.get("slo_infeasible_dispatches", 0))
-        yield from (resub, moved, restarts, gave_up, infeasible)
+        busy = CounterMetricFamily(
+            "dlora_replica_busy_deadlines",
+            "Replica calls that missed cluster.actor_call_timeout_s while the replica answered pings "
+            "(a long engine step): waited for, not counted as failures",
+        )
+        busy.add_metric([], self.counters.get("busy_deadlines", 0))
+        yield from (resub, moved, restarts, gave_up, infeasible, busy)
 
 
 class SloCollector:

@@ -92,6 +92,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
         output_lengths=cfg.cluster.output_lengths(),
         max_resubmissions=cfg.cluster.max_resubmissions,
         actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,
+        replica_stall_timeout_s=cfg.cluster.replica_stall_timeout_s,
         replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
         max_restart_attempts=cfg.cluster.max_restart_attempts,
         request_timeout_s=cfg.server.request_timeout_s,

@@ -195,6 +195,9 @@ class ToyReplica:
             batching=batching,
         )
 
+    async def ping(self) -> None:
+        self._check()
+
     async def shutdown(self) -> None:
         self._alive = False
 

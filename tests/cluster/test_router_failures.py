@@ -15,7 +15,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
 from dlora.cluster.router import Router, RouterConfig
 from dlora.replica.errors import EngineNotStarted, ReplicaFailure, RequestRejected
-from dlora.replica.messages import GenerateRequest, SamplingSpec
+from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.replica.ray_replica import _is_replica_failure, stream_error
 from dlora.sim.toy_replica import ToyReplica, reference_tokens
 
@@ -178,11 +178,15 @@ def test_a_rejected_request_fails_alone_and_is_not_resubmitted():
 # ---- deadlines ---------------------------------------------------------------------------------------
 
 
-def test_a_hung_replica_misses_its_stats_deadline_and_its_streams_move():
+def test_a_hung_engine_is_waited_for_up_to_the_stall_bound_then_its_streams_move():
+    """Its actor answers pings (the engine is busy, for all the router can tell): the first missed
+    deadline keeps the replica; the stats read still unanswered at the stall bound fails it."""
+
     async def run():
         hung, good = HungReplica(0, step_s=0.002), ToyReplica(1, step_s=0.002)
-        router = make([hung, good], actor_call_timeout_s=0.2, dispatch="round_robin")
+        router = make([hung, good], actor_call_timeout_s=0.2, replica_stall_timeout_s=0.6, dispatch="round_robin")
         await router.start()
+        await router.refresh_stats()  # both report once
         hung.hung = True
         task = asyncio.create_task(collect(router, request("h", n=10)))
         while "h" not in router.requests or router.requests["h"].engine_request_id is None:
@@ -190,12 +194,90 @@ def test_a_hung_replica_misses_its_stats_deadline_and_its_streams_move():
         assert router.requests["h"].slot.replica_id == 0
         t0 = time.monotonic()
         stats = await router.refresh_stats()  # does not wait on the hung replica past its deadline
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 0.5
+        assert router.slots[0].healthy and stats[0].healthy and router.counters["busy_deadlines"] == 1
+        assert not task.done() and router.counters["resubmissions"] == 0
+        await asyncio.sleep(0.3)
+        stats = await router.refresh_stats()  # the same read, asked 0.7 s ago: past the stall bound
         assert not stats[0].healthy and stats[1].healthy and not router.slots[0].healthy
         assert await asyncio.wait_for(task, 2) == reference_tokens(None, (1, 2, 3), 10)  # finished on replica 1
         assert hung.closed == 1 and router.counters["resubmissions"] == 1
         for t in [s.recovering for s in router.slots if s.recovering]:
             t.cancel()
+
+    asyncio.run(run())
+
+
+class DeadActorReplica(HungReplica):
+    """Its pings hang too: the actor itself no longer answers."""
+
+    async def ping(self):
+        if self.hung:
+            await asyncio.Event().wait()
+        await super().ping()
+
+
+def test_a_replica_that_misses_a_deadline_and_its_ping_fails_at_once():
+    async def run():
+        dead, good = DeadActorReplica(0, step_s=0.002), ToyReplica(1, step_s=0.002)
+        router = make([dead, good], actor_call_timeout_s=0.2, replica_stall_timeout_s=60.0, dispatch="round_robin")
+        await router.start()
+        dead.hung = True
+        task = asyncio.create_task(collect(router, request("h", n=10)))
+        while "h" not in router.requests or router.requests["h"].engine_request_id is None:
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        stats = await router.refresh_stats()  # the stats deadline, then the ping's: far below the stall bound
+        assert time.monotonic() - t0 < 1.0
+        assert not stats[0].healthy and not router.slots[0].healthy and router.counters["busy_deadlines"] == 0
+        assert await asyncio.wait_for(task, 2) == reference_tokens(None, (1, 2, 3), 10)
+        for t in [s.recovering for s in router.slots if s.recovering]:
+            t.cancel()
+
+    asyncio.run(run())
+
+
+class SlowStatsReplica(ToyReplica):
+    """Its stats take `stats_s` (a long engine step) and are counted."""
+
+    def __init__(self, replica_id: int, stats_s: float, **kw) -> None:
+        super().__init__(replica_id, **kw)
+        self.stats_s, self.stats_calls = stats_s, 0
+
+    async def stats(self):
+        self.stats_calls += 1
+        await asyncio.sleep(self.stats_s)
+        return await super().stats()
+
+
+def test_a_slow_replica_is_not_rebuilt_and_its_late_stats_are_used():
+    async def run():
+        slow = SlowStatsReplica(0, stats_s=0.3, step_s=0.002)
+        router = make([slow], actor_call_timeout_s=0.2, replica_stall_timeout_s=10.0)
+        await router.start()
+        task = asyncio.create_task(collect(router, request("s", n=10)))
+        first = await router.refresh_stats()  # missed the deadline; the ping answers
+        assert router.slots[0].healthy and router.counters["busy_deadlines"] >= 1
+        assert not first[0].healthy  # it had never reported: nothing to stand in for it
+        late = await router.refresh_stats()  # awaits the same pending read, which now answers
+        assert late[0].healthy and slow.stats_calls == 1
+        assert router.reported[0] is late[0]
+        assert await asyncio.wait_for(task, 2) == reference_tokens(None, (1, 2, 3), 10)
+        assert router.counters["resubmissions"] == 0 and router.slots[0].restarts == 0
+        await router.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_slow_adapter_load_is_waited_for_not_taken_for_a_failure():
+    async def run():
+        slow = ToyReplica(0, load_s=0.5)
+        router = make([slow], actor_call_timeout_s=0.2, replica_stall_timeout_s=10.0)
+        await router.start()
+        await router.load_everywhere(AdapterRef("a", 1, "/a"))
+        assert slow.loaded == {1: "a"} and router.slots[0].healthy and router.slots[0].restarts == 0
+        assert router.counters["busy_deadlines"] == 2  # 0.2 s and 0.4 s missed, answered at 0.5 s
+        await router.shutdown()
 
     asyncio.run(run())
 

@@ -124,6 +124,7 @@ def test_restarted_actor_surfaces_replica_failure(ray_cluster):
         for name, call in {
             "generate": lambda: first_delta(replica.generate(REQ)),
             "stats": replica.stats,
+            "ping": replica.ping,  # what tells a busy replica from a dead one: no engine is dead
             "add_adapter": lambda: replica.add_adapter(REF, True),
             "remove_adapter": lambda: replica.remove_adapter(1),
         }.items():

@@ -678,6 +678,7 @@ class DloraScheduler(Scheduler):
             alpha=snap.alpha,
             beta=snap.beta,
             starving=sorted("" if a is None else a for a in snap.starving),
+            planner=snap.planner,
         )
 
     def _dlora_settle_restore(self, received: list[SwitchReport]) -> None:

@@ -34,6 +34,8 @@ from dlora.scheduling.dynamic_batching import (
 from dlora.scheduling.merge_planner import (
     DEFAULT_OUTPUT_TOKENS,
     FinishedLengths,
+    LengthTail,
+    SlicePlan,
     slice_gain,
     stay_pays,
     work_by_adapter,
@@ -70,6 +72,7 @@ class DLoRAPolicy(BatchingPolicy):
         self.steps = StepTimeModel(min(c.merged_cost_prior, PLANNER_MERGED_PRIOR))
         self.lengths = FinishedLengths()
         self.planned_merges = 0  # merges the planner made that Alg. 1's threshold did not
+        self.last_slice: SlicePlan | None = None  # the planner's verdict on the slice it started last
         self._slice: str | None = None  # the adapter of the planner's slice under way
         self._slice_steps = 0  # steps it has run
         self._slice_started = 0.0  # when it began (the policy's clock)
@@ -170,10 +173,11 @@ class DLoRAPolicy(BatchingPolicy):
         probe = self._shape_probe(q, alg1)
         if probe is not None:
             return probe
-        works = work_by_adapter(requests, self.lengths.mean)
+        works = work_by_adapter(requests, LengthTail(self.lengths.pooled()))
         for adapter in self._slice_order(q, starving):
             plan = slice_gain(works, adapter, unmerged, merged, self.switch_cost, q.max_batch)
             if plan.pays(self.config.planner_margin):
+                self.last_slice = plan
                 members = q.group(adapter)
                 self._slice, self._slice_steps = adapter, 1
                 self._slice_started = self._last_now or 0.0
@@ -240,7 +244,7 @@ class DLoRAPolicy(BatchingPolicy):
             return None
         if self._slice_may_end() and any(a != adapter and a in q.groups for a in starving):
             return None
-        works = work_by_adapter(requests, self.lengths.mean)
+        works = work_by_adapter(requests, LengthTail(self.lengths.pooled()))
         if not stay_pays(works, adapter, unmerged, merged, self.switch_cost, q.max_batch):
             return None
         return Step(Mode.MERGED, adapter, members[: q.max_batch], members, adapter, planned=True)
@@ -320,4 +324,16 @@ class DLoRAPolicy(BatchingPolicy):
             credits=dict(self.ledger.credits),
             starving=frozenset(self.ledger.starving),
             switch_cost=self.switch_cost,
+            planner=self._planner_state(),
         )
+
+    def _planner_state(self) -> dict | None:
+        lines = self._planner_lines()
+        if lines is None:
+            return None
+        last = self.last_slice
+        return {
+            "unmerged": [round(v, 7) for v in (lines[0].fixed_s, lines[0].per_prefill_token_s, lines[0].per_seq_s)],
+            "merged": [round(v, 7) for v in (lines[1].fixed_s, lines[1].per_prefill_token_s, lines[1].per_seq_s)],
+            "last_slice": None if last is None else [last.adapter, round(last.gain_s, 4), round(last.merged_s, 4)],
+        }

@@ -16,8 +16,13 @@ per_seq), running together to completion:
     steps(S) = max(longest remaining output in S, ceil(D(S) / max_batch))
 
 with P(S) the prompt tokens still to compute and D(S) the output tokens still to generate (each
-request's remaining output is its cap, or the recent mean output length when that is smaller,
-at least 1). The plan "merge X now": switch in, T_merged(X's requests), switch out, then the rest.
+request's remaining output: the mean, over the recently finished requests that ran longer than it
+has so far, of how much longer they ran; as long again as it has run when none did; within its
+cap, at least 1). Why conditioned: output lengths are heavy-tailed, and a request that has outrun
+the mean is not about to finish; priced at one token left, it is worth a merged slice of its own,
+again at every step it does not finish.
+
+The plan "merge X now": switch in, T_merged(X's requests), switch out, then the rest.
 Its gain over "stay unmerged" is
 
     gain(X) = T_unmerged(all) - [2 · t_switch + T_merged(X) + R(rest)]
@@ -35,6 +40,7 @@ Pure functions over `RequestView`s; the policy (`dlora_policy.py`) owns the stat
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,20 +73,46 @@ class Work:
         return self.output_tokens == 0 and self.prompt_tokens == 0
 
 
-def remaining_output(r: RequestView, expected_total: float | None) -> int:
-    """Output tokens `r` is expected to generate still (>= 1 while it is unfinished)."""
-    cap = float(DEFAULT_OUTPUT_TOKENS) if r.max_tokens is None and expected_total is None else float("inf")
-    if r.max_tokens is not None:
-        cap = float(r.max_tokens)
-    expected = cap if expected_total is None else min(cap, expected_total)
-    return max(1, math.ceil(expected - r.num_output_tokens))
+class LengthTail:
+    """Recent output lengths, sorted, with suffix sums: how much longer the requests that ran
+    past `g` tokens ran, on average, in O(log n)."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.sorted = sorted(lengths)
+        self._suffix = [0] * (len(self.sorted) + 1)
+        for i in range(len(self.sorted) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + self.sorted[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.sorted)
+
+    def expected_after(self, generated: int) -> float:
+        """Mean of (length - generated) over the lengths above `generated`; `generated` (as long
+        again) when none is, at least 1."""
+        first = bisect.bisect_right(self.sorted, generated)
+        longer = len(self.sorted) - first
+        if longer == 0:
+            return float(max(1, generated))
+        return self._suffix[first] / longer - generated
 
 
-def work_by_adapter(requests: Iterable[RequestView], expected_total: float | None) -> dict[AdapterKey, Work]:
+def remaining_output(r: RequestView, tail: LengthTail | None) -> int:
+    """Output tokens `r` is expected to generate still (>= 1 while it is unfinished): the recent
+    lengths' expectation given what it has generated, within its cap; the cap (a default when it
+    has none) before any request finished."""
+    left_in_cap = float("inf") if r.max_tokens is None else float(r.max_tokens - r.num_output_tokens)
+    if not tail:
+        expected = float(DEFAULT_OUTPUT_TOKENS - r.num_output_tokens) if r.max_tokens is None else left_in_cap
+    else:
+        expected = min(left_in_cap, tail.expected_after(r.num_output_tokens))
+    return max(1, math.ceil(expected))
+
+
+def work_by_adapter(requests: Iterable[RequestView], tail: LengthTail | None) -> dict[AdapterKey, Work]:
     """The requests' known work, by adapter (None: the base model)."""
     out: dict[AdapterKey, Work] = {}
     for r in requests:
-        d = remaining_output(r, expected_total)
+        d = remaining_output(r, tail)
         w = Work(max(0, r.num_prompt_tokens - r.num_computed_tokens), d, d)
         out[r.adapter] = out.get(r.adapter, Work()) + w
     return out
@@ -181,10 +213,6 @@ class FinishedLengths:
                 self._recent.append(length)
                 self._by_adapter.setdefault(adapter, deque(maxlen=RECENT_LENGTHS)).append(length)
         self._last = now
-
-    @property
-    def mean(self) -> float | None:
-        return sum(self._recent) / len(self._recent) if self._recent else None
 
     def pooled(self) -> tuple[int, ...]:
         """The recent lengths, every adapter's."""

@@ -197,24 +197,19 @@ class StepTimeModel:
         return any(f.decode_shape() is not None for f in self._fits.values())
 
     def line(self, mode: Mode) -> StepLine | None:
-        """The step line of `mode`; None before any unmerged step was measured.
+        """The step line of `mode`; None before an unmerged decode step was measured.
 
-        UNMERGED is pulled toward a line through its mean decode step (before any, the merged one:
-        an unmeasured cost is priced so that the choice it favours measures it, here unmerged
-        decoding), split as its own decode steps show, else as the merged ones do (both modes share
-        the base model's step), else half and half. MERGED is pulled toward UNMERGED's line times
-        `merged_cost_ratio`, with no fixed cost until a merged decode step was measured:
-        optimistic, so that where merging may pay a slice is tried, and then priced as measured."""
+        UNMERGED is pulled toward a line through its mean decode step, split as its own decode
+        steps show, else as the merged ones do (both modes share the base model's step), else half
+        and half. MERGED is pulled toward UNMERGED's line times `merged_cost_ratio` (optimistic,
+        so that where merging may pay a slice is tried, and then priced as measured), fixed cost
+        included. Why no line before a decode step: a prefill says nothing of a step's fixed cost,
+        and with none, merging adapters one after another looks free against batching them."""
         u, m = self._fits[Mode.UNMERGED], self._fits[Mode.MERGED]
-        if u.steps == 0:
-            return None
         mean = u.decode_mean()
         if mean is None:
-            mean = m.decode_mean()
+            return None
         unmerged = u.line(decode_prior(mean, u.decode_shape() or m.decode_shape()), data_only_prefill=True)
         if mode is Mode.UNMERGED:
             return unmerged
-        prior = unmerged.scaled(self.merged_cost_ratio)
-        if m.decode_steps == 0:
-            prior = StepLine(0.0, prior.per_prefill_token_s, prior.per_seq_s)
-        return m.line(prior)
+        return m.line(unmerged.scaled(self.merged_cost_ratio))

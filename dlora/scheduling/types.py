@@ -100,3 +100,6 @@ class PolicySnapshot:
     credits: dict[AdapterKey, float] = field(default_factory=dict)
     starving: frozenset[AdapterKey] = frozenset()
     switch_cost: float | None = None  # current estimate t_M, seconds
+    # The merge planner's step lines (unmerged, merged: fixed s, s per prompt token, s per sequence)
+    # and the slice it started last (adapter, predicted gain s, merged s), for step traces.
+    planner: dict | None = None

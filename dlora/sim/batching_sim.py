@@ -33,7 +33,8 @@ class SimRequest:
     adapter: str | None
     arrival: float  # seconds
     prompt_tokens: int
-    output_tokens: int
+    output_tokens: int  # what it generates (its end of sequence comes then)
+    max_tokens: int | None = None  # the cap the policy sees; None: output_tokens (fixed lengths)
 
 
 @dataclass(slots=True)
@@ -54,7 +55,8 @@ class _Live:
             computed,
             self.generated,
             self.admitted,
-            self.req.output_tokens,  # the request's cap: benchmarks run fixed lengths (ignore_eos)
+            # fixed-length benchmarks (ignore_eos) cap each request at its length
+            self.req.output_tokens if self.req.max_tokens is None else self.req.max_tokens,
         )
 
 

@@ -61,12 +61,16 @@ def test_the_merged_decode_shape_splits_the_unmerged_step():
     assert (merged.fixed_s, merged.per_seq_s) == pytest.approx((0.02, 0.001), rel=2e-2)
 
 
-def test_merged_is_priced_from_unmerged_until_measured_with_no_fixed_cost():
+def test_merged_is_priced_from_unmerged_until_measured_fixed_cost_included():
     m = StepTimeModel(0.5)
     assert m.line(U) is None and m.line(M) is None  # nothing measured: the planner waits
-    feed(m, U, TRUE_U, [(2048, 4), (1024, 12), (0, 16), (0, 32), (0, 8)] * 4)
-    # no merged step yet: half the unmerged costs, and no fixed cost (optimistic: try it once)
-    close(m.line(M), StepLine(0.0, 0.001, 0.0015))
+    feed(m, U, TRUE_U, [(2048, 4), (1024, 12)])
+    # prefills alone say nothing of a step's fixed cost: still no line to price a slice with
+    assert m.line(U) is None and m.line(M) is None
+    feed(m, U, TRUE_U, [(0, 16), (0, 32), (0, 8)] + [(2048, 4), (1024, 12), (0, 16), (0, 32), (0, 8)] * 3)
+    # no merged step yet: half the unmerged costs, the fixed one too (a merged step runs the same
+    # base model: with no fixed cost, merging adapters one after another would look free)
+    close(m.line(M), StepLine(0.02, 0.001, 0.0015))
     assert m.shape_known()  # the unmerged decode steps ran 8, 16 and 32 sequences
     merged_truth = StepLine(0.03, 0.0009, 0.0005)
     feed(m, M, merged_truth, [(2048, 4), (1024, 12), (0, 16), (0, 32), (0, 8)] * 20)

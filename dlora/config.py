@@ -489,9 +489,15 @@ class BatchConfig:
     # which replica and in what order (sample-then-simulate, dlora/batch/plan.py); "none" sends them
     # as they come, to whichever replica dispatch picks.
     planner: str = "stages"
+    # With "stages": a stage plan is chosen only when predicted at least this fraction sooner than
+    # sending the lines at once (else they are sent at once). Why a margin: each stage boundary
+    # waits for a replica's last requests, a tail the plan's simulation prices low; on 2 CPU cores
+    # no stage plan has yet beaten sending at once (docs/batch.md).
+    min_stage_gain: float = 0.1
 
     def __post_init__(self) -> None:
         _check_kinds(self, "batch")
+        _check(0 <= self.min_stage_gain < 1, "batch.min_stage_gain", self.min_stage_gain, "must be >= 0 and < 1")
         _check(self.planner in BATCH_PLANNERS, "batch.planner", self.planner, f"must be one of {BATCH_PLANNERS}")
         _check(self.max_file_mib > 0, "batch.max_file_mib", self.max_file_mib, "must be > 0")
         _check(self.max_requests >= 1, "batch.max_requests", self.max_requests, "must be a whole number >= 1")

@@ -134,4 +134,5 @@ class PlanEta:
         if self.state.cfg.batch.planner == "none":
             return predict([w for _, ws in left for w in ws], list(params.values()), lengths).makespan_s
         lines, works = zip(*left)
-        return line_plan(lines, works, params, lengths, self.state.cfg.engine.max_num_seqs).predicted_s
+        per_replica, gain = self.state.cfg.engine.max_num_seqs, self.state.cfg.batch.min_stage_gain
+        return line_plan(lines, works, params, lengths, per_replica, min_stage_gain=gain).predicted_s

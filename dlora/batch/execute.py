@@ -156,7 +156,10 @@ class ServerPlanner:
         lengths = with_running(finished, running)
         busy = {rid: held_s(reqs, params[rid], lambda a: finished.get(a, ())) for rid, reqs in held.items()}
         per_replica = self.state.cfg.engine.max_num_seqs
-        return line_plan(lines, works, params, lambda a: lengths.get(a, ()), per_replica, busy_s=busy)
+        gain = self.state.cfg.batch.min_stage_gain
+        return line_plan(
+            lines, works, params, lambda a: lengths.get(a, ()), per_replica, busy_s=busy, min_stage_gain=gain
+        )
 
 
 def batch_planner(state, known_works: dict[int, list[Work]] | None = None) -> ServerPlanner | None:

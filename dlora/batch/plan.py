@@ -224,8 +224,11 @@ def dispatch_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Seq
     return Plan(tuple(segments), max([s.end_s for s in segments] + busy), staged=False)
 
 
-def choose_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
-    """The stage plan, unless sending everything at once is predicted to be as fast (adapters
-    too small to merge, or merging not cheaper on these replicas)."""
+def choose_plan(
+    jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None, min_gain: float = 0.0
+) -> Plan:
+    """The stage plan if it is predicted more than `min_gain` (a fraction) sooner than sending
+    everything at once; else sending at once (adapters too small to merge, merging not cheaper on
+    these replicas, or a gain too small to be worth the stage boundaries' tails)."""
     staged, flat = plan_stages(jobs, params, busy_s), dispatch_plan(jobs, params, busy_s)
-    return staged if staged.makespan_s < flat.makespan_s else flat
+    return staged if staged.makespan_s < (1 - min_gain) * flat.makespan_s else flat

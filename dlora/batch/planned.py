@@ -71,9 +71,11 @@ def line_plan(
     per_replica: int,
     seed: int = 0,
     busy_s: Mapping[int, float] | None = None,
+    min_stage_gain: float = 0.0,
 ) -> LinePlan:
     """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params`
-    prices, each free after `busy_s` (replica id -> seconds of work it holds already; 0 if absent)."""
+    prices, each free after `busy_s` (replica id -> seconds of work it holds already; 0 if absent);
+    staged only when that is predicted more than `min_stage_gain` sooner than sending at once."""
     flat = [w for ws in works for w in ws]
     drawn = iter(sample_lengths(flat, lengths_of, random.Random(seed)))
     jobs = [
@@ -81,7 +83,7 @@ def line_plan(
         for ws in works
     ]
     ids = sorted(params)
-    plan = choose_plan(jobs, [params[r] for r in ids], [(busy_s or {}).get(r, 0.0) for r in ids])
+    plan = choose_plan(jobs, [params[r] for r in ids], [(busy_s or {}).get(r, 0.0) for r in ids], min_stage_gain)
     return LinePlan(
         _queues(plan, jobs, lines, ids, params), plan.makespan_s, _mode(plan), per_replica, len(plan.segments)
     )

@@ -39,6 +39,9 @@ def test_two_large_adapters_run_merged_one_per_replica():
     # sent at once they mix on both replicas and every step is unmerged: twice as long
     assert dispatch_plan(jobs, [p, p]).makespan_s == pytest.approx(2 * 10 * 1.0)
     assert choose_plan(jobs, [p, p]) == plan
+    # predicted 2x sooner: chosen with a margin below half, not with one above
+    assert choose_plan(jobs, [p, p], min_gain=0.4) == plan
+    assert choose_plan(jobs, [p, p], min_gain=0.6) == dispatch_plan(jobs, [p, p])
 
 
 def test_small_adapters_share_one_unmerged_batch_adapter_by_adapter():

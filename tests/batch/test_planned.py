@@ -289,7 +289,9 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
     from dlora.batch.execute import ServerPlanner
     from tests.cluster.balancer_factories import make_request
 
-    state = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4)))
+    from dlora.config import BatchConfig
+
+    state = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4), batch=BatchConfig()))
     lines = [line(n) for n in range(1, 5)]
     works = [[Work("a", 0, 16)] for _ in lines]
     p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)

@@ -287,9 +287,8 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
     from types import SimpleNamespace
 
     from dlora.batch.execute import ServerPlanner
-    from tests.cluster.balancer_factories import make_request
-
     from dlora.config import BatchConfig
+    from tests.cluster.balancer_factories import make_request
 
     state = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4), batch=BatchConfig()))
     lines = [line(n) for n in range(1, 5)]

@@ -13,7 +13,7 @@ from tests.oracle import HFOracle
 
 ADMIN_TOKEN = "test-admin-token"
 # Fixtures that start a server: a test using one is marked `engine` (tests/fast_lane.py).
-ENGINE_FIXTURES = frozenset({"tiny_server"})
+ENGINE_FIXTURES = frozenset({"tiny_server", "shipped_server", "einsum_server"})
 _fast_lane_patches = pytest.MonkeyPatch()
 
 
@@ -65,6 +65,38 @@ def tiny_server(tiny_model, tmp_path_factory):
             **{"server.admin_token": ADMIN_TOKEN, "server.allow_client_priority": True},
         ),
     )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def shipped_server(tmp_path_factory):
+    """configs/default.yaml as shipped, on one replica: shared by the tests that hold the shipped
+    model to HF (test_default_config.py, test_sampling_fields.py); one server start instead of two."""
+    from tests.oracle import shipped_config
+
+    tmp = tmp_path_factory.mktemp("shipped")
+    server = harness.launch(tmp, shipped_config(tmp))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def hostile_adapter_root(tmp_path_factory):
+    """An adapter root the hostile-adapter tests write broken copies into (of the einsum server)."""
+    return tmp_path_factory.mktemp("adapter-roots")
+
+
+@pytest.fixture(scope="session")
+def einsum_server(tiny_model, hostile_adapter_root, tmp_path_factory):
+    """The tiny server with `engine.lora_backend: einsum` (which reads every slot's weights): shared
+    by test_lora_backend.py and test_adapter_safety.py. Its adapter roots are the test model's
+    directory and `hostile_adapter_root`."""
+    tmp = tmp_path_factory.mktemp("einsum")
+    roots = [str(tiny_model.base.parent), str(hostile_adapter_root)]
+    overrides = {"engine.lora_backend": "einsum", "server.adapter_roots": roots}
+    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **overrides)
+    server = harness.launch(tmp, cfg)
     yield server
     server.stop()
 

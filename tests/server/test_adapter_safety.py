@@ -1,7 +1,7 @@
 """Hostile adapter files on a real server (einsum LoRA backend, which reads every slot's weights):
 each is refused with a 400 naming the problem and harms nobody; a registered adapter is served
 from its snapshot, so deleting its source changes nothing, and a damaged snapshot fails only that
-adapter's requests. This module starts one server."""
+adapter's requests. The server is the session's einsum server (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,29 +13,19 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests import harness
 from tests.server.test_admin_api import adapters_once, admin, complete
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
 
-@pytest.fixture(scope="module")
-def roots(tmp_path_factory):
-    return tmp_path_factory.mktemp("adapter-roots")
+@pytest.fixture
+def roots(hostile_adapter_root):
+    return hostile_adapter_root
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, roots, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("safety")
-    cfg = harness.tiny_config(
-        tiny_model,
-        tmp / "state",
-        harness.free_port(),
-        **{"engine.lora_backend": "einsum", "server.adapter_roots": [str(roots)]},
-    )
-    server = harness.launch(tmp, cfg)
-    yield server
-    server.stop()
+@pytest.fixture
+def server(einsum_server):
+    return einsum_server
 
 
 def _config(d, key, literal):

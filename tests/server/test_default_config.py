@@ -1,8 +1,9 @@
 """configs/default.yaml as shipped answers like Hugging Face does, in the dtype it ships.
 
-The server runs the shipped file (its `auto:` model, its dtype, its adapters) with only a free port,
-a throw-away state dir and one replica. The oracle is HF transformers (+ PEFT for the demo adapters)
-on the same converted model directory, in the same dtype, greedy, on the same prompt token ids.
+The server (the session's `shipped_server`, tests/conftest.py) runs the shipped file (its `auto:`
+model, its dtype, its adapters) with only a free port, a throw-away state dir and one replica. The
+oracle is HF transformers (+ PEFT for the demo adapters) on the same converted model directory, in
+the same dtype, greedy, on the same prompt token ids.
 
 A greedy comparison is only meaningful while the oracle's choice is clear: where HF's own top-2
 logits are closer than the dtype's noise, either token is a correct answer and everything after
@@ -17,9 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from tests import harness
-from tests.oracle import shipped_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 PROMPTS = (
@@ -105,14 +103,6 @@ def oracle_answers(shipped):
     return answers
 
 
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("default-config")
-    server = harness.launch(tmp, shipped_config(tmp))
-    yield server
-    server.stop()
-
-
 def served_greedy(server, model: str, prompt_ids: list[int]) -> list[int]:
     r = httpx.post(
         f"{server.url}/v1/completions",
@@ -141,14 +131,14 @@ def test_default_config_ships_a_dtype_with_a_tie_tolerance(shipped):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("adapter", [None, "upper", "json", "pirate"], ids=["base", "upper", "json", "pirate"])
-def test_greedy_answers_match_hf_in_the_shipped_dtype(default_server, oracle_answers, shipped, adapter):
+def test_greedy_answers_match_hf_in_the_shipped_dtype(shipped_server, oracle_answers, shipped, adapter):
     model = adapter or shipped["model"]["served_name"]
     near_tie = NEAR_TIE[shipped["model"]["dtype"]]
     compared = 0
     for prompt in PROMPTS:
         ids, hf = oracle_answers[adapter, prompt]
         n = hf.compared_length(near_tie)
-        got = served_greedy(default_server, model, ids)
+        got = served_greedy(shipped_server, model, ids)
         assert got[:n] == hf.token_ids[:n], (prompt, got, hf.token_ids, n)
         compared += n
     # The tie rule must not quietly compare nothing: most of each answer is unambiguous.

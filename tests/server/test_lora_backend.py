@@ -3,8 +3,8 @@ greedy token ids equal HF + PEFT (fp32), alone and in one concurrent batch mixin
 with three adapters while max_loras=2 makes the engine swap adapters between slots.
 
 The default backend (`vllm`) is held to the same HF + PEFT ids on the same prompts by
-test_openai_api.py, so equal ids here are equal to the default backend's. This module starts one
-server only; the log proves the einsum wrapper is the one vLLM built and that it ran.
+test_openai_api.py, so equal ids here are equal to the default backend's. The server is the session's einsum
+server (tests/conftest.py); the log proves the einsum wrapper is the one vLLM built and that it ran.
 """
 
 from __future__ import annotations
@@ -14,22 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests import harness
 from tests.server.test_openai_api import MAX_TOKENS, PROMPTS, complete
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
 MODELS = ["tiny-base", "a0", "a1", "a2"]
-
-
-@pytest.fixture(scope="module")
-def einsum_server(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("einsum")
-    server = harness.launch(
-        tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{"engine.lora_backend": "einsum"})
-    )
-    yield server
-    server.stop()
 
 
 def _adapter(model: str) -> str | None:

@@ -16,8 +16,7 @@ import json
 import httpx
 import pytest
 
-from tests import harness
-from tests.oracle import ShippedOracle, greedy_choice_errors, shipped_config, top_k_errors
+from tests.oracle import ShippedOracle, greedy_choice_errors, top_k_errors
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
@@ -162,14 +161,6 @@ PENALTIES = {
 @pytest.fixture(scope="module")
 def shipped_oracle():
     return ShippedOracle()
-
-
-@pytest.fixture(scope="module")
-def shipped_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sampling-shipped")
-    server = harness.launch(tmp, shipped_config(tmp))
-    yield server
-    server.stop()
 
 
 def penalized(

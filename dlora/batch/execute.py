@@ -24,7 +24,7 @@ from dlora.batch.predict import Work, works_of
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.estimators.held_work import held_s, with_running
+from dlora.cluster.estimators.held_work import held_jobs, with_running
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
 from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -150,15 +150,15 @@ class ServerPlanner:
         return plan
 
     def _plan(self, lines, works, params, held, finished) -> LinePlan:
-        """The plan, each replica free once the requests it holds are done (lines of a plan made
-        earlier, online requests), lengths from the finished requests and the running ones."""
+        """The plan over what each replica holds already (lines of a plan made earlier, online
+        requests), lengths from the finished requests and the running ones."""
         running = [r for reqs in held.values() for r in reqs if r.running]
         lengths = with_running(finished, running)
-        busy = {rid: held_s(reqs, params[rid], lambda a: finished.get(a, ())) for rid, reqs in held.items()}
+        holds = {rid: held_jobs(reqs, lambda a: finished.get(a, ())) for rid, reqs in held.items()}
         per_replica = self.state.cfg.engine.max_num_seqs
         gain = self.state.cfg.batch.min_stage_gain
         return line_plan(
-            lines, works, params, lambda a: lengths.get(a, ()), per_replica, busy_s=busy, min_stage_gain=gain
+            lines, works, params, lambda a: lengths.get(a, ()), per_replica, held=holds, min_stage_gain=gain
         )
 
 

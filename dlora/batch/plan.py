@@ -207,11 +207,18 @@ def _throughput(
     return sum(work[i] for i in chosen) / t if t > 0 else float("inf")
 
 
-def dispatch_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
+def dispatch_plan(
+    jobs: Sequence[Job],
+    params: Sequence[CostParams],
+    busy_s: Sequence[float] | None = None,
+    held: Sequence[Sequence[Job]] | None = None,
+) -> Plan:
     """Every job sent at once, each to the replica with the least work so far (the router's own
     dispatch, which counts what each replica holds: `busy_s`): one unmerged segment per replica,
-    its steps merged only where one adapter runs, after what the replica holds (the engine mixes
-    the two; run back to back, the prediction errs late by less than the held requests' tail)."""
+    its steps merged only where one adapter runs. With `held` (each replica's requests, as
+    `held_work.held_jobs` orders them), a replica's jobs are simulated in one queue behind them:
+    its engine starts them as the held ones free their slots, in the same batches. Without it,
+    they run after `busy_s`, back to back, which errs late by the held requests' tail."""
     busy = list(busy_s) if busy_s is not None else [0.0] * len(params)
     sizes = [Work(j.adapter, sum(j.prompts), 0) for j in jobs]
     replica_of = dispatch(sizes, [sum(j.outputs) for j in jobs], params, busy)
@@ -219,16 +226,23 @@ def dispatch_plan(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Seq
     for r, p in enumerate(params):
         mine = tuple(i for i, q in enumerate(replica_of) if q == r)
         if mine:
-            took = simulate_s([jobs[i] for i in mine], p)
-            segments.append(Segment(r, UNMERGED, None, mine, busy[r], busy[r] + took))
+            queue = [jobs[i] for i in mine]
+            end = simulate_s([*held[r], *queue], p) if held is not None else busy[r] + simulate_s(queue, p)
+            segments.append(Segment(r, UNMERGED, None, mine, busy[r], end))
     return Plan(tuple(segments), max([s.end_s for s in segments] + busy), staged=False)
 
 
 def choose_plan(
-    jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None, min_gain: float = 0.0
+    jobs: Sequence[Job],
+    params: Sequence[CostParams],
+    busy_s: Sequence[float] | None = None,
+    min_gain: float = 0.0,
+    held: Sequence[Sequence[Job]] | None = None,
 ) -> Plan:
     """The stage plan if it is predicted more than `min_gain` (a fraction) sooner than sending
     everything at once; else sending at once (adapters too small to merge, merging not cheaper on
-    these replicas, or a gain too small to be worth the stage boundaries' tails)."""
-    staged, flat = plan_stages(jobs, params, busy_s), dispatch_plan(jobs, params, busy_s)
+    these replicas, or a gain too small to be worth the stage boundaries' tails). A stage plan
+    starts after `busy_s` (its first segment waits for the replica to drain); sending at once
+    runs alongside `held` when given (`dispatch_plan`)."""
+    staged, flat = plan_stages(jobs, params, busy_s), dispatch_plan(jobs, params, busy_s, held)
     return staged if staged.makespan_s < (1 - min_gain) * flat.makespan_s else flat

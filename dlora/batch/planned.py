@@ -31,7 +31,7 @@ from typing import Protocol
 
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
-from dlora.batch.plan import Job, Plan, choose_plan, job_work
+from dlora.batch.plan import Job, Plan, choose_plan, job_work, simulate_s
 from dlora.batch.predict import Work, sample_lengths
 from dlora.batch.runner import Execute, run_lines
 from dlora.cluster.estimators.cost_model import CostParams
@@ -70,12 +70,13 @@ def line_plan(
     lengths_of: Callable[[str | None], Sequence[int]],
     per_replica: int,
     seed: int = 0,
-    busy_s: Mapping[int, float] | None = None,
+    held: Mapping[int, Sequence[Job]] | None = None,
     min_stage_gain: float = 0.0,
 ) -> LinePlan:
     """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params`
-    prices, each free after `busy_s` (replica id -> seconds of work it holds already; 0 if absent);
-    staged only when that is predicted more than `min_stage_gain` sooner than sending at once."""
+    prices, each holding `held` already (replica id -> its requests as `held_work.held_jobs`
+    gives them; none if absent); staged only when that is predicted more than `min_stage_gain`
+    sooner than sending at once."""
     flat = [w for ws in works for w in ws]
     drawn = iter(sample_lengths(flat, lengths_of, random.Random(seed)))
     jobs = [
@@ -83,7 +84,9 @@ def line_plan(
         for ws in works
     ]
     ids = sorted(params)
-    plan = choose_plan(jobs, [params[r] for r in ids], [(busy_s or {}).get(r, 0.0) for r in ids], min_stage_gain)
+    holds = [list((held or {}).get(r, ())) for r in ids]
+    busy = [simulate_s(h, params[r]) for h, r in zip(holds, ids)]
+    plan = choose_plan(jobs, [params[r] for r in ids], busy, min_stage_gain, holds)
     return LinePlan(
         _queues(plan, jobs, lines, ids, params), plan.makespan_s, _mode(plan), per_replica, len(plan.segments)
     )

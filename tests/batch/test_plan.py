@@ -3,6 +3,7 @@ last one ends; two segments in one mode are one), and the fallback to sending ev
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -120,6 +121,20 @@ def test_dispatch_starts_each_replicas_segment_after_what_it_holds():
     flat = dispatch_plan(jobs, [p, p], busy_s=[3.0, 3.0])
     assert sorted((s.start_s, s.end_s) for s in flat.segments) == [(3.0, 13.0), (3.0, 13.0)]
     assert flat.makespan_s == 13.0
+
+
+def test_sent_at_once_new_jobs_share_the_batches_of_what_a_replica_holds():
+    # One replica, a step 10 ms whatever its batch or mode, nothing else charged. It holds one running
+    # request with 100 tokens left (1 s); one new 10-token job. With a free slot the engine runs
+    # the two side by side: done at 1 s, not 1.1 s as back to back after the held work.
+    p = CostParams(per_iteration_s=0.01, per_decode_token_s=0.0, per_prefill_token_s=0.0, max_batch=2, merged_ratio=1)
+    held = [[Job("h", (0,), (100,))]]
+    new = [Job("a", (0,), (10,))]
+    assert dispatch_plan(new, [p], busy_s=[1.0], held=held).makespan_s == pytest.approx(1.0)
+    assert dispatch_plan(new, [p], busy_s=[1.0]).makespan_s == pytest.approx(1.1)
+    # With one slot the held request keeps it to the end: back to back after all.
+    one = dataclasses.replace(p, max_batch=1)
+    assert dispatch_plan(new, [one], busy_s=[1.0], held=held).makespan_s == pytest.approx(1.1)
 
 
 def test_no_replica_is_an_error():

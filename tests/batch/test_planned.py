@@ -295,10 +295,11 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
     works = [[Work("a", 0, 16)] for _ in lines]
     p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)
     # Replica 3 runs four requests of adapter "b" with 40 tokens each still to go (the only
-    # longer length seen is 50, they have 10): 40 unmerged steps. Replica 5 holds nothing.
+    # longer length seen is 50, they have 10): 40 steps, merged (one adapter runs): 20 s.
+    # Replica 5 holds nothing.
     held = {3: tuple(make_request(f"h{i}", "b", output=10, expected=50, running=True) for i in range(4)), 5: ()}
     plan = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, held, {"a": [16], "b": [5, 50]})
     assert [ln.line for s in plan.queues[5] for ln in s.lines] == [1, 2, 3, 4] and not plan.queues[3]
-    assert plan.predicted_s == pytest.approx(40)  # replica 3's held work ends last; replica 5's at 8
+    assert plan.predicted_s == pytest.approx(20)  # replica 3's held work ends last; replica 5's at 8
     idle = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, {3: (), 5: ()}, {"a": [16]})
     assert idle.predicted_s == pytest.approx(8)  # as if nothing ran: half the lines on each, merged

@@ -6,6 +6,8 @@ picks one of them (SamuLLM samples its lengths the same way). A replica's held r
 run through the step simulation (`dlora.batch.predict.simulate_replica`): running requests first
 with nothing to prefill, then the queue in arrival order (vLLM's order at equal priority), each
 prefilling its context (a request moved in from elsewhere recomputes what it generated there).
+`held_jobs` gives the batch planner the same queue, so it can simulate new lines after it, in the
+same batches.
 
 Also here: the lengths of finished requests are a biased sample while long requests still run
 (the short ones finish first), so `with_running` adds a draw for each running request, conditioned
@@ -18,6 +20,7 @@ import bisect
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from dlora.batch.plan import Job
 from dlora.batch.predict import simulate_replica
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.snapshots import AdapterName, RequestLoad
@@ -44,14 +47,21 @@ def finish_times(
     return simulate_replica(prompts, [left[r.request_id] for r in order], p)
 
 
-def held_s(
-    reqs: Sequence[RequestLoad], p: CostParams, lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
-) -> float:
-    """Seconds until a replica has finished the requests it holds, for one draw of their lengths."""
+def held_jobs(
+    reqs: Sequence[RequestLoad], lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
+) -> list[Job]:
+    """What one replica holds, as the batch planner's jobs in the order its engine runs them:
+    running requests first (nothing left to prefill), then the queued ones by arrival (their
+    context to prefill); each one's remaining output is one draw (`draw_remaining`) from its
+    adapter's observed lengths (`lengths_of`)."""
     rng = random.Random(seed)
     sorted_lengths = {a: sorted(lengths_of(a)) for a in {r.adapter for r in reqs}}
-    left = {r.request_id: draw_remaining(r, sorted_lengths[r.adapter], rng) for r in reqs}
-    return max(finish_times(reqs, left, p), default=0.0)
+    running = [r for r in reqs if r.running]
+    queued = sorted((r for r in reqs if not r.running), key=lambda r: r.arrival)
+    return [
+        Job(r.adapter, (0 if r.running else r.context_tokens,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
+        for r in running + queued
+    ]
 
 
 def with_running(

@@ -1,7 +1,8 @@
 """Hostile adapter files on a real server (einsum LoRA backend, which reads every slot's weights):
 each is refused with a 400 naming the problem and harms nobody; a registered adapter is served
 from its snapshot, so deleting its source changes nothing, and a damaged snapshot fails only that
-adapter's requests. The server is the session's einsum server (tests/conftest.py)."""
+adapter's requests. The server is `einsum_server` (tests/conftest.py), shared with the einsum
+backend's tests."""
 
 from __future__ import annotations
 

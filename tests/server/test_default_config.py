@@ -1,9 +1,9 @@
 """configs/default.yaml as shipped answers like Hugging Face does, in the dtype it ships.
 
-The server (the session's `shipped_server`, tests/conftest.py) runs the shipped file (its `auto:`
-model, its dtype, its adapters) with only a free port, a throw-away state dir and one replica. The
-oracle is HF transformers (+ PEFT for the demo adapters) on the same converted model directory, in
-the same dtype, greedy, on the same prompt token ids.
+The server (`shipped_server` in tests/conftest.py, shared with other tests) runs the shipped file
+(its `auto:` model, its dtype, its adapters) with only a free port, a throw-away state dir and one
+replica. The oracle is HF transformers (+ PEFT for the demo adapters) on the same converted model
+directory, in the same dtype, greedy, on the same prompt token ids.
 
 A greedy comparison is only meaningful while the oracle's choice is clear: where HF's own top-2
 logits are closer than the dtype's noise, either token is a correct answer and everything after

@@ -3,8 +3,9 @@ greedy token ids equal HF + PEFT (fp32), alone and in one concurrent batch mixin
 with three adapters while max_loras=2 makes the engine swap adapters between slots.
 
 The default backend (`vllm`) is held to the same HF + PEFT ids on the same prompts by
-test_openai_api.py, so equal ids here are equal to the default backend's. The server is the session's einsum
-server (tests/conftest.py); the log proves the einsum wrapper is the one vLLM built and that it ran.
+test_openai_api.py, so equal ids here are equal to the default backend's. The server is
+`einsum_server` (tests/conftest.py), shared with the hostile-adapter tests; the log proves the
+einsum wrapper is the one vLLM built and that it ran.
 """
 
 from __future__ import annotations

@@ -35,32 +35,34 @@ def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -
     return max(1, round(r.remaining_output_tokens))
 
 
+def engine_order(reqs: Sequence[RequestLoad], moved_in: Collection[str] = ()) -> list[tuple[RequestLoad, int]]:
+    """`reqs` held by one replica in the order its engine runs them, each with the tokens it has
+    to prefill: running ones first (nothing), not `moved_in`; then the queued and moved-in ones by
+    arrival (their context)."""
+    running = [(r, 0) for r in reqs if r.running and r.request_id not in moved_in]
+    queued = sorted((r for r in reqs if not r.running or r.request_id in moved_in), key=lambda r: r.arrival)
+    return running + [(r, r.context_tokens) for r in queued]
+
+
 def finish_times(
     reqs: Sequence[RequestLoad], left: Mapping[str, int], p: CostParams, moved_in: Collection[str] = ()
 ) -> list[float]:
-    """Finish time of each of `reqs` held by one replica (running ones first, not `moved_in`; then
-    the queued and moved-in ones by arrival), `left` giving each one's remaining output."""
-    running = [r for r in reqs if r.running and r.request_id not in moved_in]
-    queued = sorted((r for r in reqs if not r.running or r.request_id in moved_in), key=lambda r: r.arrival)
-    order = running + queued
-    prompts = [0] * len(running) + [r.context_tokens for r in queued]
-    return simulate_replica(prompts, [left[r.request_id] for r in order], p)
+    """Finish time of each of `reqs` held by one replica, in `engine_order`, `left` giving each
+    one's remaining output."""
+    order = engine_order(reqs, moved_in)
+    return simulate_replica([n for _, n in order], [left[r.request_id] for r, _ in order], p)
 
 
 def held_jobs(
     reqs: Sequence[RequestLoad], lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
 ) -> list[Job]:
-    """What one replica holds, as the batch planner's jobs in the order its engine runs them:
-    running requests first (nothing left to prefill), then the queued ones by arrival (their
-    context to prefill); each one's remaining output is one draw (`draw_remaining`) from its
-    adapter's observed lengths (`lengths_of`)."""
+    """What one replica holds, as the batch planner's jobs in `engine_order`; each one's remaining
+    output is one draw (`draw_remaining`) from its adapter's observed lengths (`lengths_of`)."""
     rng = random.Random(seed)
     sorted_lengths = {a: sorted(lengths_of(a)) for a in {r.adapter for r in reqs}}
-    running = [r for r in reqs if r.running]
-    queued = sorted((r for r in reqs if not r.running), key=lambda r: r.arrival)
     return [
-        Job(r.adapter, (0 if r.running else r.context_tokens,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
-        for r in running + queued
+        Job(r.adapter, (prefill,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
+        for r, prefill in engine_order(reqs)
     ]
 
 

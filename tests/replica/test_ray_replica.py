@@ -73,6 +73,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.engine  # starts a Ray head
 def test_the_ray_head_dlora_starts_kills_one_replica_at_a_time_when_memory_runs_short(ray_cluster):
     """Ray's memory monitor runs in the raylet, which reads its policy from its environment at start."""
     import ray

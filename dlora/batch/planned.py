@@ -1,11 +1,14 @@
 """Running a batch by its stage plan: each replica's segments in order, repaired as the run goes.
 
 The plan (dlora/batch/plan.py) comes from the lines' prompt sizes, output lengths drawn from each
-adapter's history, and the replicas' fitted step costs. A line starts on the replica its segment
-names (the router sends it there unless that replica stopped serving), at most `per_replica`
-lines at a time per replica, and a segment starts once the replica's previous segment has
-drained, so a merged adapter's batch is not joined by other adapters' requests. Lines still take
-their places from the shared gate, so batch work keeps yielding to online traffic.
+adapter's history, and the replicas' fitted step costs. In a `stages` plan a line starts on the
+replica its segment names (the router sends it there unless that replica stopped serving), at
+most `per_replica` lines at a time per replica, and a segment starts once the replica's previous
+segment has drained, so a merged adapter's batch is not joined by other adapters' requests. A
+`dispatch` plan (sending every line at once was predicted as fast) names no replica: its lines
+start in input order and the router places each one as it would an unplanned line, on the load
+it sees then rather than on drawn lengths. Lines take their places from the shared gate either
+way, so batch work keeps yielding to online traffic.
 
 Repair: the plan rests on drawn lengths and fitted costs, and the run departs from it. A replica
 that runs out of segments takes the last unstarted segment of the replica with the most work
@@ -36,6 +39,9 @@ from dlora.batch.predict import Work, sample_lengths
 from dlora.batch.runner import Execute, run_lines
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import preferred_replica
+from dlora.slo.isolated import mean_params
+
+ANY_REPLICA = -1  # the queue key of a `dispatch` plan: its lines go wherever the router sends them
 
 
 @dataclass
@@ -55,7 +61,7 @@ class QueuedSegment:
 class LinePlan:
     """A plan over batch lines, by replica id."""
 
-    queues: dict[int, deque[QueuedSegment]]
+    queues: dict[int, deque[QueuedSegment]]  # by replica id, or one queue under ANY_REPLICA
     predicted_s: float
     mode: str  # "stages", or "dispatch" when sending every line at once was predicted as fast
     per_replica: int  # lines in flight per replica
@@ -87,9 +93,9 @@ def line_plan(
     holds = [list((held or {}).get(r, ())) for r in ids]
     busy = [simulate_s(h, params[r]) for h, r in zip(holds, ids)]
     plan = choose_plan(jobs, [params[r] for r in ids], busy, min_stage_gain, holds)
-    return LinePlan(
-        _queues(plan, jobs, lines, ids, params), plan.makespan_s, _mode(plan), per_replica, len(plan.segments)
-    )
+    mode = _mode(plan)
+    queues = _queues(plan, jobs, lines, ids, params) if mode == "stages" else _one_queue(jobs, lines, params)
+    return LinePlan(queues, plan.makespan_s, mode, per_replica, len(plan.segments))
 
 
 def _mode(plan: Plan) -> str:
@@ -106,6 +112,13 @@ def _queues(plan: Plan, jobs, lines, ids, params) -> dict[int, deque[QueuedSegme
         work = {lines[i].line: job_work(jobs[i], params[rid]) for i in seg.jobs}
         queues[rid].append(QueuedSegment(seg.mode, seg.adapter, deque(lines[i] for i in seg.jobs), work))
     return queues
+
+
+def _one_queue(jobs, lines, params) -> dict[int, deque[QueuedSegment]]:
+    """Every line in input order, for the router to place (work priced at the mean replica's costs)."""
+    mean = mean_params(list(params.values()))
+    work = {ln.line: job_work(job, mean) for job, ln in zip(jobs, lines)}
+    return {ANY_REPLICA: deque([QueuedSegment("unmerged", None, deque(lines), work)])}
 
 
 @dataclass(frozen=True)
@@ -175,7 +188,10 @@ class _Run:
         own = self.plan.queues[rid]
         if own:
             return own.popleft()
-        others = [r for r in self.plan.queues if r != rid and self.left(r) > 0]
+        if rid == ANY_REPLICA:
+            return None  # a line with no replica named runs wherever the router sends it: none to relieve
+        # A dispatch plan's lines are not relieved either: pinning them would undo the router's choice.
+        others = [r for r in self.plan.queues if r not in (rid, ANY_REPLICA) and self.left(r) > 0]
         if not others:
             return None
         victim = max(others, key=self.left)
@@ -190,7 +206,8 @@ class _Run:
         return QueuedSegment(cur.mode, cur.adapter, deque(reversed(taken)), cur.work)
 
     async def replica(self, rid: int) -> None:
-        room = asyncio.Semaphore(self.plan.per_replica)
+        # Lines the router places are bounded by the gate alone, as an unplanned batch's are.
+        room = asyncio.Semaphore(self.plan.per_replica if rid != ANY_REPLICA else 1 << 30)
         while not self.stop():
             seg = self.current[rid] = self.next_segment(rid)
             if seg is None:
@@ -219,7 +236,8 @@ class _Run:
         await asyncio.gather(*running)
 
     async def one(self, line: BatchLine, rid: int, room: asyncio.Semaphore) -> None:
-        preferred_replica.set(rid)  # this task's own context: the router takes its requests to rid
+        if rid != ANY_REPLICA:
+            preferred_replica.set(rid)  # this task's own context: the router takes its requests to rid
         try:
             output = await self.execute(line)
         finally:

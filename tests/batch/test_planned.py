@@ -12,7 +12,7 @@ import pytest
 
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
-from dlora.batch.planned import LinePlan, QueuedSegment, line_plan, run_planned
+from dlora.batch.planned import ANY_REPLICA, LinePlan, QueuedSegment, line_plan, run_planned
 from dlora.batch.predict import Work
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import preferred_replica
@@ -233,8 +233,60 @@ def test_a_plan_made_on_measured_costs_is_not_made_again():
     assert planner.seen == [] and ran.replan is None
 
 
+def dispatched(numbers, measured: bool = False) -> LinePlan:
+    """A dispatch plan: the lines in one queue for the router to place."""
+    return LinePlan({ANY_REPLICA: deque([segment(numbers, None, "unmerged")])}, 1.0, "dispatch", 2, 1, measured)
+
+
+def test_a_dispatch_plan_starts_lines_in_order_where_the_router_sends_them_bounded_by_the_gate_alone():
+    rec = Recorder({n: 0.05 for n in range(1, 11)})
+    done, steals = run(dispatched(range(1, 11)), rec)
+    assert sorted(done) == list(range(1, 11)) and steals == 0
+    assert {rec.ran[n][0] for n in done} == {None}  # no replica named
+    assert rec.most[None] == 10  # not per_replica (2): the gate (100) holds them all
+    assert sorted(done, key=lambda n: rec.ran[n][1]) == list(range(1, 11))
+
+
+class DispatchingPlanner(MeasuringPlanner):
+    async def plan(self, lines):
+        self.seen.append([ln.line for ln in lines])
+        return dispatched([ln.line for ln in lines], measured=True)
+
+
+@pytest.mark.parametrize("dispatch_first", [True, False])
+def test_a_new_plan_turns_router_placed_lines_into_stages_and_back(dispatch_first):
+    """Two lines at a time (the gate); the costs are measured at 0.05 s while lines 1 and 2 run."""
+    rec = Recorder({n: 0.1 for n in range(1, 11)})
+
+    async def go():
+        if dispatch_first:
+            first, planner = dispatched(range(1, 11)), MeasuringPlanner(0.05, lambda ns: segment(ns, "a"))
+        else:
+            first = LinePlan({7: deque([segment(range(1, 11))])}, 9.0, "stages", 2, segments=1)
+            planner = DispatchingPlanner(0.05, segment)
+        gate = BatchGate(lambda: 2, lambda: 0)
+        done: dict = {}
+        ran = await run_planned(
+            first, rec, gate, lambda ln, out: done.__setitem__(ln.line, out), tick_s=0.01, planner=planner
+        )
+        return planner, done, ran
+
+    planner, done, ran = asyncio.run(go())
+    assert planner.seen == [list(range(3, 11))] and sorted(done) == list(range(1, 11))
+    where = {n: rec.ran[n][0] for n in done}
+    if dispatch_first:  # the router placed 1 and 2; the stage plan names a replica for the rest
+        assert [where[n] for n in (1, 2)] == [None, None]
+        assert {where[n] for n in (3, 5, 7, 9)} == {7} and {where[n] for n in (4, 6, 8, 10)} == {9}
+    else:  # replica 7 keeps 1 and 2, takes none of the rest from the router's queue
+        assert [where[n] for n in (1, 2)] == [7, 7] and {where[n] for n in range(3, 11)} == {None}
+    assert ran.repairs == 0
+
+
 def random_plan(numbers, rids, rng, measured: bool) -> LinePlan:
-    """Segments of 1-6 lines of random modes and adapters, on random replicas of `rids`."""
+    """Segments of 1-6 lines of random modes and adapters, on random replicas of `rids`; or, one
+    time in four, a dispatch plan."""
+    if rng.random() < 0.25:
+        return dispatched(list(numbers), measured)
     queues: dict[int, deque[QueuedSegment]] = {r: deque() for r in rids}
     numbers = list(numbers)
     rng.shuffle(numbers)
@@ -299,7 +351,10 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
     # Replica 5 holds nothing.
     held = {3: tuple(make_request(f"h{i}", "b", output=10, expected=50, running=True) for i in range(4)), 5: ()}
     plan = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, held, {"a": [16], "b": [5, 50]})
-    assert [ln.line for s in plan.queues[5] for ln in s.lines] == [1, 2, 3, 4] and not plan.queues[3]
+    # Sent at once, the lines would all go to idle replica 5 and end at 8 s there, which no stage
+    # plan beats: a dispatch plan, leaving each line's replica to the router.
+    assert plan.mode == "dispatch" and list(plan.queues) == [ANY_REPLICA]
+    assert [ln.line for s in plan.queues[ANY_REPLICA] for ln in s.lines] == [1, 2, 3, 4]
     assert plan.predicted_s == pytest.approx(20)  # replica 3's held work ends last; replica 5's at 8
     idle = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, {3: (), 5: ()}, {"a": [16]})
     assert idle.predicted_s == pytest.approx(8)  # as if nothing ran: half the lines on each, merged

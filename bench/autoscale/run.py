@@ -9,6 +9,11 @@ a few prompts on one of the adapters or the base model. Recorded once a second f
 replicas by state and the scale events; per request: arrival, TTFT, end, and whether its stream
 ended normally.
 
+An operator drain (`POST /v1/replicas/{id}/drain`) in the middle of the high phase takes the
+replica with the most requests on it out of service, so a drain with streams in flight is part of
+the run (the autoscaler's own scale-ins pick the replica cheapest to move, which at low load holds
+none); the autoscaler then starts a replacement if the load needs one.
+
 Checked after the run: every stream's text equals an undisturbed run of the same prompt and
 adapter (each combination sent alone to the idle server afterwards), so a stream moved off a
 draining replica, or restarted, would show; no stream failed; no request was resubmitted after a
@@ -72,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--operator-drain-at",
+        type=float,
+        default=None,
+        help="seconds from the load's start to drain the busiest replica (default: the high phase's middle; <0: none)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: phases of 15, 30 and 40 s")
     ap.add_argument("--out", default=str(HERE / "result.json"))
     args = ap.parse_args(argv)
@@ -83,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--phases {args.phases!r}: three numbers of seconds, e.g. 45,75,90")
     if len(args.phase_s) != 3 or min(args.phase_s) <= 0:
         ap.error(f"--phases {args.phases!r}: three numbers of seconds > 0")
+    if args.operator_drain_at is None:
+        args.operator_drain_at = args.phase_s[0] + args.phase_s[1] / 2
     return args
 
 
@@ -147,13 +160,48 @@ async def one(client: httpx.AsyncClient, o: Outcome, max_tokens: int, t0: float)
         o.end_s = time.monotonic() - t0
 
 
-async def drive(url: str, outcomes: list[Outcome], max_tokens: int) -> None:
-    """Send each request at its arrival time, all concurrently."""
+def busiest_serving(listing: dict) -> dict | None:
+    """From GET /v1/replicas: the serving replica with the most requests on it (the lowest id among
+    equals), if another serving one could take them; else None."""
+    serving = [r for r in listing["data"] if r["state"] == "serving"]
+    if len(serving) < 2:
+        return None
+    return max(serving, key=lambda r: (r["requests"], -r["id"]))
+
+
+async def operator_drain(client: httpx.AsyncClient, at_s: float, t0: float, until_s: float) -> dict:
+    """At `at_s` (or as soon after as two replicas serve and one holds requests, before `until_s`),
+    drain the busiest serving replica; wait until it is gone. What happened, for the result."""
+    await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
+    while True:
+        now = time.monotonic() - t0
+        target = busiest_serving((await client.get("/v1/replicas")).json())
+        if target is not None and target["requests"] > 0:
+            break
+        if now >= until_s:
+            return {"asked_at_s": at_s, "done": False, "why": "no second serving replica holding requests"}
+        await asyncio.sleep(0.5)
+    moved_before = metric_total((await client.get("/metrics")).text, "dlora_drain_moved_requests_total")
+    r = await client.post(f"/v1/replicas/{target['id']}/drain")
+    out = {"asked_at_s": at_s, "at_s": round(now, 1), "replica": target["id"], "requests_on_it": target["requests"]}
+    if r.status_code != 202:
+        return out | {"done": False, "why": f"HTTP {r.status_code}: {r.text[:200]}"}
+    while any(x["id"] == target["id"] for x in (await client.get("/v1/replicas")).json()["data"]):
+        await asyncio.sleep(0.2)
+    moved = metric_total((await client.get("/metrics")).text, "dlora_drain_moved_requests_total") - moved_before
+    return out | {"done": True, "seconds": round(time.monotonic() - t0 - now, 1), "moved": moved}
+
+
+async def drive(url: str, outcomes: list[Outcome], max_tokens: int, drain_at_s: float = -1.0) -> dict | None:
+    """Send each request at its arrival time, all concurrently; with `drain_at_s` >= 0, an operator
+    drain then too (what it did is returned)."""
     t0 = time.monotonic()
     # A fresh connection per request: a kept-alive one the server closes as its idle timeout ends
     # can be reused by the client at that instant and fail with ReadError, a client-side race.
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        last_s = max((o.arrival_s for o in outcomes), default=0.0)
+        drain = None if drain_at_s < 0 else asyncio.create_task(operator_drain(client, drain_at_s, t0, last_s))
         tasks = []
         for o in outcomes:
             delay = o.arrival_s - (time.monotonic() - t0)
@@ -161,6 +209,7 @@ async def drive(url: str, outcomes: list[Outcome], max_tokens: int) -> None:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(client, o, max_tokens, t0)))
         await asyncio.gather(*tasks)
+        return None if drain is None else await drain
 
 
 def calibrate(url: str, args) -> float:
@@ -230,7 +279,7 @@ def attainment_between(samples: list[dict], start: float, end: float) -> float |
     return round(met / (met + missed), 3) if met + missed else None
 
 
-def summarize(outcomes, samples, refs, phase_s, capacity) -> dict:
+def summarize(outcomes, samples, refs, phase_s, capacity, drained: dict | None = None) -> dict:
     failed = [o.index for o in outcomes if o.error or o.finish_reason != "length"]
     mismatched = [o.index for o in outcomes if not o.error and o.text != refs[(o.prompt, o.adapter)]]
     per_phase = {}
@@ -266,6 +315,7 @@ def summarize(outcomes, samples, refs, phase_s, capacity) -> dict:
         "replica_seconds_fixed_two": round(2 * span, 1),
         "replica_seconds_saved_vs_fixed_two": round(1 - replica_seconds / (2 * span), 3) if span else None,
         "per_phase": per_phase,
+        "operator_drain": drained,
     }
 
 
@@ -287,6 +337,17 @@ def plot(result: dict, path: Path) -> None:
         rate.hist(arr, bins=bins, weights=[1 / 5.0] * len(arr), alpha=0.25, color="gray")
         rate.set_ylabel("arrivals (req/s)")
     axes[0].set_ylabel("replicas")
+    drained = result["summary"].get("operator_drain") or {}
+    if drained.get("done"):
+        axes[0].axvline(drained["at_s"], color="tab:red", lw=1, ls=":")
+        axes[0].annotate(
+            f"operator drain: {drained['moved']:.0f} moved",
+            (drained["at_s"], 0.2),
+            fontsize=8,
+            color="tab:red",
+            xytext=(4, 0),
+            textcoords="offset points",
+        )
     axes[0].legend(loc="upper left", fontsize=8)
     ok = [o for o in outcomes if o["ttft_s"] is not None]
     axes[1].scatter([o["arrival_s"] for o in ok], [o["ttft_s"] for o in ok], s=6)
@@ -342,12 +403,13 @@ def main() -> int:
                 break
             time.sleep(2)
         with MetricsPoller(url, scrape) as poller:
-            asyncio.run(drive(url, outcomes, args.max_tokens))
+            drained = asyncio.run(drive(url, outcomes, args.max_tokens, args.operator_drain_at))
+            print(f"operator drain: {drained}", flush=True)
             time.sleep(max(0.0, sum(args.phase_s) - (time.monotonic() - poller.t0)))
         refs = reference_texts(url, outcomes, args.max_tokens)
     finally:
         stop(proc)
-    summary = summarize(outcomes, poller.samples, refs, args.phase_s, capacity)
+    summary = summarize(outcomes, poller.samples, refs, args.phase_s, capacity, drained)
     result = {
         **provenance("bench.autoscale.run"),
         "config": cfg["cluster"] | {"engine": cfg["engine"]},

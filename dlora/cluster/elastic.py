@@ -13,7 +13,9 @@ asks `Autoscaler.decide`, and acts:
   tokens to recompute, then the fewest queued requests) is drained (`Router.drain`): dispatch
   skips it, its requests move by co-migration, and it stops once empty;
 - a scale-out decided while a replica drains takes that replica back first (the drain is
-  cancelled, it serves again) instead of starting a new one.
+  cancelled, it serves again) instead of starting a new one; a replica an operator drains
+  (`drain`, reason "operator": the admin API's `POST /admin/replicas/{id}/drain`) is never taken
+  back, since it is going away on purpose (a node to service): the scale-out starts a new one.
 
 Each change is a `ScaleEvent` (`events`, and `on_event` for /metrics). The replica counts every
 decision is made on are the serving and starting replicas; draining ones no longer count.
@@ -34,6 +36,8 @@ from dlora.replica.messages import AdapterRef
 
 log = logging.getLogger(__name__)
 
+OPERATOR = "operator"  # the reason of a drain asked for through the admin API
+
 
 @dataclass(frozen=True)
 class ScaleEvent:
@@ -42,7 +46,7 @@ class ScaleEvent:
     replica_id: int
     replicas_before: int
     replicas_after: int
-    reason: str  # the decision's: "min", "max", "rate", "slo", "queue", "idle"
+    reason: str  # the decision's: "min", "max", "rate", "slo", "queue", "idle"; or "operator"
     seconds: float  # to start (out) or to drain and stop (in)
     moved: int = 0  # requests a drain moved off the replica
     ok: bool = True
@@ -83,6 +87,7 @@ class ElasticCluster:
         self.tick_s = tick_s
         self.starting: dict[int, asyncio.Task] = {}
         self.draining: dict[int, asyncio.Task] = {}
+        self.drain_reasons: dict[int, str] = {}  # of the replicas in `draining`
         self.events: deque[ScaleEvent] = deque(maxlen=256)
         self.decisions: deque[tuple[LoadSample, ScaleDecision]] = deque(maxlen=256)
         self._window = self._open_window(router.clock())
@@ -170,11 +175,12 @@ class ElasticCluster:
 
     def scale_out(self, reason: str) -> int:
         """Take a draining replica back if there is one, else start a new one; returns its id."""
-        if self.draining:
-            rid, task = next(iter(self.draining.items()))
+        back = [rid for rid in self.draining if self.drain_reasons.get(rid) != OPERATOR]
+        if back:
+            rid = back[0]
             before = self.serving()
-            task.cancel()  # Router.drain stops moving its requests
-            self.draining.pop(rid)
+            self.draining.pop(rid).cancel()  # Router.drain stops moving its requests
+            self.drain_reasons.pop(rid, None)
             slot = self.router.find_slot(rid)
             if slot is not None:
                 slot.draining = False  # serving again now (the task may not have run at all yet)
@@ -219,10 +225,25 @@ class ElasticCluster:
             if v.replica_id in ids
         ]
         rid = drain_choice(costs)
-        before = self.serving()
-        self.router.slot(rid).draining = True  # out of dispatch and of the count now, not when the task runs
-        self.draining[rid] = asyncio.create_task(self._drain(rid, reason, before))
+        self.drain(rid, reason)
         return rid
+
+    def drain(self, rid: int, reason: str = OPERATOR) -> None:
+        """Drain replica `rid` and remove it once empty. Raises `LookupError` for a replica this
+        cluster does not have, `ValueError` for one not serving (starting, down, draining) or the
+        last serving one (its work would have nowhere to go)."""
+        slot = self.router.find_slot(rid)
+        if slot is None:
+            raise LookupError(f"no replica {rid}")
+        if not slot.serving:
+            state = "draining" if slot.draining else "not healthy"
+            raise ValueError(f"replica {rid} is not serving ({state}): nothing to drain")
+        if not any(s.serving for s in self.router.slots if s is not slot):
+            raise ValueError(f"replica {rid} is the last serving replica: its work would have nowhere to go")
+        before = self.serving()
+        slot.draining = True  # out of dispatch and of the count now, not when the task runs
+        self.drain_reasons[rid] = reason
+        self.draining[rid] = asyncio.create_task(self._drain(rid, reason, before))
 
     async def _drain(self, rid: int, reason: str, before: int) -> None:
         t0 = self.router.clock()
@@ -233,10 +254,12 @@ class ElasticCluster:
         except Exception as e:
             log.error("autoscaler: draining replica %d failed: %s", rid, e)
             self.draining.pop(rid, None)
+            self.drain_reasons.pop(rid, None)
             seconds = self.router.clock() - t0
             self._emit(ScaleEvent(t0, "in", rid, before, before, reason, seconds, ok=False, error=str(e)))
             return
         self.draining.pop(rid, None)
+        self.drain_reasons.pop(rid, None)
         self.release_replica(rid)
         if result.forced:
             log.warning("replica %d drained with %d request(s) failing over at its deadline", rid, result.forced)

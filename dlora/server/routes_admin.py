@@ -1,5 +1,5 @@
-"""Admin API: load, unload and list adapters (vLLM-compatible bodies, plus each adapter's SLO),
-bearer-token protected."""
+"""Admin API, bearer-token protected: load, unload and list adapters (vLLM-compatible bodies, plus
+each adapter's SLO); list replicas and drain one (with `cluster.autoscale`)."""
 
 from __future__ import annotations
 
@@ -115,3 +115,52 @@ async def list_adapters(request: Request):
             }
         )
     return {"object": "list", "data": data, **listing_json(state.router.slo)}
+
+
+def replica_state(slot, starting: bool) -> str:
+    if starting:
+        return "starting"
+    if slot.draining:
+        return "draining"
+    if slot.healthy:
+        return "serving"
+    return "given_up" if slot.gave_up else "down"
+
+
+@router.get("/v1/replicas")
+async def list_replicas(request: Request):
+    """Each replica: its state and the requests the router has on it now (queued there or running)."""
+    state = request.app.state.dlora
+    starting = set(state.elastic.starting) if state.elastic is not None else set()
+    routed = state.router.routed_counts()
+    data = [
+        {
+            "id": s.replica_id,
+            "state": replica_state(s, s.replica_id in starting),
+            "requests": routed.get(s.replica_id, 0),
+        }
+        for s in state.router.slots
+    ]
+    known = {s.replica_id for s in state.router.slots}
+    data += [{"id": rid, "state": "starting", "requests": 0} for rid in sorted(starting - known)]
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/replicas/{replica_id}/drain", status_code=202)
+async def drain_replica(replica_id: int, request: Request):
+    """Take a replica out of service without losing a request: dispatch skips it, its queued
+    requests move at once and its running ones by co-migration, and it stops once empty (as the
+    autoscaler's scale-in does; the autoscaler starts another if the load needs it). Answers at
+    once; `GET /v1/replicas` shows the drain until the replica is gone."""
+    state = request.app.state.dlora
+    if state.elastic is None:
+        raise APIError(
+            409, "draining a replica needs cluster.autoscale (a fixed cluster keeps its replica count)", "replica_id"
+        )
+    try:
+        state.elastic.drain(replica_id)
+    except LookupError as e:
+        raise APIError(404, str(e), "replica_id") from None
+    except ValueError as e:
+        raise APIError(409, str(e), "replica_id") from None
+    return {"id": replica_id, "state": "draining"}

@@ -54,3 +54,15 @@ def test_attainment_between_two_times_is_the_share_met_among_those_finished_in_b
     assert attainment_between([sample(0, 1, 7, 7), sample(5, 1, 9, 7)], 0, 5) == 1.0
     assert attainment_between(samples, 6, 10) == 0.25  # 1 met, 3 missed since t=5
     assert attainment_between(samples, 11, 15) is None  # nothing finished
+
+
+def test_the_operator_drain_takes_the_busiest_serving_replica_and_never_the_last():
+    def listing(*rows):
+        return {"data": [{"id": i, "state": st, "requests": n} for i, st, n in rows]}
+
+    assert bench.busiest_serving(listing((0, "serving", 1), (1, "serving", 3)))["id"] == 1
+    assert bench.busiest_serving(listing((0, "serving", 2), (1, "serving", 2)))["id"] == 0  # lowest id of equals
+    assert bench.busiest_serving(listing((0, "serving", 1), (1, "draining", 5), (2, "serving", 0)))["id"] == 0
+    assert bench.busiest_serving(listing((0, "serving", 4), (1, "starting", 0))) is None  # the last serving one
+    assert bench.parse_args(["--phases", "10,20,30"]).operator_drain_at == 20.0  # the high phase's middle
+    assert bench.parse_args(["--operator-drain-at", "-1"]).operator_drain_at == -1.0

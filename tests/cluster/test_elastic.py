@@ -229,13 +229,21 @@ def test_queueing_scales_out_and_idleness_scales_back_in_with_every_stream_intac
     asyncio.run(run())
 
 
+async def streams_on_both(
+    count: int = 4, n: int = 20, max_running: int = 1, step_s: float = 0.02
+) -> tuple[Router, list[asyncio.Task]]:
+    """Two started replicas, each with some of `count` streams of `n` tokens on it."""
+    router, replicas = make(max_running=max_running)
+    await router.start()
+    replicas[0].step_s = replicas[1].step_s = step_s
+    tasks = [asyncio.create_task(collect(router, request(f"r{i}", n=n))) for i in range(count)]
+    await until(lambda: len(on(router, 0)) >= 1 and len(on(router, 1)) >= 1)
+    return router, tasks
+
+
 def test_scale_out_while_draining_takes_the_draining_replica_back():
     async def run():
-        router, replicas = make(max_running=1)
-        await router.start()
-        replicas[0].step_s = replicas[1].step_s = 0.02
-        tasks = [asyncio.create_task(collect(router, request(f"r{i}", n=20))) for i in range(4)]
-        await until(lambda: len(on(router, 0)) >= 1 and len(on(router, 1)) >= 1)
+        router, tasks = await streams_on_both()
         ec = elastic(router, [])
         gone = ec.scale_in("idle")
         assert gone is not None and ec.serving() == 1
@@ -245,5 +253,57 @@ def test_scale_out_while_draining_takes_the_draining_replica_back():
         outs = await asyncio.gather(*tasks)
         assert all(o == reference_tokens("a", (1, 2, 3), 20) for o in outs)
         assert [e.direction for e in ec.events] == ["out"]
+
+    asyncio.run(run())
+
+
+def test_an_operator_drain_moves_the_named_replicas_streams_and_removes_it():
+    async def run():
+        router, tasks = await streams_on_both(n=40, max_running=2, step_s=0.01)
+        ec = elastic(router, [])
+        busiest = max((0, 1), key=lambda r: len(on(router, r)))
+        ec.drain(busiest)
+        assert ec.serving() == 1 and not router.slot(busiest).serving
+        outs = await asyncio.gather(*tasks)
+        assert all(o == reference_tokens("a", (1, 2, 3), 40) for o in outs)
+        await until(lambda: router.find_slot(busiest) is None)
+        (event,) = ec.events
+        assert (event.direction, event.reason, event.replica_id) == ("in", "operator", busiest)
+        assert event.moved >= 1 and (event.replicas_before, event.replicas_after) == (2, 1)
+
+    asyncio.run(run())
+
+
+def test_an_operator_drain_refuses_an_unknown_a_draining_and_the_last_replica():
+    async def run():
+        router, replicas = make(max_running=1)
+        await router.start()
+        replicas[0].step_s = replicas[1].step_s = 0.02
+        task = asyncio.create_task(collect(router, request("r0", n=30)))
+        ec = elastic(router, [])
+        with pytest.raises(LookupError, match="no replica 7"):
+            ec.drain(7)
+        ec.drain(0)
+        with pytest.raises(ValueError, match="not serving"):
+            ec.drain(0)
+        with pytest.raises(ValueError, match="last serving replica"):
+            ec.drain(1)
+        assert await task == reference_tokens("a", (1, 2, 3), 30)
+
+    asyncio.run(run())
+
+
+def test_a_scale_out_starts_a_new_replica_rather_than_take_back_an_operator_drain():
+    async def run():
+        router, tasks = await streams_on_both()
+        made: list[ToyReplica] = []
+        ec = elastic(router, made, max_replicas=3)
+        ec.drain(0)
+        new = ec.scale_out("queue")
+        assert new not in (0, 1) and 0 in ec.draining
+        outs = await asyncio.gather(*tasks)
+        assert all(o == reference_tokens("a", (1, 2, 3), 20) for o in outs)
+        await until(lambda: router.find_slot(0) is None and new not in ec.starting)
+        assert sorted(s.replica_id for s in router.slots) == [1, new] and len(made) == 1
 
     asyncio.run(run())

@@ -181,15 +181,22 @@ async def operator_drain(client: httpx.AsyncClient, at_s: float, t0: float, unti
         if now >= until_s:
             return {"asked_at_s": at_s, "done": False, "why": "no second serving replica holding requests"}
         await asyncio.sleep(0.5)
-    moved_before = metric_total((await client.get("/metrics")).text, "dlora_drain_moved_requests_total")
+
+    async def totals() -> tuple[float, float]:
+        """Operator drains ended, requests drains moved (both counted once a drain has ended)."""
+        text = (await client.get("/metrics")).text
+        ended = metric_by_label(text, "dlora_scale_events_total", "reason").get("operator", 0.0)
+        return ended, metric_total(text, "dlora_drain_moved_requests_total")
+
+    ended_before, moved_before = await totals()
     r = await client.post(f"/v1/replicas/{target['id']}/drain")
     out = {"asked_at_s": at_s, "at_s": round(now, 1), "replica": target["id"], "requests_on_it": target["requests"]}
     if r.status_code != 202:
         return out | {"done": False, "why": f"HTTP {r.status_code}: {r.text[:200]}"}
-    while any(x["id"] == target["id"] for x in (await client.get("/v1/replicas")).json()["data"]):
+    while (ended := await totals())[0] <= ended_before:
         await asyncio.sleep(0.2)
-    moved = metric_total((await client.get("/metrics")).text, "dlora_drain_moved_requests_total") - moved_before
-    return out | {"done": True, "seconds": round(time.monotonic() - t0 - now, 1), "moved": moved}
+    # its moves are counted with its end event; no scale-in of the autoscaler's runs in a high phase
+    return out | {"done": True, "seconds": round(time.monotonic() - t0 - now, 1), "moved": ended[1] - moved_before}
 
 
 async def drive(url: str, outcomes: list[Outcome], max_tokens: int, drain_at_s: float = -1.0) -> dict | None:

@@ -197,10 +197,12 @@ class Autoscaler:
         quiet = min(s.now - self._last_change, s.now - self._last_pressure)
         if quiet < c.scale_in_cooldown_s or s.saturated:
             return False
+        if arrivals == 0:
+            # Idle, whatever is fitted: on a slow machine the floor rate (min_arrivals per window)
+            # alone can need every replica, and an idle cluster would then never shrink.
+            return True
         need = self.line.replicas_for(rate * (1 + c.hysteresis), c.target_utilization)
-        if need is None:  # nothing measured: only a window with no arrivals at all shows idleness
-            return arrivals == 0
-        return need <= s.replicas - 1
+        return need is not None and need <= s.replicas - 1  # nothing measured: idleness only
 
     def _change(self, s: LoadSample, to: int, reason: str, planned: int | None) -> ScaleDecision:
         if to != s.replicas:

@@ -120,6 +120,15 @@ def test_below_the_floor_scale_in_plans_for_the_floor_rate():
     assert a.decide(sample(200.0, 4, 5)).replicas == 4
 
 
+def test_an_idle_window_scales_in_even_where_the_floor_rate_needs_every_replica():
+    a = scaler(capacity_rps_prior=0.5, min_arrivals=20, hysteresis=0.0, scale_in_cooldown_s=0.0)
+    assert a.decide(sample(100.0, 4, 5)).replicas == 4  # the floor (2 req/s) needs the 4
+    d = a.decide(sample(200.0, 4, 0))  # nothing arrived over the rate window
+    assert (d.replicas, d.reason) == (3, "idle")
+    assert a.decide(sample(300.0, 3, 0)).replicas == 2  # one at a time
+    assert a.decide(sample(400.0, 2, 0, saturated=True)).replicas == 2  # still busy with what it has
+
+
 def test_nothing_measured_scales_in_only_when_nothing_arrives():
     a = scaler(scale_in_cooldown_s=0.0)
     assert a.decide(sample(100.0, 3, 5)).replicas == 3

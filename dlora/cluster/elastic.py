@@ -14,7 +14,7 @@ asks `Autoscaler.decide`, and acts:
   skips it, its requests move by co-migration, and it stops once empty;
 - a scale-out decided while a replica drains takes that replica back first (the drain is
   cancelled, it serves again) instead of starting a new one; a replica an operator drains
-  (`drain`, reason "operator": the admin API's `POST /admin/replicas/{id}/drain`) is never taken
+  (`drain`, reason "operator": the admin API's `POST /v1/replicas/{id}/drain`) is never taken
   back, since it is going away on purpose (a node to service): the scale-out starts a new one.
 
 Each change is a `ScaleEvent` (`events`, and `on_event` for /metrics). The replica counts every

@@ -121,6 +121,14 @@ class ReplicaSlot:
         """Takes new requests: started, healthy and not draining."""
         return self.healthy and not self.draining
 
+    def state(self, starting: bool) -> str:
+        """ "draining", "serving", "starting" (`starting`: the autoscaler is starting it) or "down"."""
+        if self.draining:
+            return "draining"
+        if self.serving:
+            return "serving"
+        return "starting" if starting else "down"
+
 
 @dataclass(frozen=True)
 class DrainResult:

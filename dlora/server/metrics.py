@@ -205,16 +205,7 @@ class Metrics:
         self.adapters_registered.set(adapters_registered)
         states = dict.fromkeys(("serving", "starting", "draining", "down"), 0)
         for slot in router.slots:
-            state = (
-                "draining"
-                if slot.draining
-                else "serving"
-                if slot.serving
-                else "starting"
-                if slot.replica_id in starting
-                else "down"
-            )
-            states[state] += 1
+            states[slot.state(slot.replica_id in starting)] += 1
         for state, n in states.items():
             self.replicas.labels(state).set(n)
         self._drop_removed({str(s.replica_id) for s in router.slots})

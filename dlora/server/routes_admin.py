@@ -117,32 +117,24 @@ async def list_adapters(request: Request):
     return {"object": "list", "data": data, **listing_json(state.router.slo)}
 
 
-def replica_state(slot, starting: bool) -> str:
-    if starting:
-        return "starting"
-    if slot.draining:
-        return "draining"
-    if slot.healthy:
-        return "serving"
-    return "given_up" if slot.gave_up else "down"
-
-
 @router.get("/v1/replicas")
 async def list_replicas(request: Request):
-    """Each replica: its state and the requests the router has on it now (queued there or running)."""
+    """Each replica: its state (as `dlora_replicas{state}` counts it), whether its rebuilds were given
+    up, and the requests the router has on it now (queued there or running)."""
     state = request.app.state.dlora
     starting = set(state.elastic.starting) if state.elastic is not None else set()
     routed = state.router.routed_counts()
     data = [
         {
             "id": s.replica_id,
-            "state": replica_state(s, s.replica_id in starting),
+            "state": s.state(s.replica_id in starting),
+            "given_up": s.gave_up,
             "requests": routed.get(s.replica_id, 0),
         }
         for s in state.router.slots
     ]
     known = {s.replica_id for s in state.router.slots}
-    data += [{"id": rid, "state": "starting", "requests": 0} for rid in sorted(starting - known)]
+    data += [{"id": rid, "state": "starting", "given_up": False, "requests": 0} for rid in sorted(starting - known)]
     return {"object": "list", "data": data}
 
 

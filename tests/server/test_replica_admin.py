@@ -59,8 +59,8 @@ def test_an_operator_drain_moves_the_replicas_requests_and_removes_it(tiny_model
         async with toy_cluster(tiny_model, tmp_path / "state") as (http, state):
             listed = (await http.get("/v1/replicas")).json()
             assert listed["data"] == [
-                {"id": 0, "state": "serving", "requests": 0},
-                {"id": 1, "state": "serving", "requests": 0},
+                {"id": 0, "state": "serving", "given_up": False, "requests": 0},
+                {"id": 1, "state": "serving", "given_up": False, "requests": 0},
             ]
             reference = [await completion(http, m, p) for m, p in jobs]
             tasks = [asyncio.create_task(completion(http, m, p)) for m, p in jobs]
@@ -72,6 +72,9 @@ def test_an_operator_drain_moves_the_replicas_requests_and_removes_it(tiny_model
             assert r.status_code == 202 and r.json() == {"id": busiest, "state": "draining"}
             states = {d["id"]: d["state"] for d in (await http.get("/v1/replicas")).json()["data"]}
             assert states[busiest] == "draining" and states[1 - busiest] == "serving"
+            _refresh_gauges(state)
+            gauges = state.metrics.render().decode()
+            assert 'dlora_replicas{state="draining"} 1.0' in gauges and 'dlora_replicas{state="serving"} 1.0' in gauges
             assert await asyncio.gather(*tasks) == reference  # nothing lost, repeated or changed
             while state.router.find_slot(busiest) is not None:
                 await asyncio.sleep(0.01)
@@ -112,6 +115,8 @@ def test_a_second_drain_of_the_same_replica_is_a_409_and_a_fixed_cluster_drains_
     async def run():
         async with toy_cluster(tiny_model, tmp_path / "state") as (http, state):
             state.router.slot(0).healthy = False  # down: nothing serving there to drain
+            listed = (await http.get("/v1/replicas")).json()["data"]
+            assert [(d["id"], d["state"]) for d in listed] == [(0, "down"), (1, "serving")]
             r = await http.post("/v1/replicas/0/drain")
             assert r.status_code == 409 and "not serving (not healthy)" in r.json()["error"]["message"]
             state.router.slot(0).healthy = True

@@ -39,7 +39,6 @@ from dlora.batch.predict import Work, sample_lengths
 from dlora.batch.runner import Execute, run_lines
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import preferred_replica
-from dlora.slo.isolated import mean_params
 
 ANY_REPLICA = -1  # the queue key of a `dispatch` plan: its lines go wherever the router sends them
 
@@ -94,7 +93,7 @@ def line_plan(
     busy = [simulate_s(h, params[r]) for h, r in zip(holds, ids)]
     plan = choose_plan(jobs, [params[r] for r in ids], busy, min_stage_gain, holds)
     mode = _mode(plan)
-    queues = _queues(plan, jobs, lines, ids, params) if mode == "stages" else _one_queue(jobs, lines, params)
+    queues = _queues(plan, jobs, lines, ids, params) if mode == "stages" else _one_queue(lines)
     return LinePlan(queues, plan.makespan_s, mode, per_replica, len(plan.segments))
 
 
@@ -114,10 +113,10 @@ def _queues(plan: Plan, jobs, lines, ids, params) -> dict[int, deque[QueuedSegme
     return queues
 
 
-def _one_queue(jobs, lines, params) -> dict[int, deque[QueuedSegment]]:
-    """Every line in input order, for the router to place (work priced at the mean replica's costs)."""
-    mean = mean_params(list(params.values()))
-    work = {ln.line: job_work(job, mean) for job, ln in zip(jobs, lines)}
+def _one_queue(lines) -> dict[int, deque[QueuedSegment]]:
+    """Every line in input order, for the router to place. Its work is never priced: no replica
+    relieves this queue (`_Run.next_segment`), which is what segment work is for."""
+    work = dict.fromkeys((ln.line for ln in lines), 0.0)
     return {ANY_REPLICA: deque([QueuedSegment("unmerged", None, deque(lines), work)])}
 
 

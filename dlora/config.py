@@ -230,6 +230,10 @@ class ClusterConfig:
     # replicas where every request keeps its SLO, Aladdin) | best_fit (the fullest replica where they
     # do, so others stay idle) | least_loaded | round_robin
     dispatch: str = "proactive"
+    # With proactive dispatch: only replicas that would start a request within this many seconds of
+    # the soonest one (a free running slot, the end of their engine step under way, its adapter's
+    # load) are compared by pending time. null: pending time alone (dLoRA's dispatch).
+    dispatch_start_slack_s: float | None = 0.05
     # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
     # lives on one replica (registry id mod N) and its requests only go there (a baseline).
     placement: str = "dynamic"
@@ -377,6 +381,12 @@ class ClusterConfig:
             "cluster.queued_min_wait_s",
             self.queued_min_wait_s,
             "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)",
+        )
+        _check(
+            self.dispatch_start_slack_s is None or self.dispatch_start_slack_s >= 0,
+            "cluster.dispatch_start_slack_s",
+            self.dispatch_start_slack_s,
+            "must be a number of seconds >= 0, or null (pending time alone)",
         )
         _check(
             self.event_moves_min_wait_s is None or self.event_moves_min_wait_s >= 0,

@@ -64,6 +64,10 @@ adapters:
         ("cluster: {migration_check_draws: -1}", r"cluster.migration_check_draws=-1: must be >= 0"),
         ("cluster: {migration_check_draws: 2.5}", r"cluster.migration_check_draws=2.5: must be a whole number"),
         ("cluster: {rebalance_min_gain_s: -1}", r"cluster.rebalance_min_gain_s=-1: must be a number of seconds >= 0"),
+        (
+            "cluster: {dispatch_start_slack_s: -0.01}",
+            r"cluster.dispatch_start_slack_s=-0.01: must be a number of seconds >= 0",
+        ),
         ("cluster: {replica_stall_timeout_s: 0}", r"cluster.replica_stall_timeout_s=0: must be > 0"),
         ("batch: {min_stage_gain: 1}", r"batch.min_stage_gain=1: must be >= 0 and < 1"),
         ("batch: {min_stage_gain: -0.1}", r"batch.min_stage_gain=-0.1: must be >= 0 and < 1"),

@@ -41,7 +41,7 @@ from typing import Protocol
 
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
-from dlora.cluster.estimators.cost_model import MERGED_RATIO_PRIOR, CostParams, ReplicaCostModel
+from dlora.cluster.estimators.cost_model import MERGED_RATIO_PRIOR, CostParams, ReplicaCostModel, step_left
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.host_cache import HostCache
 from dlora.cluster.interruptible import InterruptibleStream
@@ -111,6 +111,9 @@ class ReplicaSlot:
     # replica's read is awaited again by the next refresh, not asked twice.
     stats_call: asyncio.Future | None = None
     stats_asked_at: float = 0.0
+    # When its engine's step under way started, as the router sees it (router clock): the last time
+    # tokens came from it, or a request reached it idle. None: no step seen yet.
+    step_started_at: float | None = None
 
     @property
     def replica_id(self) -> int:
@@ -197,6 +200,9 @@ class RequestState:
 @dataclass(frozen=True)
 class RouterConfig:
     dispatch: str = "proactive"
+    # proactive dispatch compares by pending time only the replicas that would start a request
+    # within this many seconds of the soonest (cluster.dispatch_start_slack_s); None: all of them
+    dispatch_start_slack_s: float | None = None
     # static: each adapter lives on one replica (id mod N) and only goes there — the baseline
     # placement dLoRA compares against; dynamic: any replica, adapters loaded where needed.
     static_placement: bool = False
@@ -238,7 +244,9 @@ class Router:
         # Aladdin's SLO-aware modes (`_slo_choose`) need every request's state; the rest are policies
         # over the replicas' sums. Proactive dispatch is the fallback object either way.
         self.slo_dispatch = self.cfg.dispatch if self.cfg.dispatch in feasible_dispatch.MODES else None
-        self.dispatcher = make_dispatch_policy("proactive" if self.slo_dispatch else self.cfg.dispatch)
+        self.dispatcher = make_dispatch_policy(
+            "proactive" if self.slo_dispatch else self.cfg.dispatch, self.cfg.dispatch_start_slack_s
+        )
         self.clock = clock
         # Returns the AdapterRefs that must be resident on every replica (pinned ones).
         self._pinned_adapters = pinned_adapters
@@ -620,7 +628,14 @@ class Router:
             max_running=self.cfg.max_batch,
             healthy=slot.serving,  # planners move nothing to a draining replica
             adapter_bytes_free=self._cache_room(slot, totals),
+            step_left_s=0.0 if totals is None else self._step_left(slot, totals),
         )
+
+    def _step_left(self, slot: ReplicaSlot, totals: LoadTotals) -> float:
+        """`ReplicaView.step_left_s` for dispatch: the step under way, priced by the replica's costs."""
+        p = self.cost_models[slot.replica_id].params
+        running = totals.requests - totals.queued
+        return step_left(p, slot.step_started_at, self.clock(), running, totals.queued_context_tokens)
 
     def _cache_room(self, slot: ReplicaSlot, totals: LoadTotals | None) -> int | None:
         """`ReplicaView.adapter_bytes_free`: the slot's host cache room, its adapters with requests
@@ -860,6 +875,8 @@ class Router:
                     first = False
                     state.admitted = True
                     self.queue_times.first_token(req.request_id)
+                if delta.token_ids:  # a step of this replica just ended; the next one starts now
+                    slot.step_started_at = self.clock()
                 state.generated.extend(delta.token_ids)
                 self.output_tokens_total += len(delta.token_ids)
                 self._recount(state)
@@ -888,6 +905,9 @@ class Router:
         state.engine_request_id, state.admitted, state.queued_since = engine_id, False, self.clock()
         state.preempted = False
         self._recount(state)
+        slot = state.slot
+        if slot is not None and self.totals[slot.replica_id].requests <= 1:  # it reaches an idle engine
+            slot.step_started_at = state.queued_since
         self.queue_times.sent(state.request.request_id, engine_id)
         self.on_leg_sent()
 

@@ -153,6 +153,9 @@ class ReplicaView:
     # With a host LoRA cache in bytes (engine.max_cpu_lora_mib): the bytes a new adapter could have
     # there, every idle unpinned adapter unloaded; None: adapters are counted, not weighed.
     adapter_bytes_free: int | None = None
+    # Seconds until the engine step under way ends (the router's estimate from the step's start and
+    # the cost model); 0: idle, or not known. A request sent now waits at least this long.
+    step_left_s: float = 0.0
     # Set by the router for dispatch instead of `requests` (which is then empty): the same
     # quantities, summed as requests come and go. Read at once, never kept (it is live).
     totals: LoadTotals | None = field(default=None, compare=False, repr=False)
@@ -212,6 +215,11 @@ class ReplicaView:
         every batch slot (vLLM admits a new adapter only once one of them has no running request left)."""
         in_use = self.adapters_in_use()
         return adapter is not None and adapter not in in_use and len(in_use) >= self.batch_adapter_slots
+
+    def has_free_slot(self, adapter: AdapterName) -> bool:
+        """A request of `adapter` sent now joins the next step: a running slot is free (counting the
+        requests queued here, which take theirs first) and a batch slot is free for its adapter."""
+        return self.num_requests < self.max_running and not self.waits_for_batch_slot(adapter)
 
     def can_take(self, adapter: AdapterName, adapter_bytes: int = 0) -> bool:
         """Healthy, and holds `adapter` or has a slot (and the bytes, where counted) free to load it."""

@@ -83,6 +83,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
     the default SLO it judges finished requests by."""
     return RouterConfig(
         dispatch=cfg.cluster.dispatch,
+        dispatch_start_slack_s=cfg.cluster.dispatch_start_slack_s,
         static_placement=cfg.cluster.placement == "static",
         adapter_slots=cfg.engine.max_cpu_loras,
         host_cache_bytes=None if cfg.engine.max_cpu_lora_mib is None else int(cfg.engine.max_cpu_lora_mib * MIB),

@@ -33,7 +33,11 @@ replicas, cheaply and without the machine's noise:
   within about a step and an RPC. Late binding also wins, where waits are short, by starting a
   request at whichever replica's step boundary comes first, which no real move is quick enough
   for; `moves` leaves that out;
-- `balancer`: dispatch at arrival, then the shipped balancer's own planners on its own schedule:
+- `soonest_start`: dispatch at arrival as the server ships it (`cluster.dispatch_start_slack_s`):
+  among the replicas with a free running slot, those whose step under way ends within the slack of
+  the soonest (the model knows when each step ends; the router estimates it from when the
+  replica's tokens last came and its cost model), then the least pending time; no moves;
+- `balancer`: the shipped dispatch (`soonest_start`), then the shipped balancer's own planners on its own schedule:
   every `TICK_S` the queued-request planner (`migration.queued.plan_queued`: requests queued a
   tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
   (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
@@ -109,7 +113,10 @@ from dlora.slo.config import SloConfig
 from dlora.slo.kv_quota import AdapterName, KvQuotas, plan_admissions
 from dlora.slo.priority import LengthStats, length_stats, sort_key
 
-DISCIPLINES = ("at_arrival", "late_binding", "moves", "balancer", "balancer_events")
+DISCIPLINES = ("at_arrival", "late_binding", "moves", "soonest_start", "balancer", "balancer_events")
+# the disciplines that dispatch as the server does (the others: dLoRA's pending time alone)
+SHIPPED_DISPATCH = ("soonest_start", "balancer", "balancer_events")
+START_SLACK_S = ClusterConfig().dispatch_start_slack_s
 STATIC = "static"  # the round-robin baseline over a static placement: every request at its adapter's home
 MOVE_AFTER_S = 0.1  # `moves`: a queued request may move once it has waited this long (~ a step + an RPC)
 # `balancer`: as bench/cluster_balancing's servers run it (monitor interval, round interval,
@@ -173,6 +180,7 @@ class _Replica:
     running: list[int] = field(default_factory=list)
     resident: dict[str, float] = field(default_factory=dict)  # adapter -> last use (LRU)
     busy: bool = False  # a step is running or about to start
+    step_ends: float = 0.0  # when its last step started ends
 
 
 class _Model:
@@ -208,7 +216,7 @@ class _Model:
         self.finished: dict[int, float] = {}
         self.preemptions = 0
         self.estimator = OutputLengthEstimator()
-        self.dispatch = ProactiveDispatch()
+        self.dispatch = ProactiveDispatch(start_slack_s=START_SLACK_S if discipline in SHIPPED_DISPATCH else None)
         self.params = model.cost_params()
         self.accounting = SloAccounting(self.slo, self.params)
         # each request's SLO, by its dispatch id (fixed by its adapter and prompt; dispatch asks often)
@@ -229,6 +237,7 @@ class _Model:
         # admitted together
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
+        self.now = 0.0  # the time of the event being handled
 
     def push(self, t: float, kind: int, index: int) -> None:
         self.seq += 1
@@ -241,6 +250,7 @@ class _Model:
             self.push(min(j.arrival for j in self.jobs) + TICK_S, 4, 0)
         while self.events:
             t, kind, _, index = heapq.heappop(self.events)
+            self.now = t
             if kind == 0:
                 self.end_step(t, self.replicas[index])
             elif kind == 1:
@@ -421,7 +431,8 @@ class _Model:
         seqs = len(r.running)
         prefill = sum(self.jobs[i].prompt_len + self.generated[i] for i in new)  # a preempted one recomputes
         adapters = len({self.jobs[i].adapter for i in r.running})
-        self.push(t + c.step(seqs, prefill, seqs, prefill, adapters) + loads * self.model.load_s, 0, r.rid)
+        r.step_ends = t + c.step(seqs, prefill, seqs, prefill, adapters) + loads * self.model.load_s
+        self.push(r.step_ends, 0, r.rid)
 
     # -- KV
 
@@ -625,6 +636,7 @@ class _Model:
             adapter_slots=m.adapter_slots,
             batch_adapter_slots=m.max_loras,
             max_running=m.max_running,
+            step_left_s=max(0.0, r.step_ends - self.now) if r.busy else 0.0,
         )
 
     def load(self, i: int, running: bool) -> RequestLoad:
@@ -700,10 +712,17 @@ def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mappin
         "balancer_events_moved": runs["balancer_events"].moved,
         "gain_of_late_binding": ratio("at_arrival", "late_binding"),
         "gain_of_moves": ratio("at_arrival", "moves"),
+        "gain_of_soonest_start": ratio("at_arrival", "soonest_start"),
         "gain_of_balancer": ratio("at_arrival", "balancer"),
         "gain_of_balancer_events": ratio("at_arrival", "balancer_events"),
     }
-    keys = ("gain_of_late_binding", "gain_of_moves", "gain_of_balancer", "gain_of_balancer_events")
+    keys = (
+        "gain_of_late_binding",
+        "gain_of_moves",
+        "gain_of_soonest_start",
+        "gain_of_balancer",
+        "gain_of_balancer_events",
+    )
     gains = [g for k in keys if (g := out[k]) is not None]
     out["best_gain"] = max(gains) if gains else None
     if homes is not None:  # dispatch at arrival against the static baseline

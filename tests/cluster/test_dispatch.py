@@ -6,7 +6,7 @@ from dlora.cluster.dispatch import (
     ProactiveDispatch,
     make_dispatch_policy,
 )
-from dlora.cluster.estimators.cost_model import CostParams, merge_disruption, pending_time, request_work
+from dlora.cluster.estimators.cost_model import CostParams, merge_disruption, pending_time, request_work, step_left
 from tests.cluster.balancer_factories import make_replica, make_request, many
 
 P = CostParams(adapter_load_s=0.02)
@@ -16,6 +16,10 @@ NEW = make_request("new", "a", prompt=50, expected=50)
 
 def choose(replicas, req=NEW, params=PARAMS):
     return ProactiveDispatch().choose(replicas, req, params)
+
+
+def soonest(replicas, req=NEW, params=PARAMS, slack=0.05):
+    return ProactiveDispatch(start_slack_s=slack).choose(replicas, req, params)
 
 
 def test_holder_wins_when_loads_are_equal():
@@ -144,3 +148,68 @@ def test_non_holder_without_host_cache_room_for_the_adapter_bytes_cannot_take_it
     assert err.value.http_status == 503
     # a replica that holds the adapter takes it whatever its cache room
     assert choose([make_replica(1, resident={"a"}, adapter_bytes_free=0)], big).replica_id == 1
+
+
+# ---- the start slack: the replica whose step under way ends soonest
+
+
+def decoding(rid: int, step_left_s: float, **kw):
+    """Four long decodes under way (much pending work), adapter `a` resident."""
+    return make_replica(
+        rid, many(f"d{rid}-", 4, "a", running=True, expected=200), resident={"a"}, step_left_s=step_left_s, **kw
+    )
+
+
+def test_with_a_start_slack_the_replica_ending_its_step_first_takes_it_over_less_pending_work():
+    prefilling = make_replica(
+        0, [make_request("p", "a", prompt=2000, expected=5, running=True)], resident={"a"}, step_left_s=0.6
+    )
+    assert choose([prefilling, decoding(1, 0.01)]).replica_id == 0  # pending time alone: the light one
+    assert soonest([prefilling, decoding(1, 0.01)]).replica_id == 1  # there it would wait out 0.6 s
+
+
+def test_replicas_within_the_slack_of_the_soonest_are_compared_by_pending_time():
+    light = make_replica(0, [make_request("x", "a", expected=10, running=True)], resident={"a"}, step_left_s=0.04)
+    assert soonest([light, decoding(1, 0.0)]).replica_id == 0  # 0.04 s is within 0.05 s of 0
+    assert soonest([light, decoding(1, 0.0)], slack=0.03).replica_id == 1
+
+
+def test_only_a_free_running_and_batch_slot_counts_as_starting_soon():
+    full = make_replica(0, many("f", 2, "a", running=True, expected=5), resident={"a"}, max_running=2)
+    assert full.step_left_s == 0.0 and not full.has_free_slot("a")
+    assert soonest([full, decoding(1, 0.5)]).replica_id == 1
+    queued = make_replica(0, many("q", 2, "a", expected=5), resident={"a"}, max_running=2)  # queued ones take the slots
+    assert soonest([queued, decoding(1, 0.5)]).replica_id == 1
+    other = make_replica(
+        0, [make_request("b0", "b", running=True, expected=5)], resident={"a", "b"}, batch_adapter_slots=1
+    )
+    assert soonest([other, decoding(1, 0.5)]).replica_id == 1  # max_loras: b holds the one batch slot
+    assert soonest([other, decoding(1, 0.5)], req=make_request("nb", "b", prompt=50, expected=50)).replica_id == 0
+
+
+def test_with_no_free_slot_anywhere_pending_time_alone_decides():
+    full = make_replica(0, many("f", 2, "a", running=True, expected=5), resident={"a"}, max_running=2)
+    also_full = decoding(1, 0.0, max_running=4)
+    assert soonest([full, also_full]).replica_id == choose([full, also_full]).replica_id == 0
+
+
+def test_an_adapter_load_counts_in_when_a_replica_would_start_the_request():
+    params = {0: P, 1: CostParams(adapter_load_s=0.5)}
+    idle_without_it = make_replica(1)
+    assert choose([decoding(0, 0.01), idle_without_it], params=params).replica_id == 1  # less pending work
+    assert soonest([decoding(0, 0.01), idle_without_it], params=params).replica_id == 0  # starts 0.49 s sooner
+
+
+def test_make_dispatch_policy_passes_the_slack_to_proactive_dispatch_only():
+    assert make_dispatch_policy("proactive", 0.2).start_slack_s == 0.2
+    assert make_dispatch_policy("proactive").start_slack_s is None
+    assert make_dispatch_policy("round_robin", 0.2).name == "round_robin"
+
+
+def test_step_left_prices_the_step_under_way_from_its_start():
+    p = CostParams(per_iteration_s=0.01, per_decode_token_s=0.002, per_prefill_token_s=0.001)
+    # 4 decoding sequences and 100 prompt tokens: 0.01 + 4 * 0.002 + 100 * 0.001 = 0.118 s from t=10
+    assert step_left(p, 10.0, 10.05, 4, 100) == pytest.approx(0.068)
+    assert step_left(p, 10.0, 11.0, 4, 100) == 0.0  # overdue
+    assert step_left(p, None, 10.0, 4, 100) == 0.0  # no step seen yet
+    assert step_left(p, 10.0, 10.0, 0, 0) == 0.0  # nothing to run

@@ -5,14 +5,14 @@ import pytest
 from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays, simulate
 from dlora.sim.step_costs import StepCosts
 
-ONE_SECOND_STEPS = StepCosts(
-    fixed_s=1.0,
-    per_seq_s=0.0,
-    per_prefill_token_s=0.0,
-    lora_fixed_s=0.0,
-    lora_per_seq_s=0.0,
-    lora_per_prefill_token_s=0.0,
-)
+
+def step_costs(fixed_s: float = 1.0, per_seq_s: float = 0.0, per_prefill_token_s: float = 0.0) -> StepCosts:
+    """Steps without a LoRA term: `fixed_s` + `per_seq_s` a sequence + `per_prefill_token_s` a prompt token."""
+    zero = {"lora_fixed_s": 0.0, "lora_per_seq_s": 0.0, "lora_per_prefill_token_s": 0.0}
+    return StepCosts(fixed_s=fixed_s, per_seq_s=per_seq_s, per_prefill_token_s=per_prefill_token_s, **zero)
+
+
+ONE_SECOND_STEPS = step_costs()
 
 
 def model(**kw) -> ReplicaModel:
@@ -75,14 +75,7 @@ def test_a_step_that_loads_an_adapter_lasts_longer():
 
 
 def test_prefill_and_batch_size_set_the_step_time():
-    costs = StepCosts(
-        fixed_s=0.5,
-        per_seq_s=0.25,
-        per_prefill_token_s=0.125,
-        lora_fixed_s=0.0,
-        lora_per_seq_s=0.0,
-        lora_per_prefill_token_s=0.0,
-    )
+    costs = step_costs(0.5, per_seq_s=0.25, per_prefill_token_s=0.125)
     # step 1: both admitted, 2 seqs, 8 prompt tokens: 0.5 + 0.5 + 1.0 = 2.0 s; the third (slot-bound) starts then
     jobs = [job(0, 1), job(0, 1), job(0, 1)]
     assert queue_delays(jobs, 1, model(max_running=2, costs=costs), "late_binding") == [0.0, 0.0, 2.0]
@@ -175,3 +168,18 @@ def test_a_round_whose_moves_the_simulation_finds_no_better_does_not_run():
     # (10 steps there too): no gain, so the round is decided but moves nothing.
     m, busy, idle = six_on_one_replica()
     assert m.last_round == 1.0 and idle.queue == [] and sorted(busy.running) == list(range(6)) and m.moved == 0
+
+
+def test_the_shipped_dispatch_sends_a_request_to_the_replica_whose_step_ends_first():
+    # Steps cost 1 s plus 1 ms per prompt token. A (4,000-token prompt, cap 10) and B (cap 100)
+    # start on replicas 0 and 1 at t=0: A's prefill step lasts until t=5, B's first step until
+    # t=1.004. C arrives at t=0.5: replica 0 has less pending work (A is expected to run to its cap
+    # of 10, B to 100), so dLoRA's dispatch sends C there, to wait out A's prefill (4.5 s); the
+    # shipped dispatch sees that replica 1 starts its next step 4 s sooner and sends C there.
+    costs = step_costs(per_prefill_token_s=0.001)
+    jobs = [Job(0, "x", 4000, 1, 10), Job(0, "x", 4, 100, 100), Job(0.5, "x", 4, 1, 10)]
+    two_slots = model(max_running=2, costs=costs)
+    assert queue_delays(jobs, 2, two_slots, "at_arrival") == [0.0, 0.0, pytest.approx(4.5)]
+    assert queue_delays(jobs, 2, two_slots, "soonest_start") == [0.0, 0.0, pytest.approx(0.504)]
+    got = bound(jobs, 2, two_slots)
+    assert got["gain_of_soonest_start"] == pytest.approx(4.5 / 0.504)

@@ -125,6 +125,16 @@ def step_seconds(p: CostParams, batch: int) -> float:
     return p.per_iteration_s + p.per_decode_token_s * max(1, min(batch, p.max_batch))
 
 
+def step_left(p: CostParams, started_at: float | None, now: float, running: int, prefill_tokens: int) -> float:
+    """Seconds until a replica's step under way ends: one started at `started_at` that decodes
+    `running` sequences and prefills `prefill_tokens` (those of the requests queued there, which the
+    engine admits into it where they fit). 0 once overdue, and when nothing runs or is known."""
+    if started_at is None or running + prefill_tokens <= 0:
+        return 0.0
+    seconds = step_seconds(p, running) + prefill_tokens * p.per_prefill_token_s
+    return max(0.0, started_at + seconds - now)
+
+
 def load_time(p: CostParams, view: ReplicaView, adapter: AdapterName) -> float:
     """Seconds before `adapter` can run on the replica: zero if resident (or the base model)."""
     return 0.0 if view.holds(adapter) else p.adapter_load_s

@@ -58,7 +58,9 @@ their requests (dLoRA §5's setting).
 
 Policies: `proactive_migration` (dlora) runs co-migration rounds and, on every monitor tick, moves
 requests queued on one replica to a replica that can start them (`cluster.migrate_queued`, on by
-default); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves;
+default); `proactive_migration_pending_only` (optional) is the same with dispatch by pending time
+alone (`cluster.dispatch_start_slack_s: null`, no preference for the replica that would start a
+request soonest); `proactive_migration_noqueued` (optional, `--policies`) is the same without those moves;
 `proactive_slot_aging` (optional) is proactive dispatch on engines with LoRA batch-slot aging
 (`scheduling.lora_slot_starve_s: 1.0`, opt-in), its ablation.
 
@@ -114,6 +116,14 @@ POLICIES = {
     "proactive": {"dispatch": "proactive", "placement": "dynamic", "migration": False},
     # dlora: dispatch + co-migration rounds + every tick's moves of queued requests (migrate_queued)
     "proactive_migration": {"dispatch": "proactive", "placement": "dynamic", "migration": True, "migrate_queued": True},
+    # ablation: dlora with dLoRA's dispatch by pending time alone (no soonest-start filter)
+    "proactive_migration_pending_only": {
+        "dispatch": "proactive",
+        "dispatch_start_slack_s": None,
+        "placement": "dynamic",
+        "migration": True,
+        "migrate_queued": True,
+    },
     # ablation: co-migration rounds only, no queued-request moves
     "proactive_migration_noqueued": {
         "dispatch": "proactive",

@@ -231,8 +231,8 @@ class ClusterConfig:
     # do, so others stay idle) | least_loaded | round_robin
     dispatch: str = "proactive"
     # With proactive dispatch: only replicas that would start a request within this many seconds of
-    # the soonest one (a free running slot, the end of their engine step under way, its adapter's
-    # load) are compared by pending time. null: pending time alone (dLoRA's dispatch).
+    # the soonest one (a free running slot and KV room, the end of their engine step under way, its
+    # adapter's load) are compared by pending time. null: pending time alone (dLoRA's dispatch).
     dispatch_start_slack_s: float | None = 0.05
     # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
     # lives on one replica (registry id mod N) and its requests only go there (a baseline).

@@ -138,7 +138,7 @@ def run_one(config: str, jobs: list[Job], replicas: int, per_replica: float, arg
         got["replicas_over_time"] = e.replicas_over_time
         return got
     n = replicas if config == "fixed_max" else fixed_mean(jobs, per_replica, args.period, replicas)
-    outcome = simulate(jobs, n, model, "at_arrival")
+    outcome = simulate(jobs, n, model, "soonest_start")  # dispatch as the server ships it
     end = max(a + lat for a, lat in zip((j.arrival for j in jobs), outcome.latency_s))
     got = report(jobs, outcome, n * (end - start))
     got["replicas"] = n

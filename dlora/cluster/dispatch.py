@@ -16,13 +16,13 @@ other can take the request, and a non-holder with no free adapter slot, or (with
 bytes) too few bytes that it could free for the adapter's weights, cannot take it at all.
 
 With `start_slack_s` set (`cluster.dispatch_start_slack_s`) dispatch first asks when the request
-would start: on a replica with a free running slot, when its engine step under way ends (the
-router times each replica's steps) plus the adapter load; only replicas within `start_slack_s` of
-the soonest such start are then compared by pending time. Why: a replica admits new requests only
-between steps, and a CPU step with a long prefill in it lasts most of a second, so pending-time
-dispatch sent requests to a replica in the middle of one while another replica was about to start
-its next step. With 8 replicas, in the replica model, this cut mean queueing 2-4x on unknown output
-lengths (bench/migration_bound). When no replica has a free slot, pending time alone decides.
+would start: on a replica with a free running slot (and KV room for its prompt below `kv_high`),
+when its engine step under way ends (the router times each replica's steps) plus the adapter load;
+only replicas within `start_slack_s` of the soonest such start are then compared by pending time.
+Why: a replica admits new requests only between steps, and a CPU step with a long prefill in it
+lasts most of a second, so pending-time dispatch sent requests to a replica in the middle of one
+while another replica was about to start its next step (bench/migration_bound measures the gain).
+When no replica has a free slot, pending time alone decides.
 
 The round-robin and least-loaded policies are the baselines of `bench/cluster_balancing`.
 """
@@ -137,11 +137,15 @@ def start_wait(view: ReplicaView, req: RequestLoad, params: CostParams) -> float
 
 
 def soonest_starts(
-    replicas: Sequence[ReplicaView], req: RequestLoad, params: Mapping[int, CostParams], slack_s: float
+    replicas: Sequence[ReplicaView],
+    req: RequestLoad,
+    params: Mapping[int, CostParams],
+    slack_s: float,
+    kv_high: float = KV_HIGH,
 ) -> list[ReplicaView]:
-    """The replicas with a free slot for `req` that would start it within `slack_s` of the soonest
-    of them; all of `replicas` when none has a free slot."""
-    free = [v for v in replicas if v.has_free_slot(req.adapter)]
+    """The replicas with a free slot for `req`, and KV room for its context below `kv_high`, that
+    would start it within `slack_s` of the soonest of them; all of `replicas` when none has both."""
+    free = [v for v in replicas if v.has_free_slot(req.adapter) and v.kv_room(kv_high) >= req.context_tokens]
     if not free:
         return list(replicas)
     waits = [start_wait(v, req, params.get(v.replica_id, CostParams())) for v in free]
@@ -163,7 +167,7 @@ class ProactiveDispatch(DispatchPolicy):
         eligible = self._eligible(replicas, req)
         calm = [v for v in eligible if v.kv_fraction < self.kv_high] or eligible
         if self.start_slack_s is not None:
-            calm = soonest_starts(calm, req, params, self.start_slack_s)
+            calm = soonest_starts(calm, req, params, self.start_slack_s, self.kv_high)
         decisions = [self._decide(v, req, params) for v in calm]
         return min(decisions, key=lambda d: (d.pending_s, d.load_adapter, d.replica_id))
 

@@ -1,11 +1,12 @@
 """An elastic cluster in the replica model: the autoscaler sizing it as the load moves.
 
-The replicas are `migration_bound`'s, dispatched at arrival (the real `ProactiveDispatch`, or the
-SLO-aware dispatch of `slo`); `dlora.cluster.autoscale.Autoscaler` decides at every heartbeat from
-what the window measured, as the server's balancer would read it from the replicas: arrivals,
-completions, output tokens generated and those of the finished requests, whether requests waited
-for a slot at most step starts, SLO attainment of the requests that finished (judged as
-`SloAccounting` judges them) and the mean queue wait of those admitted.
+The replicas are `migration_bound`'s, dispatched at arrival as the server ships it (the real
+`ProactiveDispatch` with the default start slack, `soonest_start`; or the SLO-aware dispatch of
+`slo`); `dlora.cluster.autoscale.Autoscaler` decides at every heartbeat from what the window
+measured, as the server's balancer would read it from the replicas: arrivals, completions, output
+tokens generated and those of the finished requests, whether requests waited for a slot at most
+step starts, SLO attainment of the requests that finished (judged as `SloAccounting` judges them)
+and the mean queue wait of those admitted.
 
 - Scale-out starts replicas (the lowest-numbered stopped ones): each is billed from the decision
   and takes requests `startup_s` later (a replica actor starting its engine and loading adapters).
@@ -61,7 +62,7 @@ class _Elastic(_Model):
     ) -> None:
         if not cfg.min_replicas <= initial <= cfg.max_replicas:
             raise ValueError(f"initial replicas {initial}: must be in [{cfg.min_replicas}, {cfg.max_replicas}]")
-        super().__init__(jobs, cfg.max_replicas, model, "at_arrival", False, MOVE_AFTER_S, None, slo)
+        super().__init__(jobs, cfg.max_replicas, model, "soonest_start", False, MOVE_AFTER_S, None, slo)
         self.cfg, self.scaler, self.startup_s = cfg, Autoscaler(cfg), startup_s
         self.start = min((j.arrival for j in jobs), default=0.0)
         self.state = [ON if i < initial else OFF for i in range(cfg.max_replicas)]

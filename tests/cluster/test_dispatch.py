@@ -187,6 +187,14 @@ def test_only_a_free_running_and_batch_slot_counts_as_starting_soon():
     assert soonest([other, decoding(1, 0.5)], req=make_request("nb", "b", prompt=50, expected=50)).replica_id == 0
 
 
+def test_a_replica_without_kv_room_for_the_prompt_does_not_count_as_starting_soon():
+    # 1,000 KV tokens, 86% in use: 40 tokens below the 90% mark, short of the new request's 50
+    tight = make_replica(0, resident={"a"}, kv_capacity_tokens=1000, kv_usage=0.86)
+    assert soonest([tight, decoding(1, 0.5)]).replica_id == 1
+    roomy = make_replica(0, resident={"a"}, kv_capacity_tokens=1000, kv_usage=0.85)  # 50 tokens: it fits
+    assert soonest([roomy, decoding(1, 0.5)]).replica_id == 0
+
+
 def test_with_no_free_slot_anywhere_pending_time_alone_decides():
     full = make_replica(0, many("f", 2, "a", running=True, expected=5), resident={"a"}, max_running=2)
     also_full = decoding(1, 0.0, max_running=4)

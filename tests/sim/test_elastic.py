@@ -54,7 +54,7 @@ def test_drains_move_running_requests_which_then_finish_whole():
 
 def test_without_scaling_it_is_the_fixed_model():
     jobs = burst_then_lull(40, 0.5)
-    fixed = simulate(jobs, 2, MODEL, "at_arrival")
+    fixed = simulate(jobs, 2, MODEL, "soonest_start")
     same = simulate_elastic(jobs, MODEL, cfg(min_replicas=2, max_replicas=2), initial=2, startup_s=0.0)
     assert same.events == []
     assert same.outcome.latency_s == pytest.approx(fixed.latency_s)

@@ -906,7 +906,8 @@ class Router:
         state.preempted = False
         self._recount(state)
         slot = state.slot
-        if slot is not None and self.totals[slot.replica_id].requests <= 1:  # it reaches an idle engine
+        totals = None if slot is None else self.totals.get(slot.replica_id)
+        if slot is not None and totals is not None and totals.requests <= 1:  # it reaches an idle engine
             slot.step_started_at = state.queued_since
         self.queue_times.sent(state.request.request_id, engine_id)
         self.on_leg_sent()

@@ -22,9 +22,10 @@ replicas, cheaply and without the machine's noise:
   default, plus the load time of adapters it loads; dispatch sees the same costs as the router's
   `CostParams`, `ReplicaModel.cost_params`) and gives each
   running request one token; an admitted request's first step prefills its prompt;
-- `at_arrival`: each request goes, once, where the real `ProactiveDispatch` sends it, over views
-  of the modelled replicas with expected lengths from the real `OutputLengthEstimator` fed with
-  finished requests (`oracle_lengths` gives dispatch the true lengths instead);
+- `at_arrival`: each request goes, once, where the real `ProactiveDispatch` by pending time alone
+  (dLoRA's dispatch, no start slack) sends it, over views of the modelled replicas with expected
+  lengths from the real `OutputLengthEstimator` fed with finished requests (`oracle_lengths` gives
+  dispatch the true lengths instead);
 - `late_binding`: the cluster-wide queue above;
 - `static` (with `homes`): each request to its adapter's one home replica, dLoRA's round-robin
   baseline over a static placement;
@@ -34,14 +35,14 @@ replicas, cheaply and without the machine's noise:
   request at whichever replica's step boundary comes first, which no real move is quick enough
   for; `moves` leaves that out;
 - `soonest_start`: dispatch at arrival as the server ships it (`cluster.dispatch_start_slack_s`):
-  among the replicas with a free running slot, those whose step under way ends within the slack of
-  the soonest (the model knows when each step ends; the router estimates it from when the
-  replica's tokens last came and its cost model), then the least pending time; no moves;
-- `balancer`: the shipped dispatch (`soonest_start`), then the shipped balancer's own planners on its own schedule:
-  every `TICK_S` the queued-request planner (`migration.queued.plan_queued`: requests queued a
-  tick or more, preempted ones included, to replicas that can start them), then dLoRA's triggers
-  (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s) and on one,
-  the co-migration ILP (`plan_migration`), run only when its moves are simulated to pay
+  among the replicas with a free running slot and KV room, those whose step under way ends within
+  the slack of the soonest (the model knows when each step ends; the router estimates it from when
+  the replica's tokens last came and its cost model), then the least pending time; no moves;
+- `balancer`: the shipped dispatch (`soonest_start`), then the shipped balancer's own planners on
+  its own schedule: every `TICK_S` the queued-request planner (`migration.queued.plan_queued`:
+  requests queued a tick or more, preempted ones included, to replicas that can start them), then
+  dLoRA's triggers (`check_trigger`: KV, count imbalance, queueing delay; a round at most every 2 s)
+  and on one, the co-migration ILP (`plan_migration`), run only when its moves are simulated to pay
   (`migration.simulated_gain.checked`, the server's default draws), whose moved running requests
   recompute their context on the receiver;
 - `balancer_events`: `balancer`, and the queued-request planner also runs on events, as the

@@ -12,7 +12,11 @@ projections (where merging pays most on this CPU, bench/where_merging_pays). Sys
   less its start-up);
 - `unplanned`: `dlora batch run` as configs/default.yaml ships it (2 replicas, one per core) with
   `batch.planner: none`: every line sent at once, dispatch and dLoRA's switching decide;
-- `planned`: the same with `batch.planner: stages` (the stage plan).
+- `planned`: the same with `batch.planner: stages` (the stage plan);
+- `base`: the same lines sent to the base model instead of their adapters, unplanned. A merged
+  step is a base-model step, and this run has full batches, no switches and no drains, so no plan
+  of the adapter lines can finish sooner: unplanned / base bounds what any plan can gain. Only with
+  `--ignore-eos`, so that every system generates the same number of tokens per line.
 
 dlora's makespan is the time `dlora batch run` prints (first line sent to last line done; its
 start-up is not in it). Reps alternate the systems. Also recorded: the planner's predicted time
@@ -20,6 +24,7 @@ against the measured time of the planned run.
 
     .venv/bin/python -m bench.batch.run --requests 2000              # the full batch, hours here
     .venv/bin/python -m bench.batch.run --requests 200 --kinds r64-all
+    .venv/bin/python -m bench.batch.run --requests 120 --ignore-eos --systems unplanned planned base
 
 Writes bench/batch/result.json and result.png.
 """
@@ -49,7 +54,7 @@ from dlora.sim.step_costs import ALL_PROJECTIONS, QKVO
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 KINDS = {"r8-qkvo": (8, QKVO), "r64-all": (64, ALL_PROJECTIONS)}
-SYSTEMS = ("unplanned", "planned", "vllm")
+SYSTEMS = ("unplanned", "planned", "vllm", "base")
 ADAPTERS = 16
 MAX_MODEL_LEN = 2048
 KV_GIB = 2
@@ -65,10 +70,12 @@ REPLAN = re.compile(
 )
 
 
-def batch_lines(requests, url: str = COMPLETIONS) -> str:
+def batch_lines(requests, url: str = COMPLETIONS, ignore_eos: bool = False, model: str | None = None) -> str:
     out = []
     for i, r in enumerate(requests):
-        body = {"model": r.adapter, "max_tokens": r.output_len, "temperature": 0}
+        body = {"model": model or r.adapter, "max_tokens": r.output_len, "temperature": 0}
+        if ignore_eos:
+            body["ignore_eos"] = True
         if url == CHAT:
             body["messages"] = [{"role": "user", "content": r.prompt}]
         else:
@@ -175,7 +182,14 @@ def main() -> int:
     # on a 24 GiB host (see README.md); these shrink each engine.
     ap.add_argument("--kv-gib", type=int, default=KV_GIB, help="KV cache space per engine (whole GiB)")
     ap.add_argument("--merged-cache-mib", type=float, help="engine.merged_cache_mib (default: the config's)")
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every line generates its ShareGPT output length (needed for the `base` system's bound)",
+    )
     args = ap.parse_args()
+    if "base" in args.systems and not args.ignore_eos:
+        ap.error("--systems base needs --ignore-eos: with EOS honoured the base model's outputs differ in length")
     memory = {"kv_gib": args.kv_gib, "merged_cache_mib": args.merged_cache_mib}
     from dlora.models.smollm2 import prepare_smollm2
 
@@ -200,7 +214,9 @@ def main() -> int:
     # gets chat lines (the prompt as the user's message), and they compare on the same requests.
     url = CHAT if "vllm" in args.systems else COMPLETIONS
     inp = work / "input.jsonl"
-    inp.write_text(batch_lines(requests, url))
+    inp.write_text(batch_lines(requests, url, args.ignore_eos))
+    inp_base = work / "input-base.jsonl"
+    inp_base.write_text(batch_lines(requests, url, args.ignore_eos, model="base"))
     (work / "one.jsonl").write_text(batch_lines(requests[:1], url))
     per_adapter = {a: sum(r.adapter == a for r in requests) for a in names}
     print(f"{len(requests)} requests, per adapter {list(per_adapter.values())}", flush=True)
@@ -234,7 +250,10 @@ def main() -> int:
                 else:
                     planner = "stages" if system == "planned" else "none"
                     point = run_dlora(
-                        dlora_config(base, adapters, rank, planner, work / f"state-{tag}", **memory), inp, work, tag
+                        dlora_config(base, adapters, rank, planner, work / f"state-{tag}", **memory),
+                        inp_base if system == "base" else inp,
+                        work,
+                        tag,
                     )
                 points.append({"kind": kind, "system": system, "rep": rep, **point})
                 (work / "points.json").write_text(json.dumps(points))
@@ -258,7 +277,7 @@ def main() -> int:
             "prompt_tokens_total": sum(r.prompt_len for r in requests),
             "max_tokens_total": sum(r.output_len for r in requests),
             "greedy": True,
-            "ignore_eos": False,
+            "ignore_eos": args.ignore_eos,
             "adapter_scale": ADAPTER_SCALE,
         },
         "dlora_config_last": dlora_config(base, adapters, rank, "stages", work / "state", **memory),
@@ -284,6 +303,9 @@ def summarize(points: list[dict]) -> dict:
             out[kind]["makespan_vs_vllm"] = med["vllm"] / med["planned"]
         if "planned" in med and "unplanned" in med:
             out[kind]["makespan_vs_unplanned"] = med["unplanned"] / med["planned"]
+        if "base" in med and "unplanned" in med:
+            # the most any plan could gain over unplanned (see `base` in the module docstring)
+            out[kind]["plan_gain_bound"] = med["unplanned"] / med["base"]
         for key, predicted in (
             ("plan_prediction_error", "plan_predicted_s"),
             ("replan_prediction_error", "replan_predicted_s"),

@@ -34,6 +34,8 @@ class Work:
     adapter: str | None
     prompt_tokens: int
     max_tokens: int
+    # the request runs to max_tokens (`ignore_eos` without stop strings): its length is known, not drawn
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,14 @@ def sample_lengths(
     works: Sequence[Work], lengths_of: Callable[[str | None], Sequence[int]], rng: random.Random
 ) -> list[int]:
     """One draw per request from its adapter's observed lengths (`lengths_of`), capped by its
-    max_tokens; max_tokens when nothing was observed. At least 1."""
+    max_tokens; max_tokens when nothing was observed or the length is exact. At least 1."""
     drawn = []
     cache: dict[str | None, Sequence[int]] = {}
     for w in works:
         if w.adapter not in cache:
             cache[w.adapter] = lengths_of(w.adapter)
         seen = cache[w.adapter]
-        n = seen[rng.randrange(len(seen))] if seen else w.max_tokens
+        n = seen[rng.randrange(len(seen))] if seen and not w.exact else w.max_tokens
         drawn.append(max(1, min(n, w.max_tokens)))
     return drawn
 
@@ -156,11 +158,12 @@ def works_of(
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     cap = body.get("max_tokens") or body.get("max_completion_tokens")
     adapter = None if body.get("model") == base_model else str(body.get("model"))
+    exact = body.get("ignore_eos") is True and not body.get("stop")
     works = []
     for size in sizes:
         room = max_model_len - size
         limit = max(1, min(cap, room) if isinstance(cap, int) else room)
-        works += [Work(adapter, size, limit)] * max(1, n)
+        works += [Work(adapter, size, limit, exact)] * max(1, n)
     return works
 
 

@@ -83,6 +83,8 @@ def test_lengths_are_drawn_from_the_adapters_history_and_capped():
     works = [Work("a", 10, 3), Work("a", 10, 100), Work("b", 10, 7)]
     seen = {"a": [5], "b": []}
     assert sample_lengths(works, lambda a: seen[a], random.Random(0)) == [3, 5, 7]
+    exact = [Work("a", 10, 3, exact=True), Work("a", 10, 100, exact=True)]
+    assert sample_lengths(exact, lambda a: seen[a], random.Random(0)) == [3, 100]  # runs to max_tokens
 
 
 def test_requests_spread_over_replicas_as_dispatch_would_and_the_makespan_is_the_slowest():
@@ -118,3 +120,7 @@ def test_a_line_becomes_its_engine_requests_with_their_prompt_sizes_and_caps():
     assert works_of("/v1/chat/completions", chat | {"max_completion_tokens": 7}, count, "base", 100) == [
         Work("x", 4 + 2 + 4 + 1, 7)
     ]
+    to_the_end = {"model": "x", "prompt": "a", "max_tokens": 6, "ignore_eos": True}
+    assert works_of("/v1/completions", to_the_end, count, "base", 100) == [Work("x", 1, 6, exact=True)]
+    stops = to_the_end | {"stop": ["."]}  # a stop string can still end it early: its length is drawn
+    assert works_of("/v1/completions", stops, count, "base", 100) == [Work("x", 1, 6)]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from dlora.adapters.registry import AdapterNotFoundError
 from dlora.batch.files import FileStore
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine, LineError, error_output, ok_output
@@ -25,6 +26,7 @@ from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import held_jobs, with_running
+from dlora.scheduling.config import einsum_merged_cost
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
 from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -105,6 +107,28 @@ def plan_params(router) -> dict[int, CostParams]:
     return {rid: shared for rid in serving}
 
 
+def merge_prior(state, works: Sequence[Sequence[Work]]) -> float | None:
+    """The prior merged/unmerged step cost for these requests' adapters with the einsum kernels
+    (`einsum_merged_cost` of their mean LoRA fraction, base-model requests counting 0); None with
+    another backend, with `scheduling.merged_cost_ratio` set, or with no adapter in the batch."""
+    cfg = state.cfg
+    if cfg.engine.lora_backend != "einsum" or cfg.scheduling.merged_cost_ratio is not None:
+        return None
+    fractions: dict[str, float] = {}
+    per_request = []
+    for w in (w for ws in works for w in ws):
+        if w.adapter is not None and w.adapter not in fractions:
+            try:
+                rec = state.adapters.registry.get(w.adapter)
+            except AdapterNotFoundError:
+                rec = None  # not registered: the line fails with its own error, and costs nothing
+            fractions[w.adapter] = state.adapters.base.lora_fraction(rec.rank, rec.target_modules) if rec else 0.0
+        per_request.append(0.0 if w.adapter is None else fractions[w.adapter])
+    if not fractions:
+        return None
+    return einsum_merged_cost(sum(per_request) / len(per_request))
+
+
 class ServerPlanner:
     """`batch.planner: stages` over this server's router: its replicas' fitted step costs and its
     adapters' output-length histories. `known_works` (line number -> its engine requests) spares
@@ -120,9 +144,12 @@ class ServerPlanner:
         return [self.known_works[line.line] for line in lines]
 
     def costs_measured(self) -> bool:
+        return self._all_serving(lambda m: m.measured)
+
+    def _all_serving(self, test) -> bool:
         router = self.state.router
         serving = [router.cost_models.get(rid) for rid in router.healthy_ids()]
-        return bool(serving) and all(m is not None and m.measured for m in serving)
+        return bool(serving) and all(m is not None and test(m) for m in serving)
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
         router = self.state.router
@@ -131,6 +158,10 @@ class ServerPlanner:
             return None
         measured = self.costs_measured()
         works = await asyncio.to_thread(self._works, lines)
+        prior = merge_prior(self.state, works)
+        if prior is not None and not self._all_serving(lambda m: m.merged_measured):
+            # The backend's one prior is for small adapters; a merged step saves far more with large ones.
+            params = {rid: dataclasses.replace(p, merged_ratio=prior) for rid, p in params.items()}
         # Read on the event loop (requests finish and lengths are recorded there); the planner's
         # thread gets copies.
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}

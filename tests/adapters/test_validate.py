@@ -18,6 +18,14 @@ def test_base_shapes_follow_gqa_config(micro):
     assert s.shapes["down_proj"] == (48, 32)
 
 
+def test_lora_fraction_counts_the_adapters_multiply_adds_over_the_base_projections(micro):
+    s = shapes(micro)
+    base = 32 * 32 * 2 + 32 * 16 * 2 + 32 * 48 * 3  # q, o; k, v; gate, up, down: 7,680 per token
+    assert s.lora_fraction(4, ("q_proj", "down_proj")) == pytest.approx(4 * (64 + 80) / base)
+    assert s.lora_fraction(8, ("q_proj", "down_proj")) == pytest.approx(2 * s.lora_fraction(4, ("q_proj", "down_proj")))
+    assert s.lora_fraction(4, ("q_proj", "lm_head", "q_proj")) == s.lora_fraction(4, ("q_proj",))  # unknown, repeated
+
+
 def test_good_adapter_reports_rank_alpha_targets(micro):
     info = inspect_adapter(micro["good"], shapes(micro), max_rank=8)
     assert info.rank == 4 and info.alpha == 8.0

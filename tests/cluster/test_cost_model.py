@@ -83,12 +83,12 @@ def test_fit_with_a_single_step_shape_stays_nonnegative_and_predicts_it():
 def test_priors_hold_until_enough_samples_and_merged_ratio_is_measured():
     model = ReplicaCostModel(P)
     model.observe(IterationSample(8, 0, 8, 0.02))
-    assert model.params == P and not model.measured
+    assert model.params == P and not model.measured and not model.merged_measured
     for i in range(16):
         n = 4 + i
         model.observe(IterationSample(n, 0, n, 0.0032 + 0.001 * n))
         model.observe(IterationSample(n, 0, n, 0.5 * (0.0032 + 0.001 * n), merged=True))
-    assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05) and model.measured
+    assert model.params.merged_ratio == pytest.approx(0.5, rel=0.05) and model.measured and model.merged_measured
 
 
 def test_merged_steps_alone_measure_the_replica_through_the_prior_ratio():

@@ -160,6 +160,11 @@ class ReplicaCostModel:
         """
         return len(self._unmerged) >= MIN_SAMPLES or len(self._merged) >= MIN_SAMPLES
 
+    @property
+    def merged_measured(self) -> bool:
+        """Whether `merged_ratio` is fitted from this replica's merged steps (not the prior)."""
+        return len(self._merged) >= MIN_MERGED_SAMPLES
+
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
         if seconds < 0:

@@ -12,6 +12,13 @@ each adapter only costs its own rank. It trades N-fold FLOPs (T x R_total x H) f
 instead of one small GEMM per adapter, which wins on CPU where per-op dispatch dominates while a
 batch holds few adapters (bench/kernels/ times both forms).
 
+The one-hot form's price is every token times every packed adapter: with high ranks, many packed
+adapters or long prefills those wasted multiply-adds outweigh per-op dispatch, and `add_lora_einsum`
+runs the same update as one pair of GEMMs per adapter present instead (the grouped form, as the
+reference computes it, on the tokens of that adapter only): when the one-hot form's extra
+multiply-adds exceed `GROUP_CALL_MACS` per group. SmolLM2-135M's q_proj, 8 packed rank-64 adapters:
+a 256-token prefill costs the one-hot form 8x its own multiply-adds.
+
 The two contractions are plain GEMMs once the axes are packed, so they are written as matmuls
 (torch.einsum adds ~10% dispatch overhead at these sizes), or go through the PackedLoRA's prebuilt
 `gemm` when it has one (a GEMM with prepacked weights is ~2x torch.matmul at decode sizes). Rows
@@ -24,7 +31,17 @@ from __future__ import annotations
 import torch
 
 from .meta import LoRABatchMeta, PackedLoRA
-from .reference import acc_dtype
+from .reference import acc_dtype, token_groups
+
+# The grouped form's costs beyond its own GEMMs, in multiply-adds of the one-hot form's GEMMs (~32
+# GMAC/s on one CPU core), fitted where the two forms cross over on SmolLM2-135M's projection shapes
+# (ranks 8 and 64, 1-8 adapters present, 1-2,048 tokens): each group past the first (two more GEMM
+# dispatches, its slices or index tensors) ~50 us, and each element of the rows it gathers from x
+# and scatters into y (a group of decode tokens; a segment is a view and costs nothing) ~1.5 ns.
+GROUP_CALL_MACS = 1.5e6
+COPY_MACS_PER_ELEMENT = 48
+
+Groups = list[tuple[slice | torch.Tensor, int, int]]  # (rows, adapter, token count)
 
 
 def lora_shrink_einsum(
@@ -56,14 +73,65 @@ def lora_expand_einsum(
 
 
 def add_lora_einsum(
-    y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, meta: LoRABatchMeta, scale: float = 1.0
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora: PackedLoRA,
+    meta: LoRABatchMeta,
+    scale: float = 1.0,
+    form: str | None = None,
 ) -> None:
+    """`form`: "onehot" or "grouped" runs that form; None picks the cheaper (`grouped_is_cheaper`)."""
+    groups = _groups(meta)
+    if form == "grouped" or (form is None and grouped_is_cheaper(groups, lora)):
+        _add_lora_grouped(y, x, lora, groups, scale)
+        return
     rows = meta.active_rows
     onehot, _ = _onehot_columns(meta, lora)
     xs = x if rows is None else x[rows]
     v_all = _shrink_all(xs, lora)  # "th,jh->tj": [T', R_total]
     v_all = v_all.masked_fill_(~onehot, 0)  # keep own adapter's columns
     _add_rows(y, _expand_all(v_all, lora), rows, scale)  # "tj,jo->to"
+
+
+def grouped_is_cheaper(groups: Groups, lora: PackedLoRA) -> bool:
+    """Whether the one-hot form's multiply-adds spent on other adapters' columns exceed what the
+    grouped form adds (a call per group past the first, the rows it gathers and scatters), for this
+    batch (`groups`: rows, adapter, token count) and projection."""
+    width = lora.in_features + lora.out_features
+    live = [(rows, n, count) for rows, n, count in groups if lora.ranks[n] > 0]
+    tokens = sum(count for _, _, count in groups)
+    wasted = (tokens * lora.ranks_total - sum(count * lora.ranks[n] for _, n, count in live)) * width
+    copied = sum(count for rows, _, count in live if not isinstance(rows, slice)) * width
+    return bool(live) and wasted > (len(live) - 1) * GROUP_CALL_MACS + copied * COPY_MACS_PER_ELEMENT
+
+
+def _add_lora_grouped(y: torch.Tensor, x: torch.Tensor, lora: PackedLoRA, groups: Groups, scale: float) -> None:
+    """y[rows] += scale * (x[rows] @ A_n.T) @ B_n.T for each group, in the weights' dtype like the
+    one-hot GEMMs (rows of other adapters and of -1 are never read or written)."""
+    offsets = lora.offsets
+    for rows, n, _ in groups:
+        lo, hi = offsets[n], offsets[n + 1]
+        if hi == lo:
+            continue
+        delta = ((x[rows] @ lora.a[lo:hi].t()) @ lora.b[lo:hi]).to(y.dtype)
+        if isinstance(rows, slice):
+            y[rows].add_(delta, alpha=scale)
+        else:
+            y.index_add_(0, rows, delta, alpha=scale)
+
+
+def _groups(meta: LoRABatchMeta) -> Groups:
+    """(rows, adapter, token count) per adapter present, built once per step: its segment (a
+    slice) when every adapter has one run of tokens, else its rows (decode tokens of a mixed step
+    are one segment each, and a call per segment would cost more than the gather)."""
+    if "groups" not in meta.cache:
+        pairs = list(token_groups(meta)) if meta.is_segmented else []
+        if not pairs or len(pairs) != len({n for _, n in pairs}):
+            pairs = list(token_groups(LoRABatchMeta.decode(meta.token_indices)))
+        meta.cache["groups"] = [
+            (rows, n, rows.stop - rows.start if isinstance(rows, slice) else rows.numel()) for rows, n in pairs
+        ]
+    return meta.cache["groups"]
 
 
 def _shrink_all(x: torch.Tensor, lora: PackedLoRA) -> torch.Tensor:

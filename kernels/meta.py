@@ -88,10 +88,17 @@ class PackedLoRA:
         counts = torch.tensor(self.ranks, dtype=torch.long)
         return torch.repeat_interleave(torch.arange(len(self.ranks)), counts).to(self.a.device)
 
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Host copy of rank_offsets: adapter n's rows are offsets[n] .. offsets[n + 1] - 1."""
+        out = [0]
+        for r in self.ranks:
+            out.append(out[-1] + r)
+        return tuple(out)
+
     def adapter(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_n [r_n, H_in], B_n [H_out, r_n]) as views into the packed tensors."""
-        lo = sum(self.ranks[:n])
-        hi = lo + self.ranks[n]
+        lo, hi = self.offsets[n], self.offsets[n + 1]
         return self.a[lo:hi], self.b[lo:hi].t()
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:

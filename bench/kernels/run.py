@@ -7,7 +7,8 @@ Per case (model hidden size H, SGMV prefill or BGMV decode, T tokens, N adapters
 times, as medians of repeated runs that alternate between methods (1 torch thread):
     shrink / expand   vllm (vllm.lora.ops.torch_ops sgmv_*/bgmv_*, weights stacked and padded to
                       the max rank), ref (dlora_kernels.reference loop), einsum (one-hot, packed)
-    add (both)        the same three, plus einsum_paper (the literal 3-operand one-hot einsum)
+    add (both)        the same three (einsum: whichever of its two forms it picks), plus einsum_onehot
+                      (its one-hot form always) and einsum_paper (the literal 3-operand one-hot einsum)
 and, per (H, rank), merge_lora_inplace: ours (row-tiled addmm_) against a whole-matrix addmm_ and
 the naive `W += s * (B @ A)` that materialises the H x H delta.
 On CUDA it also times the Triton kernels and reports achieved bandwidth as a fraction of the
@@ -35,6 +36,7 @@ from dlora_kernels import (
     LoRABatchMeta,
     PackedLoRA,
     add_lora,
+    einsum,
     lora_expand,
     lora_shrink,
     merge_lora_inplace,
@@ -152,6 +154,7 @@ def lora_methods(case: BenchCase, inp: Inputs, with_triton: bool) -> dict[str, C
         "add/vllm": lambda: (vllm_shrink(), vllm_expand()),
         "add/ref": lambda: add_lora(y, x, lo, me, backend="reference"),
         "add/einsum": lambda: add_lora(y, x, lo, me, backend="einsum"),
+        "add/einsum_onehot": lambda: einsum.add_lora_einsum(y, x, lo, me, form="onehot"),
         "add/einsum_paper": lambda: reference.lora_einsum_onehot(y, x, inp.a_stacked, inp.b_stacked, me.token_indices),
     }
     if with_triton:
@@ -405,7 +408,8 @@ NOTES = (
     "order. speedup_vs_vllm = vLLM's time / this method's time for the same op (>1 = faster). "
     "vllm = vllm.lora.ops.torch_ops sgmv_*/bgmv_* (what PunicaWrapperCPU calls) on weights "
     "stacked and zero-padded to the max rank; ref = dlora_kernels.reference loop; einsum = "
-    "dlora_kernels one-hot einsum on packed mixed-rank weights (add = fused form); einsum_paper "
+    "dlora_kernels one-hot einsum on packed mixed-rank weights (add: the einsum backend's pick of "
+    "its one-hot and grouped forms; einsum_onehot: the one-hot form always); einsum_paper "
     "= literal einsum('th,tn,nrh->tr') / einsum('tr,tn,nor->to') on stacked weights. Every token "
     "has an adapter (vLLM's torch ops would index adapter -1 as the last one). sgmv: segments of "
     f"{PREFILL_SEGMENT} tokens, adapters drawn uniformly; bgmv: each token's adapter uniform."

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from dlora_kernels import add_lora, lora_expand, lora_shrink, reference
+from dlora_kernels import LoRABatchMeta, add_lora, einsum, lora_expand, lora_shrink, pack_lora, reference
 from tests.kernels.kernels_testlib import (
     DEVICE,
     POPULARITIES,
@@ -111,11 +111,14 @@ def test_add_lora(case: Case, backend: str) -> None:
     _check_add_lora(case, backend)
 
 
+RANK_ZERO = [Case(kind, torch.float32, "uniform", 4, (8, 0, 16, 0), 96, 64, 16, seed=5) for kind in ("sgmv", "bgmv")]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["sgmv", "bgmv"])
-def test_rank_zero_adapters_add_nothing(kind: str, backend: str) -> None:
+@pytest.mark.parametrize("case", RANK_ZERO)
+def test_rank_zero_adapters_add_nothing(case: Case, backend: str) -> None:
     """A slot of rank 0 (its adapter does not target this projection): its tokens get no update."""
-    _check_add_lora(Case(kind, torch.float32, "uniform", 4, (8, 0, 16, 0), 96, 64, 16, seed=5), backend)
+    _check_add_lora(case, backend)
 
 
 def test_einsum_runs_the_packed_gemms_it_is_given() -> None:
@@ -143,15 +146,39 @@ def test_einsum_runs_the_packed_gemms_it_is_given() -> None:
     assert_update_close(y, expected, before, written, case.dtype)
 
 
-def _check_add_lora(case: Case, backend: str) -> None:
+def _check_add_lora(case: Case, backend: str | None = None, op=add_lora, **kwargs) -> None:
+    if backend is not None:
+        kwargs["backend"] = backend
     lora, meta, gen = build(case)
     x = _inputs_x(case, meta, gen)
     written = active_rows_mask(meta, case.h_out)
     y = poisoned((meta.num_tokens, case.h_out), case.dtype, written, gen)
     before = y.clone()
     expected = oracle_add_lora(y, x, lora, meta, SCALE_EXPAND)
-    y = _run(add_lora, y, x, lora, meta, SCALE_EXPAND, backend=backend)
+    y = _run(op, y, x, lora, meta, SCALE_EXPAND, **kwargs)
     assert_update_close(y, expected, before, written, case.dtype)
+
+
+@pytest.mark.parametrize("case", [*CASES, *RANK_ZERO])
+@pytest.mark.parametrize("form", ["grouped", "onehot"])
+def test_add_lora_einsum_forms(case: Case, form: str) -> None:
+    """Both forms of the einsum backend on every case, whichever the backend would pick."""
+    _check_add_lora(case, op=einsum.add_lora_einsum, form=form)
+
+
+def test_the_einsum_backend_groups_where_the_one_hot_form_wastes_more_than_the_calls_cost() -> None:
+    def choice(tokens: int, adapters_present: int, packed: int, rank: int, h: int = 576) -> bool:
+        lora = pack_lora([torch.zeros(rank, h)] * packed, [torch.zeros(h, rank)] * packed)
+        meta = LoRABatchMeta.decode([i % adapters_present for i in range(tokens)])
+        return einsum.grouped_is_cheaper(einsum._groups(meta), lora)
+
+    # wasted multiply-adds: tokens x (packed - 1) x rank x (576 + 576), against 1.5M per adapter present
+    assert not choice(16, 8, 8, 8)  # 16 x 56 x 1152 = 1.0M < 12M: one-hot
+    assert not choice(16, 8, 8, 64)  # 8.3M < 12M: one-hot
+    assert choice(64, 8, 8, 64)  # 33M > 12M: grouped
+    assert choice(256, 1, 8, 64)  # a prefill of one adapter among 8 packed: 132M > 1.5M
+    assert not choice(64, 1, 1, 64)  # nothing wasted with one adapter packed
+    assert LoRABatchMeta.decode([0, 1, 0]).cache == {}  # groups are built on first use, then kept
 
 
 @pytest.mark.parametrize("case", CASES[::3])

@@ -16,8 +16,8 @@ The one-hot form's price is every token times every packed adapter: with high ra
 adapters or long prefills those wasted multiply-adds outweigh per-op dispatch, and `add_lora_einsum`
 runs the same update as one pair of GEMMs per adapter present instead (the grouped form, as the
 reference computes it, on the tokens of that adapter only): when the one-hot form's extra
-multiply-adds exceed `GROUP_CALL_MACS` per group. SmolLM2-135M's q_proj, 8 packed rank-64 adapters:
-a 256-token prefill costs the one-hot form 8x its own multiply-adds.
+multiply-adds exceed what the grouped form adds (`grouped_is_cheaper`). On SmolLM2-135M's q_proj
+with 8 packed rank-64 adapters, a 256-token prefill costs the one-hot form 8x its own multiply-adds.
 
 The two contractions are plain GEMMs once the axes are packed, so they are written as matmuls
 (torch.einsum adds ~10% dispatch overhead at these sizes), or go through the PackedLoRA's prebuilt

@@ -27,14 +27,14 @@ DEFAULT_MERGED_COST_RATIO = 0.6
 #           popularity in bench/dynamic_batching_skew;
 #   triton: a GPU-shaped default (merged at 0.6 of unmerged cost).
 MERGED_COST_PRIORS = {"vllm": 0.4, "einsum": 0.85, "triton": DEFAULT_MERGED_COST_RATIO}
-# The einsum kernels' unmerged step over a merged one grows with the adapters' size (each token
-# gathers its adapter's factors), as 1 + FIXED + PER_FRACTION x lora_fraction (LoRA multiply-adds
-# over the base projections', `BaseModelShapes.lora_fraction`). Two anchors on SmolLM2-135M, one
-# core per replica: rank 8 on q/k/v/o (fraction 0.009) at the 0.85 above; rank 64 on all seven
-# (0.18), where a batch over 16 adapters sent unmerged took 2.8x as long as the same requests on
-# the base model (bench/batch, `plan_gain_bound`). Read as a prior: measured merged steps replace it.
-EINSUM_UNMERGED_FIXED = 0.10
-EINSUM_UNMERGED_PER_FRACTION = 9.2
+# The einsum kernels' unmerged step over a merged one grows with the adapters' size, as
+# 1 + FIXED + PER_FRACTION x lora_fraction (LoRA multiply-adds over the base projections',
+# `BaseModelShapes.lora_fraction`). Two anchors on SmolLM2-135M, one core per replica: rank 8 on
+# q/k/v/o (fraction 0.009) at the 0.85 above; rank 64 on all seven (0.18), where a batch over 16
+# adapters sent unmerged took 1.93x as long as the same requests on the base model (bench/batch,
+# `plan_gain_bound`). Read as a prior: measured merged steps replace it.
+EINSUM_UNMERGED_FIXED = 0.14
+EINSUM_UNMERGED_PER_FRACTION = 4.3
 
 
 def einsum_merged_cost(lora_fraction: float) -> float:

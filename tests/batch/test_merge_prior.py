@@ -39,7 +39,7 @@ def test_the_einsum_prior_meets_its_two_anchors_and_falls_with_adapter_size():
     small, large = SMOLLM2.lora_fraction(8, QKVO), SMOLLM2.lora_fraction(64, ALL)
     assert small == pytest.approx(0.0087, abs=1e-4) and large == pytest.approx(0.184, abs=1e-3)
     assert einsum_merged_cost(small) == pytest.approx(MERGED_COST_PRIORS["einsum"], abs=0.01)
-    assert einsum_merged_cost(large) == pytest.approx(1 / 2.78, abs=0.01)
+    assert einsum_merged_cost(large) == pytest.approx(189.3 / 366.0, abs=0.01)  # base / unplanned
     sizes = [0.0, small, 0.05, large, 1.0]
     costs = [einsum_merged_cost(f) for f in sizes]
     assert costs == sorted(costs, reverse=True) and costs[0] < 1

@@ -25,6 +25,7 @@ NOTE on the batch metadata (built once per step, outside the layers):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -91,10 +92,7 @@ class PackedLoRA:
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Host copy of rank_offsets: adapter n's rows are offsets[n] .. offsets[n + 1] - 1."""
-        out = [0]
-        for r in self.ranks:
-            out.append(out[-1] + r)
-        return tuple(out)
+        return _offsets(self.ranks)
 
     def adapter(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_n [r_n, H_in], B_n [H_out, r_n]) as views into the packed tensors."""
@@ -129,9 +127,7 @@ def pack_lora(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) ->
     for a, b, r in zip(lora_a, lora_b, ranks):
         if b.shape[1] != r:
             raise ValueError(f"B {tuple(b.shape)} does not match A {tuple(a.shape)}")
-    offsets = [0]
-    for r in ranks:
-        offsets.append(offsets[-1] + r)
+    offsets = _offsets(ranks)
     device = lora_a[0].device
     return PackedLoRA(
         a=torch.cat(list(lora_a), dim=0).contiguous(),
@@ -216,6 +212,11 @@ class LoRABatchMeta:
                 adapters.append(int(i))
                 lens.append(1)
         return LoRABatchMeta.prefill(lens, adapters, device)
+
+
+def _offsets(ranks: Sequence[int]) -> tuple[int, ...]:
+    """Running sum of the ranks from 0: the packed row where each adapter starts, then R_total."""
+    return tuple(itertools.accumulate(ranks, initial=0))
 
 
 def _active_rows(idx: torch.Tensor) -> torch.Tensor | None:

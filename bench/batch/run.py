@@ -215,8 +215,9 @@ def main() -> int:
     url = CHAT if "vllm" in args.systems else COMPLETIONS
     inp = work / "input.jsonl"
     inp.write_text(batch_lines(requests, url, args.ignore_eos))
-    inp_base = work / "input-base.jsonl"
-    inp_base.write_text(batch_lines(requests, url, args.ignore_eos, model="base"))
+    inp_base = work / "input-base.jsonl"  # the `base` system's lines: the same, to the base model
+    if "base" in args.systems:
+        inp_base.write_text(batch_lines(requests, url, args.ignore_eos, model="base"))
     (work / "one.jsonl").write_text(batch_lines(requests[:1], url))
     per_adapter = {a: sum(r.adapter == a for r in requests) for a in names}
     print(f"{len(requests)} requests, per adapter {list(per_adapter.values())}", flush=True)

@@ -172,13 +172,18 @@ def test_the_einsum_backend_groups_where_the_one_hot_form_wastes_more_than_the_c
         meta = LoRABatchMeta.decode([i % adapters_present for i in range(tokens)])
         return einsum.grouped_is_cheaper(einsum._groups(meta), lora)
 
-    # wasted multiply-adds: tokens x (packed - 1) x rank x (576 + 576), against 1.5M per adapter present
-    assert not choice(16, 8, 8, 8)  # 16 x 56 x 1152 = 1.0M < 12M: one-hot
-    assert not choice(16, 8, 8, 64)  # 8.3M < 12M: one-hot
-    assert choice(64, 8, 8, 64)  # 33M > 12M: grouped
-    assert choice(256, 1, 8, 64)  # a prefill of one adapter among 8 packed: 132M > 1.5M
+    # wasted: tokens x (packed - 1) x rank x (576 + 576) multiply-adds; the grouped form adds 1.5M per
+    # adapter present past the first and 48 per element of the decode rows it gathers and scatters
+    # (tokens x 1152): 16 tokens over 8 adapters, 10.5M + 0.9M = 11.4M; 64 tokens, 10.5M + 3.5M = 14M
+    assert not choice(16, 8, 8, 8)  # 16 x 56 x 1152 = 1.0M < 11.4M: one-hot
+    assert not choice(16, 8, 8, 64)  # 8.3M < 11.4M: one-hot
+    assert choice(64, 8, 8, 64)  # 33M > 14M: grouped
+    assert choice(256, 1, 8, 64)  # 256 tokens of one adapter among 8 packed: 132M > 0 + 14.2M
     assert not choice(64, 1, 1, 64)  # nothing wasted with one adapter packed
-    assert LoRABatchMeta.decode([0, 1, 0]).cache == {}  # groups are built on first use, then kept
+    meta = LoRABatchMeta.decode([0, 1, 0])
+    assert meta.cache == {}
+    groups = einsum._groups(meta)  # built on first use, then kept for the step's other layers
+    assert einsum._groups(meta) is groups and [(n, count) for _, n, count in groups] == [(0, 2), (1, 1)]
 
 
 @pytest.mark.parametrize("case", CASES[::3])

@@ -97,13 +97,17 @@ def line_works(state, lines: Sequence[BatchLine]) -> list[list[Work]]:
     return [works_of(line.url, line.body, count, state.base_model_name, cfg.model.max_model_len) for line in lines]
 
 
-def plan_params(router) -> dict[int, CostParams]:
+def plan_params(router, merged_prior: float | None = None) -> dict[int, CostParams]:
     """Every serving replica priced alike, by the mean of their fitted costs: they are one kind of
     hardware, and a fit from a few small steps must not make one replica look free (a plan would
-    send it every line)."""
-    costs = router.cost_params()
-    serving = [rid for rid in router.healthy_ids() if rid in costs]
-    shared = mean_params([costs[rid] for rid in serving])
+    send it every line). `merged_prior` replaces the merged/unmerged ratio of each replica that
+    has not measured it (`ReplicaCostModel.params_with_ratio`)."""
+    models = router.cost_models
+    serving = [rid for rid in router.healthy_ids() if rid in models]
+    costs = [
+        models[rid].params if merged_prior is None else models[rid].params_with_ratio(merged_prior) for rid in serving
+    ]
+    shared = mean_params(costs)
     return {rid: shared for rid in serving}
 
 
@@ -144,24 +148,18 @@ class ServerPlanner:
         return [self.known_works[line.line] for line in lines]
 
     def costs_measured(self) -> bool:
-        return self._all_serving(lambda m: m.measured)
-
-    def _all_serving(self, test) -> bool:
         router = self.state.router
         serving = [router.cost_models.get(rid) for rid in router.healthy_ids()]
-        return bool(serving) and all(m is not None and test(m) for m in serving)
+        return bool(serving) and all(m is not None and m.measured for m in serving)
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
         router = self.state.router
-        params = plan_params(router)
-        if not lines or not params:
+        if not lines or not plan_params(router):
             return None
         measured = self.costs_measured()
         works = await asyncio.to_thread(self._works, lines)
-        prior = merge_prior(self.state, works)
-        if prior is not None and not self._all_serving(lambda m: m.merged_measured):
-            # The backend's one prior is for small adapters; a merged step saves far more with large ones.
-            params = {rid: dataclasses.replace(p, merged_ratio=prior) for rid, p in params.items()}
+        # The backend's one prior is for small adapters; a merged step saves far more with large ones.
+        params = plan_params(router, merge_prior(self.state, works))
         # Read on the event loop (requests finish and lengths are recorded there); the planner's
         # thread gets copies.
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}
@@ -169,11 +167,17 @@ class ServerPlanner:
         finished = {a: list(router.output_lengths.lengths_for(a)) for a in adapters}
         plan = await asyncio.to_thread(self._plan, lines, works, params, held, finished)
         plan = dataclasses.replace(plan, measured_costs=measured)
+        p = next(iter(params.values()))
         log.info(
-            "batch plan for %d lines on %d replicas (step costs %s): %s, %d segments, predicted %.0f s",
+            "batch plan for %d lines on %d replicas (step costs %s: %.1f ms a step + %.2f ms a decoded"
+            " token + %.3f ms a prompt token, merged x%.2f): %s, %d segments, predicted %.0f s",
             len(lines),
             len(params),
             "measured" if measured else "from priors",
+            p.per_iteration_s * 1e3,
+            p.per_decode_token_s * 1e3,
+            p.per_prefill_token_s * 1e3,
+            p.merged_ratio,
             plan.mode,
             plan.segments,
             plan.predicted_s,

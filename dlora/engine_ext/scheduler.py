@@ -241,6 +241,7 @@ class DloraScheduler(Scheduler):
         # (num_seqs, prefill_tokens, decode_tokens, seconds, merged) per step, for the router's
         # per-replica cost model (dlora/cluster/estimators/cost_model.py); drained by each dlora_state() call.
         self._dlora_iterations: deque[tuple[int, int, int, float, bool]] = deque(maxlen=RECENT_ITERATIONS)
+        self._dlora_warm = False  # whether a step has run (the first one is not a cost sample)
         # Seconds each request waited before its first step (queue_waits.py); drained like the steps.
         self._dlora_queue_waits = QueueWaits()
         # Weight state of the cached KV blocks (docstring, 5.); None without prefix caching.
@@ -692,6 +693,12 @@ class DloraScheduler(Scheduler):
         """One step for the cluster cost model: a request scheduled for one token is decoding."""
         per_request = scheduler_output.num_scheduled_tokens
         if not per_request or seconds <= 0:
+            return
+        if not self._dlora_warm:
+            # The engine's first step also warms it up (allocations, kernel selection): 8-13 s more
+            # than its tokens cost on a CPU, which a least-squares fit of a few dozen steps would
+            # read as a per-step cost of a few hundred ms.
+            self._dlora_warm = True
             return
         prefill = _prefill_tokens(scheduler_output)
         decode = scheduler_output.total_num_scheduled_tokens - prefill

@@ -1,5 +1,5 @@
 """The batch planner's prior for merged steps with the einsum kernels: it follows the adapters' size
-until the replicas have measured merged steps."""
+until a replica has measured its merged/unmerged ratio."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from dlora.adapters.validate import BaseModelShapes
 from dlora.batch.execute import ServerPlanner, merge_prior
 from dlora.batch.lines import BatchLine
 from dlora.batch.predict import Work
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.snapshots import IterationSample
 from dlora.config import BatchConfig
 from dlora.scheduling.config import MERGED_COST_PRIORS, BatchingConfig, einsum_merged_cost
 
@@ -89,20 +90,19 @@ def test_no_prior_where_the_backends_own_stands(s, works):
     assert merge_prior(s, works) is None
 
 
-class Model:
-    def __init__(self, params, merged_measured):
-        self.params, self.measured, self.merged_measured = params, False, merged_measured
+def steps(merged: bool, scale: float = 1.0) -> list[IterationSample]:
+    """Decode steps of 4..19 sequences costing `scale` x (4 ms + 1 ms a sequence)."""
+    return [IterationSample(n, 0, n, scale * (0.004 + 0.001 * n), merged) for n in range(4, 20)]
 
 
-def router(merged_measured: bool):
-    models = {0: Model(CostParams(merged_ratio=0.85), merged_measured), 1: Model(CostParams(merged_ratio=0.85), False)}
+def router(*models: ReplicaCostModel):
+    by_id = dict(enumerate(models))
     return SimpleNamespace(
-        cost_params=lambda: {rid: m.params for rid, m in models.items()},
-        healthy_ids=lambda: [0, 1],
-        cost_models=models,
-        views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in models],
+        cost_models=by_id,
+        healthy_ids=lambda: list(by_id),
+        views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in by_id],
         output_lengths=SimpleNamespace(lengths_for=lambda a: ()),
-    ), models
+    )
 
 
 class Recording(ServerPlanner):
@@ -111,15 +111,43 @@ class Recording(ServerPlanner):
         return super()._plan(lines, works, params, held, finished)
 
 
-@pytest.mark.parametrize("measured_on_both", [False, True])
-def test_the_planner_prices_merged_steps_by_the_prior_until_every_replica_measured_them(measured_on_both):
-    r, models = router(measured_on_both)
-    if measured_on_both:
-        models[1].merged_measured = True
-        for m in models.values():
-            m.params = dataclasses.replace(m.params, merged_ratio=0.5)
+def planned_params(*models: ReplicaCostModel) -> CostParams:
+    """The step costs the planner prices a batch of two rank-64 lines with (one set for all replicas)."""
     lines = [BatchLine(n, f"c{n}", "/v1/completions", {"model": "big", "prompt": "x"}) for n in (1, 2)]
-    planner = Recording(state(router=r), known_works={1: [Work("big", 1, 4)], 2: [Work("big", 1, 4)]})
+    planner = Recording(state(router=router(*models)), known_works={1: [Work("big", 1, 4)], 2: [Work("big", 1, 4)]})
     asyncio.run(planner.plan(lines))
-    want = 0.5 if measured_on_both else einsum_merged_cost(SMOLLM2.lora_fraction(64, ALL))
-    assert [p.merged_ratio for p in planner.params.values()] == pytest.approx([want, want])
+    shared = set(planner.params.values())
+    assert len(shared) == 1
+    return shared.pop()
+
+
+PRIOR = CostParams(merged_ratio=0.85)  # the router's prior: the einsum backend's flat ratio
+
+
+def test_the_planner_prices_merged_steps_by_the_size_aware_prior_before_any_step():
+    assert planned_params(ReplicaCostModel(PRIOR), ReplicaCostModel(PRIOR)) == dataclasses.replace(
+        PRIOR, merged_ratio=einsum_merged_cost(SMOLLM2.lora_fraction(64, ALL))
+    )
+
+
+def test_a_ratio_a_replica_measured_replaces_the_prior_for_that_replica_only():
+    measured = ReplicaCostModel(PRIOR)
+    measured.observe(*steps(merged=False), *steps(merged=True, scale=0.5))
+    assert measured.merged_measured
+    p = planned_params(measured, ReplicaCostModel(PRIOR))
+    prior = einsum_merged_cost(SMOLLM2.lora_fraction(64, ALL))
+    assert p.merged_ratio == pytest.approx((0.5 + prior) / 2, rel=0.02)
+
+
+def test_replicas_that_ran_merged_only_keep_the_prior_ratio_and_their_measured_merged_cost():
+    # A stage plan starts both replicas merged: their merged steps say what a merged step costs,
+    # not what an unmerged one would (the router keeps its flat prior ratio, 0.85, for that).
+    models = [ReplicaCostModel(PRIOR), ReplicaCostModel(PRIOR)]
+    for m in models:
+        m.observe(*steps(merged=True, scale=0.4))
+    assert all(m.measured and not m.merged_measured for m in models)
+    p = planned_params(*models)
+    prior = einsum_merged_cost(SMOLLM2.lora_fraction(64, ALL))
+    assert p.merged_ratio == pytest.approx(prior)
+    merged_step = p.merged_ratio * (p.per_iteration_s + 10 * p.per_decode_token_s)
+    assert merged_step == pytest.approx(0.4 * 0.014, rel=0.02)  # as measured

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from dlora.cluster.estimators.cost_model import (
@@ -110,6 +112,36 @@ def test_merged_steps_alone_measure_the_replica_through_the_prior_ratio():
     p = model.params  # unmerged steps now fix the scale and the merged ones the ratio: 1.2
     assert p.per_decode_token_s == pytest.approx(0.001, rel=0.05)
     assert p.merged_ratio == pytest.approx(1.2, rel=0.05)
+
+
+def test_merged_steps_alone_leave_the_ratio_unmeasured_and_a_new_prior_keeps_their_cost():
+    # Merged steps of a replica that ran no unmerged ones fix its scale, not its merged/unmerged
+    # ratio: a caller with a better prior ratio gets it, and the merged steps are still predicted
+    # at their measured cost (the unmerged coefficients move instead).
+    model = ReplicaCostModel(P)
+    for i in range(MIN_SAMPLES):
+        n = 4 + i
+        model.observe(IterationSample(n, 0, n, 0.6 * (0.0032 + 0.001 * n), merged=True))
+    assert model.measured and not model.merged_measured
+    p = model.params_with_ratio(0.3)
+    assert p.merged_ratio == 0.3
+    assert 0.3 * (p.per_iteration_s + 10 * p.per_decode_token_s) == pytest.approx(0.6 * 0.0132, rel=0.02)
+    assert p.per_decode_token_s == pytest.approx(2 * model.params.per_decode_token_s)
+    for i in range(MIN_SAMPLES - 1):  # unmerged steps, not yet enough to fit
+        model.observe(IterationSample(4 + i, 0, 4 + i, 0.0032 + 0.001 * (4 + i)))
+    assert not model.merged_measured
+    model.observe(IterationSample(20, 0, 20, 0.0032 + 0.02))
+    assert model.merged_measured  # now the ratio is fitted, and no prior replaces it
+    assert model.params_with_ratio(0.3) == model.params
+    assert model.params.merged_ratio == pytest.approx(0.6, rel=0.05)
+
+
+def test_unmerged_steps_alone_take_a_new_prior_ratio_as_it_is():
+    model = ReplicaCostModel(P)
+    model.observe(*(IterationSample(n, 0, n, 0.0032 + 0.001 * n) for n in range(4, 4 + MIN_SAMPLES)))
+    model.observe(*(IterationSample(n, 0, n, 0.5 * (0.0032 + 0.001 * n), merged=True) for n in (4, 8)))
+    assert model.measured and not model.merged_measured  # 2 merged steps: fewer than MIN_MERGED_SAMPLES
+    assert model.params_with_ratio(0.3) == dataclasses.replace(model.params, merged_ratio=0.3)
 
 
 def test_invalid_params_are_rejected():

@@ -37,6 +37,7 @@ from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, R
 MERGED_RATIO_PRIOR = 0.6  # a GPU-shaped prior; the server passes its LoRA backend's (RouterConfig)
 MIN_SAMPLES = 8  # steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3
+RATIO_FLOOR = 0.05  # the least merged/unmerged ratio believed (a merged step is not free)
 RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
 # Weight of the newest adapter load in the load-time average: a few loads move it, so a replica
 # whose loads grew (larger adapters, a busier disk) is priced by them within a handful of loads.
@@ -162,8 +163,26 @@ class ReplicaCostModel:
 
     @property
     def merged_measured(self) -> bool:
-        """Whether `merged_ratio` is fitted from this replica's merged steps (not the prior)."""
-        return len(self._merged) >= MIN_MERGED_SAMPLES
+        """Whether `merged_ratio` is fitted from this replica's steps (not the prior): merged steps
+        priced against the fit of its unmerged ones. Merged steps alone fix the scale, not the ratio."""
+        return len(self._merged) >= MIN_MERGED_SAMPLES and len(self._unmerged) >= MIN_SAMPLES
+
+    def params_with_ratio(self, merged_ratio: float) -> CostParams:
+        """The fitted coefficients with `merged_ratio` as the prior merged/unmerged ratio, where
+        the ratio is not measured (else the fitted params). A replica priced from its merged
+        steps alone keeps their measured cost: its unmerged coefficients move with the ratio."""
+        p = self.params
+        if self.merged_measured:
+            return p
+        if len(self._unmerged) < MIN_SAMPLES and len(self._merged) >= MIN_SAMPLES:
+            scale = max(p.merged_ratio, RATIO_FLOOR) / max(merged_ratio, RATIO_FLOOR)
+            p = dataclasses.replace(
+                p,
+                per_iteration_s=p.per_iteration_s * scale,
+                per_decode_token_s=p.per_decode_token_s * scale,
+                per_prefill_token_s=p.per_prefill_token_s * scale,
+            )
+        return dataclasses.replace(p, merged_ratio=merged_ratio)
 
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
@@ -188,7 +207,7 @@ class ReplicaCostModel:
         elif len(self._merged) >= MIN_SAMPLES:
             # Only merged steps so far: they fix the scale, not the ratio, so the coefficients
             # are the merged fit over the prior ratio and merged steps are predicted as measured.
-            return self._with_load(_fit_linear(p, list(self._merged), scale=1 / max(p.merged_ratio, 0.05)))
+            return self._with_load(_fit_linear(p, list(self._merged), scale=1 / max(p.merged_ratio, RATIO_FLOOR)))
         if len(self._merged) >= MIN_MERGED_SAMPLES:
             p = dataclasses.replace(p, merged_ratio=_fit_merged_ratio(p, list(self._merged)))
         return self._with_load(p)
@@ -225,4 +244,4 @@ def _fit_merged_ratio(p: CostParams, merged: list[IterationSample]) -> float:
         predicted = float(np.dot(_features(s), [p.per_iteration_s, p.per_decode_token_s, p.per_prefill_token_s]))
         if predicted > 0:
             ratios.append(s.seconds / predicted)
-    return float(np.clip(np.median(ratios), 0.05, 1.5)) if ratios else p.merged_ratio
+    return float(np.clip(np.median(ratios), RATIO_FLOOR, 1.5)) if ratios else p.merged_ratio

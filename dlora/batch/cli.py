@@ -121,13 +121,13 @@ class PlanEta:
         self.works = line_works(state, self.lines)
 
     def eta_s(self, finished: dict[int, dict]) -> float:
-        from dlora.batch.execute import plan_params
+        from dlora.batch.execute import merge_prior, plan_params
         from dlora.batch.planned import line_plan
         from dlora.batch.predict import predict
 
         router = self.state.router
         left = [(line, ws) for line, ws in zip(self.lines, self.works) if line.line not in finished]
-        params = plan_params(router)
+        params = plan_params(router, merge_prior(self.state, [ws for _, ws in left]))  # as the planner prices them
         if not left or not params:
             return 0.0
         lengths = router.output_lengths.lengths_for

@@ -154,12 +154,14 @@ class ServerPlanner:
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
         router = self.state.router
-        if not lines or not plan_params(router):
+        if not lines:
             return None
         measured = self.costs_measured()
         works = await asyncio.to_thread(self._works, lines)
         # The backend's one prior is for small adapters; a merged step saves far more with large ones.
         params = plan_params(router, merge_prior(self.state, works))
+        if not params:
+            return None
         # Read on the event loop (requests finish and lengths are recorded there); the planner's
         # thread gets copies.
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}

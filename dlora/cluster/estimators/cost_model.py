@@ -174,7 +174,7 @@ class ReplicaCostModel:
         p = self.params
         if self.merged_measured:
             return p
-        if len(self._unmerged) < MIN_SAMPLES and len(self._merged) >= MIN_SAMPLES:
+        if self._merged_only:
             scale = max(p.merged_ratio, RATIO_FLOOR) / max(merged_ratio, RATIO_FLOOR)
             p = dataclasses.replace(
                 p,
@@ -183,6 +183,11 @@ class ReplicaCostModel:
                 per_prefill_token_s=p.per_prefill_token_s * scale,
             )
         return dataclasses.replace(p, merged_ratio=merged_ratio)
+
+    @property
+    def _merged_only(self) -> bool:
+        """Whether the coefficients are fitted from merged steps alone, through the prior ratio."""
+        return len(self._unmerged) < MIN_SAMPLES and len(self._merged) >= MIN_SAMPLES
 
     def observe_load(self, seconds: float) -> None:
         """A measured adapter load on this replica: from asking for it to the replica holding it."""
@@ -204,7 +209,7 @@ class ReplicaCostModel:
         p = self.prior
         if len(self._unmerged) >= MIN_SAMPLES:
             p = _fit_linear(p, list(self._unmerged))
-        elif len(self._merged) >= MIN_SAMPLES:
+        elif self._merged_only:
             # Only merged steps so far: they fix the scale, not the ratio, so the coefficients
             # are the merged fit over the prior ratio and merged steps are predicted as measured.
             return self._with_load(_fit_linear(p, list(self._merged), scale=1 / max(p.merged_ratio, RATIO_FLOOR)))

@@ -19,7 +19,8 @@ projections (where merging pays most on this CPU, bench/where_merging_pays). Sys
   `--ignore-eos`, so that every system generates the same number of tokens per line.
 
 dlora's makespan is the time `dlora batch run` prints (first line sent to last line done; its
-start-up is not in it). Reps alternate the systems. Also recorded: the planner's predicted time
+start-up is not in it; each minute the bench prints how many lines are done and the plan's ETA).
+Reps alternate the systems. Also recorded: the planner's predicted time
 against the measured time of the planned run.
 
     .venv/bin/python -m bench.batch.run --requests 2000              # the full batch, hours here
@@ -62,12 +63,34 @@ KV_GIB = 2
 # output lengths vary by prompt and adapter as a real batch's do
 ADAPTER_SCALE = 0.25
 MEMORY_EVERY_S = 10.0
+PROGRESS_EVERY_S = 60.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TOOK = re.compile(r"took ([0-9.]+) s \(predicted at start: ([0-9.]+) s\)(?:; (.*))?")
 PLAN = re.compile(r"plan: (\w+), (\d+) segments, predicted ([0-9.]+) s, measured ([0-9.]+) s")
 REPLAN = re.compile(
     r"planned again at ([0-9.]+) s on measured step costs: (\w+), (\d+) segments, predicted ([0-9.]+) s"
 )
+# `dlora batch run`'s progress bar as tqdm writes it to a file: "812/2000 [10:01<14:40, 1.35req/s, plan ETA 620 s]"
+# (its unit, "req", tells it from vLLM's own bars in the same log)
+BAR = re.compile(r"(\d+)/(\d+) \[([^\]]*req[^\]]*)\]")
+ETA = re.compile(r"plan ETA (\d+) s")
+
+
+def last_progress(log_tail: str) -> str | None:
+    """The last state of the progress bar in the tail of a `dlora batch run` log, as
+    "812/2000 lines, plan ETA 620 s", or None before the bar's first update."""
+    found = BAR.findall(log_tail)
+    if not found:
+        return None
+    done, total, rest = found[-1]
+    eta = ETA.search(rest)
+    return f"{done}/{total} lines" + (f", plan ETA {eta.group(1)} s" if eta else "")
+
+
+def read_tail(path: Path, size: int = 4096) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - size))
+        return f.read().decode(errors="replace")
 
 
 def batch_lines(requests, url: str = COMPLETIONS, ignore_eos: bool = False, model: str | None = None) -> str:
@@ -119,13 +142,18 @@ def run_dlora(cfg: dict, inp: Path, work: Path, tag: str) -> dict:
     cfg_path.write_text(yaml.safe_dump(cfg))
     out = work / f"{tag}.out.jsonl"
     cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", str(inp), "-o", str(out)]
-    cmd += ["--config", str(cfg_path), "--no-progress"]
+    cmd += ["--config", str(cfg_path)]
     t0 = time.monotonic()
     memory: list[tuple[float, list[float]]] = []  # (seconds since start, each engine process's RSS in GiB)
     with open(work / f"{tag}.log", "w") as log, open(work / f"{tag}.stdout", "w") as out_file:
         proc = subprocess.Popen(cmd, stdout=out_file, stderr=log, text=True)
+        shown = t0
         while proc.poll() is None and time.monotonic() - t0 < 6 * 3600:
             memory.append((round(time.monotonic() - t0, 1), rss_gib(proc.pid)["engine_processes"]))
+            if time.monotonic() - shown >= PROGRESS_EVERY_S:  # a run takes up to an hour: say how far it is
+                shown = time.monotonic()
+                progress = last_progress(read_tail(work / f"{tag}.log"))
+                print(f"  {tag}: {(shown - t0) / 60:.1f} min, {progress or 'starting'}", flush=True)
             time.sleep(MEMORY_EVERY_S)
         proc.wait()
     stdout = (work / f"{tag}.stdout").read_text()

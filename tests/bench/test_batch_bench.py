@@ -17,3 +17,27 @@ def test_last_progress_reads_the_batch_bar_and_its_eta() -> None:
 def test_last_progress_ignores_other_bars_and_waits_for_its_own() -> None:
     assert last_progress("Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00,  5.01it/s]") is None
     assert last_progress("  0%|          | 0/40 [00:00<?, ?req/s]") == "0/40 lines"
+
+
+def test_replay_at_replan_sees_early_stops_and_running_lines_expected_as_long_again() -> None:
+    from bench.batch.replay import at_replan
+    from dlora.batch.predict import Work
+
+    works = [Work("a", 10, 100)] * 4
+    lengths = [5, 100, 100, 100]  # one stopped early; three will run to their max_tokens
+    # after 10 tokens: one finished line (5), and three running ones expected to run as long again
+    assert sorted(at_replan(works, lengths, running=4, generated=10, tail_to_cap=False)("a")) == [5, 20, 20, 20]
+    assert sorted(at_replan(works, lengths, running=4, generated=10, tail_to_cap=True)("a")) == [5, 100, 100, 100]
+
+
+def test_replay_loads_each_line_with_its_true_length(tmp_path) -> None:
+    import json
+
+    from bench.batch.replay import load
+
+    line = {"custom_id": "r0", "body": {"model": "a3", "max_tokens": 50}}
+    out = {"custom_id": "r0", "response": {"body": {"usage": {"prompt_tokens": 12, "completion_tokens": 7}}}}
+    (tmp_path / "input.jsonl").write_text(json.dumps(line) + "\n")
+    (tmp_path / "x.out.jsonl").write_text(json.dumps(out) + "\n")
+    works, lengths = load(tmp_path, "x.out.jsonl")
+    assert [(w.adapter, w.prompt_tokens, w.max_tokens) for w in works] == [("a3", 12, 50)] and lengths == [7]

@@ -64,8 +64,7 @@ def at_replan(
             loads.append(RequestLoad(f"r{i}", w.adapter, w.prompt_tokens, generated, total, True))
     adapters = {w.adapter for w in works}
     view = with_running({a: seen.lengths_for(a) for a in adapters}, loads)
-    pooled = [n for v in view.values() for n in v]
-    return lambda a: view[a] if len(view.get(a, ())) >= seen.cfg.min_samples else pooled
+    return lambda a: view.get(a, ())  # as the server's planner reads them (dlora/batch/execute.py)
 
 
 def main() -> int:

@@ -4,15 +4,15 @@ from the output lengths it drew, and how much from the step costs.
 Reads the lines (`input.jsonl`) and one system's outputs (`<kind>-<system>-<rep>.out.jsonl`) that
 `bench.batch.run` left in its work directory, takes step-cost coefficients (the ones a `batch plan`
 log line shows), and predicts the makespan of sending every line at once
-(`dlora.batch.predict.predict`) with the lengths drawn in four ways:
+(`dlora.batch.predict.predict`) with the lengths drawn in these ways:
 
 - `exact`: each line's true output length;
-- `ecdf`: drawn from the true lengths of its adapter's lines (what a perfect history gives);
-- `at_replan`: as a re-plan sees them when the first `--running` lines have generated up to
-  `--generated` tokens each: the finished ones' lengths, plus one draw for each running line
-  (`held_work.with_running`), expected by the router's `OutputLengthEstimator`;
-- `at_replan_cap`: the same, but a running line longer than every finished one is expected to
-  run to its `max_tokens`.
+- `ecdf`: drawn from the lengths of its adapter's lines, a line that stopped at its cap counted at
+  it (what a perfect history gives a plain empirical distribution);
+- `kaplan_meier`: the same lines with the cap hits censored (`survival.quantile_lengths`);
+- `at_replan_g<G>`: as a re-plan sees them when the first `--running` lines have generated up to
+  G tokens each: the finished ones as they ended, the running ones censored at G
+  (`held_work.planning_lengths`, what the server's planner reads).
 
     .venv/bin/python -m bench.batch.replay --out-file r8-qkvo-planned-0.out.jsonl \\
         --step-ms 670.6 --decode-ms 0 --prompt-ms 4.759 --merged 0.53 --generated 30 60
@@ -28,42 +28,47 @@ from pathlib import Path
 from dlora import env
 from dlora.batch.predict import Work, predict
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.estimators.held_work import with_running
+from dlora.cluster.estimators.held_work import planning_lengths
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.estimators.survival import quantile_lengths
 from dlora.cluster.snapshots import RequestLoad
 
 
-def load(work: Path, out_file: str) -> tuple[list[Work], list[int]]:
-    """Each line's work (prompt tokens as the engine counted them) and its true output length."""
+def load(work: Path, out_file: str) -> tuple[list[Work], list[int], list[bool]]:
+    """Each line's work (prompt tokens as the engine counted them), its true output length, and
+    whether it ended by itself (False: it stopped at its cap)."""
     done = {}
     for raw in (work / out_file).read_text().splitlines():
         row = json.loads(raw)
-        usage = row["response"]["body"]["usage"]
-        done[row["custom_id"]] = (usage["prompt_tokens"], usage["completion_tokens"])
-    works, lengths = [], []
+        body = row["response"]["body"]
+        usage = body["usage"]
+        reason = body["choices"][0]["finish_reason"]
+        done[row["custom_id"]] = (usage["prompt_tokens"], usage["completion_tokens"], reason)
+    works, lengths, ended = [], [], []
     for raw in (work / "input.jsonl").read_text().splitlines():
         line = json.loads(raw)
-        prompt, output = done[line["custom_id"]]
+        prompt, output, reason = done[line["custom_id"]]
         works.append(Work(line["body"]["model"], prompt, line["body"]["max_tokens"]))
         lengths.append(output)
-    return works, lengths
+        ended.append(reason == "stop")
+    return works, lengths, ended
 
 
 def at_replan(
-    works: Sequence[Work], lengths: Sequence[int], running: int, generated: int, tail_to_cap: bool
+    works: Sequence[Work], lengths: Sequence[int], ended: Sequence[bool], running: int, generated: int
 ) -> Callable[[str | None], Sequence[int]]:
     """The lengths a re-plan draws from once the first `running` lines have run `generated` steps."""
     seen = OutputLengthEstimator()
-    for w, n in zip(works[:running], lengths[:running]):
-        if n <= generated:
-            seen.observe(w.adapter, n)
     loads = []
-    for i, (w, n) in enumerate(zip(works[:running], lengths[:running])):
-        if n > generated:
-            total = w.max_tokens if tail_to_cap else seen.expected_total(w.adapter, generated, w.max_tokens)
-            loads.append(RequestLoad(f"r{i}", w.adapter, w.prompt_tokens, generated, total, True))
+    for i, (w, n, e) in enumerate(zip(works[:running], lengths[:running], ended[:running])):
+        if n <= generated:
+            seen.observe(w.adapter, n, e)
+        else:
+            expected = seen.expected_total(w.adapter, generated, w.max_tokens)
+            load = RequestLoad(f"r{i}", w.adapter, w.prompt_tokens, generated, expected, True, max_tokens=w.max_tokens)
+            loads.append(load)
     adapters = {w.adapter for w in works}
-    view = with_running({a: seen.lengths_for(a) for a in adapters}, loads)
+    view = planning_lengths({a: seen.observations_for(a) for a in adapters}, loads)
     return lambda a: view.get(a, ())  # as the server's planner reads them (dlora/batch/execute.py)
 
 
@@ -80,7 +85,7 @@ def main() -> int:
     ap.add_argument("--running", type=int, default=128, help="lines running when the re-plan is made")
     ap.add_argument("--generated", type=int, nargs="+", default=[30, 60], help="tokens each has generated by then")
     args = ap.parse_args()
-    works, lengths = load(args.work, args.out_file)
+    works, lengths, ended = load(args.work, args.out_file)
     p = CostParams(
         per_iteration_s=args.step_ms / 1e3,
         per_decode_token_s=args.decode_ms / 1e3,
@@ -89,15 +94,19 @@ def main() -> int:
         max_batch=args.max_batch,
     )
     params = [p] * args.replicas
-    by_adapter: dict[str | None, list[int]] = {}
-    for w, n in zip(works, lengths):
-        by_adapter.setdefault(w.adapter, []).append(n)
+    by_adapter: dict[str | None, list[tuple[int, bool]]] = {}
+    for w, n, e in zip(works, lengths, ended):
+        by_adapter.setdefault(w.adapter, []).append((n, e))
+    plain = {a: [n for n, _ in obs] for a, obs in by_adapter.items()}
+    censored = {a: quantile_lengths(obs) for a, obs in by_adapter.items()}
     exact = [Work(w.adapter, w.prompt_tokens, n, exact=True) for w, n in zip(works, lengths)]
-    views = {"exact": predict(exact, params, lambda a: ()), "ecdf": predict(works, params, lambda a: by_adapter[a])}
+    views = {
+        "exact": predict(exact, params, lambda a: ()),
+        "ecdf": predict(works, params, lambda a: plain[a]),
+        "kaplan_meier": predict(works, params, lambda a: censored[a]),
+    }
     for g in args.generated:
-        for cap in (False, True):
-            name = f"at_replan{'_cap' if cap else ''}_g{g}"
-            views[name] = predict(works, params, at_replan(works, lengths, args.running, g, cap))
+        views[f"at_replan_g{g}"] = predict(works, params, at_replan(works, lengths, ended, args.running, g))
     print(f"{len(works)} lines, {sum(lengths)} output tokens; predicted makespan, every line sent at once:")
     for name, pred in views.items():
         print(f"  {name:<20} {pred.makespan_s:8.1f} s")

@@ -124,13 +124,20 @@ class PlanEta:
         from dlora.batch.execute import merge_prior, plan_params
         from dlora.batch.planned import line_plan
         from dlora.batch.predict import predict
+        from dlora.cluster.estimators.held_work import planning_lengths
 
         router = self.state.router
         left = [(line, ws) for line, ws in zip(self.lines, self.works) if line.line not in finished]
         params = plan_params(router, merge_prior(self.state, [ws for _, ws in left]))  # as the planner prices them
         if not left or not params:
             return 0.0
-        lengths = router.output_lengths.lengths_for
+        running = [r for v in router.views() for r in v.requests if r.running]
+        adapters = {w.adapter for _, ws in left for w in ws} | {r.adapter for r in running}
+        view = planning_lengths({a: router.output_lengths.observations_for(a) for a in adapters}, running)
+
+        def lengths(a):
+            return view.get(a, ())
+
         if self.state.cfg.batch.planner == "none":
             return predict([w for _, ws in left for w in ws], list(params.values()), lengths).makespan_s
         lines, works = zip(*left)

@@ -25,7 +25,7 @@ from dlora.batch.predict import Work, works_of
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.estimators.held_work import held_jobs, with_running
+from dlora.cluster.estimators.held_work import held_jobs, planning_lengths
 from dlora.scheduling.config import einsum_merged_cost
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
@@ -166,7 +166,7 @@ class ServerPlanner:
         # thread gets copies.
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}
         adapters = {w.adapter for ws in works for w in ws} | {r.adapter for reqs in held.values() for r in reqs}
-        finished = {a: list(router.output_lengths.lengths_for(a)) for a in adapters}
+        finished = {a: router.output_lengths.observations_for(a) for a in adapters}
         plan = await asyncio.to_thread(self._plan, lines, works, params, held, finished)
         plan = dataclasses.replace(plan, measured_costs=measured)
         p = next(iter(params.values()))
@@ -190,8 +190,8 @@ class ServerPlanner:
         """The plan over what each replica holds already (lines of a plan made earlier, online
         requests), lengths from the finished requests and the running ones."""
         running = [r for reqs in held.values() for r in reqs if r.running]
-        lengths = with_running(finished, running)
-        holds = {rid: held_jobs(reqs, lambda a: finished.get(a, ())) for rid, reqs in held.items()}
+        lengths = planning_lengths(finished, running)
+        holds = {rid: held_jobs(reqs, lambda a: lengths.get(a, ())) for rid, reqs in held.items()}
         per_replica = self.state.cfg.engine.max_num_seqs
         gain = self.state.cfg.batch.min_stage_gain
         return line_plan(

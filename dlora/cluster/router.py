@@ -194,6 +194,7 @@ class RequestState:
             queued_since=self.queued_since,
             arrival=self.arrival,
             adapter_bytes=self.request.adapter.size_bytes if self.request.adapter is not None else 0,
+            max_tokens=cap,
         )
 
 
@@ -845,7 +846,7 @@ class Router:
             return
         self.finished_total += 1
         self.finished_tokens_total += len(state.generated)
-        self.output_lengths.observe(state.adapter, len(state.generated))
+        self.output_lengths.observe(state.adapter, len(state.generated), ended=delta.finish_reason == "stop")
         if state.first_token_at is not None:
             self.slo.record(
                 state.adapter,

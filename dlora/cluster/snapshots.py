@@ -37,6 +37,7 @@ class RequestLoad:
     # admits its queued requests in this order (vLLM's priority queue with equal priorities).
     arrival: float = 0.0
     adapter_bytes: int = 0  # its adapter's weights: what a replica without it must find room for
+    max_tokens: int | None = None  # its output cap (None: not known to whoever made this view)
 
     @property
     def context_tokens(self) -> int:

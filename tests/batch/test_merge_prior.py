@@ -102,7 +102,7 @@ def router(*models: ReplicaCostModel):
         cost_models=by_id,
         healthy_ids=lambda: list(by_id),
         views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in by_id],
-        output_lengths=SimpleNamespace(lengths_for=lambda a: ()),
+        output_lengths=SimpleNamespace(observations_for=lambda a: []),
     )
 
 

@@ -19,15 +19,17 @@ def test_last_progress_ignores_other_bars_and_waits_for_its_own() -> None:
     assert last_progress("  0%|          | 0/40 [00:00<?, ?req/s]") == "0/40 lines"
 
 
-def test_replay_at_replan_sees_early_stops_and_running_lines_expected_as_long_again() -> None:
+def test_replay_at_replan_censors_running_lines_so_they_run_to_their_cap() -> None:
     from bench.batch.replay import at_replan
     from dlora.batch.predict import Work
+    from dlora.cluster.estimators.survival import UNBOUNDED
 
     works = [Work("a", 10, 100)] * 4
     lengths = [5, 100, 100, 100]  # one stopped early; three will run to their max_tokens
-    # after 10 tokens: one finished line (5), and three running ones expected to run as long again
-    assert sorted(at_replan(works, lengths, running=4, generated=10, tail_to_cap=False)("a")) == [5, 20, 20, 20]
-    assert sorted(at_replan(works, lengths, running=4, generated=10, tail_to_cap=True)("a")) == [5, 100, 100, 100]
+    ended = [True, False, False, False]
+    # after 10 tokens: one line ended at 5, three run on, only known to be longer than 10
+    drawn = at_replan(works, lengths, ended, running=4, generated=10)("a")
+    assert set(drawn) == {5, UNBOUNDED} and drawn.count(5) == len(drawn) // 4
 
 
 def test_replay_loads_each_line_with_its_true_length(tmp_path) -> None:
@@ -36,8 +38,10 @@ def test_replay_loads_each_line_with_its_true_length(tmp_path) -> None:
     from bench.batch.replay import load
 
     line = {"custom_id": "r0", "body": {"model": "a3", "max_tokens": 50}}
-    out = {"custom_id": "r0", "response": {"body": {"usage": {"prompt_tokens": 12, "completion_tokens": 7}}}}
+    body = {"usage": {"prompt_tokens": 12, "completion_tokens": 7}, "choices": [{"finish_reason": "stop"}]}
+    out = {"custom_id": "r0", "response": {"body": body}}
     (tmp_path / "input.jsonl").write_text(json.dumps(line) + "\n")
     (tmp_path / "x.out.jsonl").write_text(json.dumps(out) + "\n")
-    works, lengths = load(tmp_path, "x.out.jsonl")
-    assert [(w.adapter, w.prompt_tokens, w.max_tokens) for w in works] == [("a3", 12, 50)] and lengths == [7]
+    works, lengths, ended = load(tmp_path, "x.out.jsonl")
+    assert [(w.adapter, w.prompt_tokens, w.max_tokens) for w in works] == [("a3", 12, 50)]
+    assert lengths == [7] and ended == [True]

@@ -1,8 +1,12 @@
+import dataclasses
+import random
+
 import pytest
 
 from dlora.batch.plan import Job, simulate_s
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.estimators.held_work import held_jobs, with_running
+from dlora.cluster.estimators.held_work import draw_remaining, held_jobs, planning_lengths
+from dlora.cluster.estimators.survival import UNBOUNDED
 from tests.cluster.balancer_factories import make_request
 
 # A step costs 10 ms whatever its batch (merged or not), a prompt token 1 ms, two requests run at once.
@@ -31,12 +35,25 @@ def test_a_running_requests_remaining_output_is_drawn_from_longer_observed_lengt
     assert [held_jobs([run], lambda a: [100, 5, 10], seed=s) for s in range(5)] == [[Job("a", (0,), (60,))]] * 5
 
 
-def test_running_requests_add_a_conditioned_draw_to_the_lengths_of_finished_ones():
-    finished = {"a": [10, 20, 300]}  # the short ones finished first
+def test_running_requests_are_censored_at_what_they_have_generated():
+    finished = {"a": [(10, True), (20, True), (300, False)]}  # two stops and one cap hit
     running = [
-        make_request("r1", "a", output=150, expected=300, running=True),  # only 300 is longer
-        make_request("r2", "b", output=5, expected=40, running=True),  # b: nothing seen, its expected total
+        make_request("r1", "a", output=150, expected=300, running=True),
+        make_request("r2", "b", output=5, expected=40, running=True),  # b: nothing has ended
         make_request("q", "a", output=0, expected=100),  # generated nothing: says nothing yet
     ]
-    assert with_running(finished, running) == {"a": [10, 20, 300, 300], "b": [40]}
-    assert finished == {"a": [10, 20, 300]}  # the caller's lists are left as they were
+    lengths = planning_lengths(finished, running)
+    # a: 4 at risk at 10 (one ends: 3/4 left), 3 at 20 (one ends: 1/2 left); r1 and the cap hit
+    # are only known to be longer: that half runs past anything seen to end.
+    assert lengths["a"] == [10] * 64 + [20] * 64 + [UNBOUNDED] * 128
+    assert lengths["b"] == [UNBOUNDED] * 256
+    assert finished == {"a": [(10, True), (20, True), (300, False)]}  # the caller's lists are left as they were
+
+
+def test_an_unbounded_draw_runs_a_request_to_its_cap():
+    rng = random.Random(0)
+    capped = dataclasses.replace(make_request("r", output=30, expected=60, running=True), max_tokens=100)
+    draws = {draw_remaining(capped, [10, 40, UNBOUNDED], rng) for _ in range(200)}
+    assert draws == {10, 70}  # 40 - 30, and the cap 100 - 30
+    uncapped = make_request("u", output=30, expected=60, running=True)  # cap not known: its expected remainder
+    assert {draw_remaining(uncapped, [10, UNBOUNDED], rng) for _ in range(20)} == {30}

@@ -10,8 +10,10 @@ prefilling its context (a request moved in from elsewhere recomputes what it gen
 same batches.
 
 Also here: the lengths of finished requests are a biased sample while long requests still run
-(the short ones finish first), so `with_running` adds a draw for each running request, conditioned
-on what it has generated, before the lengths are used for requests not started.
+(the short ones finish first, and one that stopped at its cap is only known to be longer), so
+`planning_lengths` gives the batch planner a censoring-aware estimate (estimators/survival.py):
+finished requests that ended by themselves are ends, cap hits and running requests are censored
+at their lengths so far.
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dlora.batch.plan import Job
 from dlora.batch.predict import simulate_replica
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.survival import UNBOUNDED, Observation, quantile_lengths
 from dlora.cluster.snapshots import AdapterName, RequestLoad
 
 
 def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -> int:
     """One draw of `r`'s remaining output tokens: a length from `lengths` (sorted) above what it
-    has generated, less that; its expected remainder when none is. At least 1."""
+    has generated, at most its `max_tokens`, less what it has generated; its expected remainder
+    when no length is above, or when the draw is `UNBOUNDED` and its cap is not known. At least 1."""
     first_longer = bisect.bisect_right(lengths, r.output_tokens)
     if first_longer < len(lengths):
-        return lengths[rng.randrange(first_longer, len(lengths))] - r.output_tokens
+        total = lengths[rng.randrange(first_longer, len(lengths))]
+        if r.max_tokens is not None:
+            return max(1, min(total, r.max_tokens) - r.output_tokens)
+        if total != UNBOUNDED:
+            return total - r.output_tokens
     return max(1, round(r.remaining_output_tokens))
 
 
@@ -66,16 +74,15 @@ def held_jobs(
     ]
 
 
-def with_running(
-    lengths: Mapping[AdapterName, Sequence[int]], running: Sequence[RequestLoad], seed: int = 0
+def planning_lengths(
+    finished: Mapping[AdapterName, Sequence[Observation]], running: Sequence[RequestLoad]
 ) -> dict[AdapterName, list[int]]:
-    """`lengths` (each adapter's finished requests' lengths) plus one drawn total length for each
-    running request that has generated tokens: what it has generated and a draw of the rest."""
-    rng = random.Random(seed)
-    seen = {a: sorted(v) for a, v in lengths.items()}
-    out = {a: list(v) for a, v in lengths.items()}
+    """Each adapter's output lengths for the batch planner: `QUANTILES` equal-mass quantiles of a
+    Kaplan-Meier estimate over its `finished` requests (length, ended by itself) and its running
+    ones, censored at what they have generated. `UNBOUNDED` where the estimate's mass lies past
+    every end seen (the consumer caps it at a request's `max_tokens`)."""
+    observations = {a: list(v) for a, v in finished.items()}
     for r in running:
         if r.output_tokens > 0:
-            total = r.output_tokens + draw_remaining(r, seen.get(r.adapter, []), rng)
-            out.setdefault(r.adapter, []).append(total)
-    return out
+            observations.setdefault(r.adapter, []).append((r.output_tokens, False))
+    return {a: quantile_lengths(obs) for a, obs in observations.items()}

@@ -21,8 +21,10 @@ expects as many tokens again as it has (min(g, m - g)): the same median-lifetime
 geometric tail, instead of 0 (it has not finished) or the cap.
 
 A request that stopped at its cap ("length") is recorded at the cap: a lower bound of its true
-length. Queries are O(log n): each distribution is kept sorted with prefix sums, rebuilt lazily
-after new completions. Pure Python, no clock; the router feeds it (router.py).
+length. Each length keeps whether the request ended by itself, so a censoring-aware estimate
+(estimators/survival.py, for the batch planner) can tell the two apart. Queries are O(log n):
+each distribution is kept sorted with prefix sums, rebuilt lazily after new completions. Pure
+Python, no clock; the router feeds it (router.py).
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ class OutputLengthConfig:
 class _Sorted:
     """A bounded window of lengths, with a sorted copy + prefix sums built on demand."""
 
-    __slots__ = ("recent", "_sorted", "_prefix")
+    __slots__ = ("recent", "ended", "_sorted", "_prefix")
 
     def __init__(self, window: int) -> None:
         self.recent: deque[int] = deque(maxlen=max(1, window))
+        self.ended: deque[bool] = deque(maxlen=max(1, window))  # False: stopped at its cap
         self._sorted: list[int] | None = None
         self._prefix: list[int] = []
 
-    def add(self, length: int) -> None:
+    def add(self, length: int, ended: bool) -> None:
         self.recent.append(length)
+        self.ended.append(ended)
         self._sorted = None
 
     def __len__(self) -> int:
@@ -97,15 +101,16 @@ class OutputLengthEstimator:
     def enabled(self) -> bool:
         return self.cfg.window > 0
 
-    def observe(self, adapter: AdapterName, length: int) -> None:
-        """Record one completed request of `adapter` that generated `length` tokens."""
+    def observe(self, adapter: AdapterName, length: int, ended: bool = True) -> None:
+        """Record one completed request of `adapter` that generated `length` tokens; `ended` is
+        False when it stopped at its cap (its true length is longer)."""
         if not self.enabled or length < 0:
             return
         dist = self._by_adapter.get(adapter)
         if dist is None:
             dist = self._by_adapter[adapter] = _Sorted(self.cfg.window)
-        dist.add(int(length))
-        self._pooled.add(int(length))
+        dist.add(int(length), ended)
+        self._pooled.add(int(length), ended)
 
     def samples(self, adapter: AdapterName) -> list[int]:
         """The adapter's recorded lengths, oldest first (for tests and debugging)."""
@@ -122,6 +127,12 @@ class OutputLengthEstimator:
         else every adapter's; empty before any request finished (or when disabled)."""
         dist = self._source(adapter) if self.enabled else None
         return list(dist.recent) if dist is not None else []
+
+    def observations_for(self, adapter: AdapterName) -> list[tuple[int, bool]]:
+        """`lengths_for`'s lengths, each with whether its request ended by itself (False: it
+        stopped at its cap), for a censoring-aware estimate (estimators/survival.py)."""
+        dist = self._source(adapter) if self.enabled else None
+        return list(zip(dist.recent, dist.ended)) if dist is not None else []
 
     def _source(self, adapter: AdapterName) -> _Sorted | None:
         dist = self._by_adapter.get(adapter)

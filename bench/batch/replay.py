@@ -68,7 +68,7 @@ def at_replan(
             load = RequestLoad(f"r{i}", w.adapter, w.prompt_tokens, generated, expected, True, max_tokens=w.max_tokens)
             loads.append(load)
     adapters = {w.adapter for w in works}
-    view = planning_lengths({a: seen.observations_for(a) for a in adapters}, loads)
+    view = planning_lengths(seen.history(adapters), loads)
     return lambda a: view.get(a, ())  # as the server's planner reads them (dlora/batch/execute.py)
 
 

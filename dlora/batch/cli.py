@@ -133,7 +133,7 @@ class PlanEta:
             return 0.0
         running = [r for v in router.views() for r in v.requests if r.running]
         adapters = {w.adapter for _, ws in left for w in ws} | {r.adapter for r in running}
-        view = planning_lengths({a: router.output_lengths.observations_for(a) for a in adapters}, running)
+        view = planning_lengths(router.output_lengths.history(adapters), running)
 
         def lengths(a):
             return view.get(a, ())

@@ -166,8 +166,8 @@ class ServerPlanner:
         # thread gets copies.
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}
         adapters = {w.adapter for ws in works for w in ws} | {r.adapter for reqs in held.values() for r in reqs}
-        finished = {a: router.output_lengths.observations_for(a) for a in adapters}
-        plan = await asyncio.to_thread(self._plan, lines, works, params, held, finished)
+        history = router.output_lengths.history(adapters)
+        plan = await asyncio.to_thread(self._plan, lines, works, params, held, history)
         plan = dataclasses.replace(plan, measured_costs=measured)
         p = next(iter(params.values()))
         log.info(
@@ -186,11 +186,11 @@ class ServerPlanner:
         )
         return plan
 
-    def _plan(self, lines, works, params, held, finished) -> LinePlan:
+    def _plan(self, lines, works, params, held, history) -> LinePlan:
         """The plan over what each replica holds already (lines of a plan made earlier, online
         requests), lengths from the finished requests and the running ones."""
         running = [r for reqs in held.values() for r in reqs if r.running]
-        lengths = planning_lengths(finished, running)
+        lengths = planning_lengths(history, running)
         holds = {rid: held_jobs(reqs, lambda a: lengths.get(a, ())) for rid, reqs in held.items()}
         per_replica = self.state.cfg.engine.max_num_seqs
         gain = self.state.cfg.batch.min_stage_gain

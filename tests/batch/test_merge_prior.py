@@ -16,6 +16,7 @@ from dlora.batch.execute import ServerPlanner, merge_prior
 from dlora.batch.lines import BatchLine
 from dlora.batch.predict import Work
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.snapshots import IterationSample
 from dlora.config import BatchConfig
 from dlora.scheduling.config import MERGED_COST_PRIORS, BatchingConfig, einsum_merged_cost
@@ -102,14 +103,14 @@ def router(*models: ReplicaCostModel):
         cost_models=by_id,
         healthy_ids=lambda: list(by_id),
         views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in by_id],
-        output_lengths=SimpleNamespace(observations_for=lambda a: []),
+        output_lengths=OutputLengthEstimator(),
     )
 
 
 class Recording(ServerPlanner):
-    def _plan(self, lines, works, params, held, finished):
+    def _plan(self, lines, works, params, held, history):
         self.params = params
-        return super()._plan(lines, works, params, held, finished)
+        return super()._plan(lines, works, params, held, history)
 
 
 def planned_params(*models: ReplicaCostModel) -> CostParams:

@@ -15,6 +15,7 @@ from dlora.batch.lines import BatchLine
 from dlora.batch.planned import ANY_REPLICA, LinePlan, QueuedSegment, line_plan, run_planned
 from dlora.batch.predict import Work
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.router import preferred_replica
 
 
@@ -350,14 +351,14 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
     # longer length seen is 50, they have 10): 40 steps, merged (one adapter runs): 20 s.
     # Replica 5 holds nothing.
     held = {3: tuple(make_request(f"h{i}", "b", output=10, expected=50, running=True) for i in range(4)), 5: ()}
-    ended = {"a": [(16, True)], "b": [(5, True), (50, True)]}  # (length, ended by itself)
+    ended = LengthHistory({"a": ((16, True),), "b": ((5, True), (50, True))})  # (length, ended by itself)
     plan = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, held, ended)
     # Sent at once, the lines would all go to idle replica 5 and end at 8 s there, which no stage
     # plan beats: a dispatch plan, leaving each line's replica to the router.
     assert plan.mode == "dispatch" and list(plan.queues) == [ANY_REPLICA]
     assert [ln.line for s in plan.queues[ANY_REPLICA] for ln in s.lines] == [1, 2, 3, 4]
     assert plan.predicted_s == pytest.approx(20)  # replica 3's held work ends last; replica 5's at 8
-    idle = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, {3: (), 5: ()}, {"a": [(16, True)]})
+    idle = ServerPlanner(state)._plan(lines, works, {3: p, 5: p}, {3: (), 5: ()}, LengthHistory({"a": ((16, True),)}))
     assert idle.predicted_s == pytest.approx(8)  # as if nothing ran: half the lines on each, merged
 
 
@@ -376,5 +377,6 @@ def test_a_request_that_stopped_at_its_cap_only_says_its_length_is_longer():
     # steps merged (8 s). One that ran to a cap of 16 is censored: nothing is known to end, so
     # each line runs to its own cap of 64 (32 s).
     planner, params = ServerPlanner(state), {3: p, 5: p}
-    assert planner._plan(lines, works, params, idle, {"a": [(16, True)]}).predicted_s == pytest.approx(8)
-    assert planner._plan(lines, works, params, idle, {"a": [(16, False)]}).predicted_s == pytest.approx(32)
+    ended, capped = LengthHistory({"a": ((16, True),)}), LengthHistory({"a": ((16, False),)})
+    assert planner._plan(lines, works, params, idle, ended).predicted_s == pytest.approx(8)
+    assert planner._plan(lines, works, params, idle, capped).predicted_s == pytest.approx(32)

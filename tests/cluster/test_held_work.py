@@ -6,6 +6,7 @@ import pytest
 from dlora.batch.plan import Job, simulate_s
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining, held_jobs, planning_lengths
+from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.estimators.survival import UNBOUNDED
 from tests.cluster.balancer_factories import make_request
 
@@ -36,18 +37,24 @@ def test_a_running_requests_remaining_output_is_drawn_from_longer_observed_lengt
 
 
 def test_running_requests_are_censored_at_what_they_have_generated():
-    finished = {"a": [(10, True), (20, True), (300, False)]}  # two stops and one cap hit
+    history = LengthHistory({"a": ((10, True), (20, True), (300, False))})  # two stops and one cap hit
     running = [
         make_request("r1", "a", output=150, expected=300, running=True),
-        make_request("r2", "b", output=5, expected=40, running=True),  # b: nothing has ended
         make_request("q", "a", output=0, expected=100),  # generated nothing: says nothing yet
     ]
-    lengths = planning_lengths(finished, running)
-    # a: 4 at risk at 10 (one ends: 3/4 left), 3 at 20 (one ends: 1/2 left); r1 and the cap hit
-    # are only known to be longer: that half runs past anything seen to end.
-    assert lengths["a"] == [10] * 64 + [20] * 64 + [UNBOUNDED] * 128
-    assert lengths["b"] == [UNBOUNDED] * 256
-    assert finished == {"a": [(10, True), (20, True), (300, False)]}  # the caller's lists are left as they were
+    # 4 at risk at 10 (one ends: 3/4 left), 3 at 20 (one ends: 1/2 left); r1 and the cap hit are
+    # only known to be longer: that half runs past anything seen to end.
+    assert planning_lengths(history, running) == {"a": [10] * 64 + [20] * 64 + [UNBOUNDED] * 128}
+
+
+def test_an_adapter_with_little_history_pools_every_adapters_finished_and_running_requests():
+    history = LengthHistory({"a": ((4, True),) * 3, "c": ()}, pooled=((4, True),) * 3 + ((6, True),), min_samples=3)
+    running = [make_request(f"b{i}", "b", output=30, expected=60, running=True) for i in range(4)]
+    lengths = planning_lengths(history, running)
+    assert lengths["a"] == [4] * 256  # its own three: the long-running b's say nothing about a
+    # b and c have too few of their own: the pooled four that finished and b's four running. Left
+    # out, the running half would make every line as short as the early stops.
+    assert lengths["b"] == lengths["c"] == [4] * 96 + [6] * 32 + [UNBOUNDED] * 128
 
 
 def test_an_unbounded_draw_runs_a_request_to_its_cap():

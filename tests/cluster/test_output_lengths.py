@@ -150,10 +150,13 @@ def test_the_lengths_an_estimate_draws_on_are_the_adapters_own_once_it_has_enoug
 def test_each_length_keeps_whether_its_request_ended_by_itself():
     est = OutputLengthEstimator(OutputLengthConfig(min_samples=2, window=3))
     est.observe("b", 9, ended=False)  # stopped at its cap
-    assert est.observations_for("a") == [(9, False)]  # pooled, as lengths_for
     for n, ended in ((3, True), (64, False), (5, True)):
         est.observe("a", n, ended)
-    assert est.observations_for("a") == [(3, True), (64, False), (5, True)]
+    h = est.history(["a", "c"])
+    assert h.own == {"a": ((3, True), (64, False), (5, True)), "c": ()}
+    assert h.pooled == ((3, True), (64, False), (5, True))  # the window (3) keeps the last three
+    assert h.uses_own("a") and not h.uses_own("c") and h.min_samples == 2
     est.observe("a", 7)
-    assert est.observations_for("a") == [(64, False), (5, True), (7, True)]  # the window drops the oldest
-    assert [n for n, _ in est.observations_for("a")] == est.lengths_for("a")
+    assert est.history(["a"]).own["a"] == ((64, False), (5, True), (7, True))  # the oldest is dropped
+    assert [n for n, _ in est.history(["a"]).own["a"]] == est.lengths_for("a")
+    assert OutputLengthEstimator(OutputLengthConfig(window=0)).history(["a"]).own == {"a": ()}

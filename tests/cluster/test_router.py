@@ -9,7 +9,6 @@ import time
 import pytest
 
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.estimators.output_lengths import OutputLengthConfig
 from dlora.cluster.router import Router, RouterConfig
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef, BatchingState, GenerateRequest, ReplicaStats, SamplingSpec
@@ -331,8 +330,7 @@ def test_idle_replica_that_fails_its_stats_read_is_rebuilt_before_any_request_ne
 def test_router_feeds_finished_output_lengths_per_adapter():
     async def run():
         replicas = [ToyReplica(i, step_s=0.001, eos_period={"a": 7}) for i in range(2)]
-        lengths = OutputLengthConfig(min_samples=1)
-        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin", output_lengths=lengths))
+        router = Router(replicas, cfg=RouterConfig(dispatch="round_robin"))
         await router.start()
         reqs = [request(f"e{i}", n=60, prompt=(i, 5)) for i in range(6)] + [request("cap", adapter=B, n=9)]
         outs = await asyncio.gather(*(collect(router, r) for r in reqs))
@@ -343,8 +341,8 @@ def test_router_feeds_finished_output_lengths_per_adapter():
         assert router.output_lengths.samples("b") == [9]
         # A stop at EOS is an end; a stop at the cap is censored (its true length is longer).
         ends = sorted((len(o), len(o) < 60) for o in outs[:6])
-        assert sorted(router.output_lengths.observations_for("a")) == ends
-        assert router.output_lengths.observations_for("b") == [(9, False)]
+        own = router.output_lengths.history(["a", "b"]).own
+        assert sorted(own["a"]) == ends and own["b"] == ((9, False),)
 
     asyncio.run(run())
 

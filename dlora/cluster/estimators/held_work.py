@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dlora.batch.plan import Job
 from dlora.batch.predict import simulate_replica
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.estimators.survival import UNBOUNDED, Observation, quantile_lengths
 from dlora.cluster.snapshots import AdapterName, RequestLoad
 
@@ -74,15 +75,25 @@ def held_jobs(
     ]
 
 
-def planning_lengths(
-    finished: Mapping[AdapterName, Sequence[Observation]], running: Sequence[RequestLoad]
-) -> dict[AdapterName, list[int]]:
+def planning_lengths(history: LengthHistory, running: Sequence[RequestLoad]) -> dict[AdapterName, list[int]]:
     """Each adapter's output lengths for the batch planner: `QUANTILES` equal-mass quantiles of a
-    Kaplan-Meier estimate over its `finished` requests (length, ended by itself) and its running
-    ones, censored at what they have generated. `UNBOUNDED` where the estimate's mass lies past
-    every end seen (the consumer caps it at a request's `max_tokens`)."""
-    observations = {a: list(v) for a, v in finished.items()}
+    Kaplan-Meier estimate over its finished requests (`history`) and its running ones, censored at
+    what they have generated. An adapter with fewer than `min_samples` finished ones of its own is
+    estimated from every adapter's, finished and running alike (the running ones are the long
+    half of the sample: left out, the pooled lengths are the short ones that finished first).
+    `UNBOUNDED` where the mass lies past every end seen (the consumer caps it at a request's
+    `max_tokens`)."""
+    censored: dict[AdapterName, list[Observation]] = {}
     for r in running:
         if r.output_tokens > 0:
-            observations.setdefault(r.adapter, []).append((r.output_tokens, False))
-    return {a: quantile_lengths(obs) for a, obs in observations.items()}
+            censored.setdefault(r.adapter, []).append((r.output_tokens, False))
+    pooled: list[int] | None = None
+    out = {}
+    for a in set(history.own) | set(censored):
+        if history.uses_own(a):
+            out[a] = quantile_lengths([*history.own[a], *censored.get(a, ())])
+            continue
+        if pooled is None:
+            pooled = quantile_lengths([*history.pooled, *(o for obs in censored.values() for o in obs)])
+        out[a] = pooled
+    return out

@@ -32,7 +32,10 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from dlora.cluster.estimators.survival import Observation
 
 AdapterName = str | None
 
@@ -50,6 +53,21 @@ class OutputLengthConfig:
             raise ValueError(f"output length min_samples={self.min_samples}: must be >= 1")
         if self.prior_tokens is not None and self.prior_tokens < 1:
             raise ValueError(f"output length prior_tokens={self.prior_tokens}: must be >= 1 (or None)")
+
+
+@dataclass(frozen=True)
+class LengthHistory:
+    """Finished requests' (length, ended by itself) as the estimator holds them: each adapter's
+    own (every adapter asked about has an entry), every adapter's together (`pooled`), and how
+    many of its own an adapter needs before an estimate uses them rather than the pooled ones (the
+    estimator's rule)."""
+
+    own: Mapping[AdapterName, tuple[Observation, ...]]
+    pooled: tuple[Observation, ...] = ()
+    min_samples: int = 1
+
+    def uses_own(self, adapter: AdapterName) -> bool:
+        return len(self.own.get(adapter, ())) >= self.min_samples
 
 
 class _Sorted:
@@ -128,11 +146,13 @@ class OutputLengthEstimator:
         dist = self._source(adapter) if self.enabled else None
         return list(dist.recent) if dist is not None else []
 
-    def observations_for(self, adapter: AdapterName) -> list[tuple[int, bool]]:
-        """`lengths_for`'s lengths, each with whether its request ended by itself (False: it
-        stopped at its cap), for a censoring-aware estimate (estimators/survival.py)."""
-        dist = self._source(adapter) if self.enabled else None
-        return list(zip(dist.recent, dist.ended)) if dist is not None else []
+    def history(self, adapters: Iterable[AdapterName]) -> LengthHistory:
+        """A copy of the recorded lengths of `adapters` and of every adapter together, each with
+        whether its request ended by itself, for a censoring-aware estimate (estimators/survival.py)."""
+        if not self.enabled:
+            return LengthHistory({a: () for a in adapters})
+        own = {a: tuple(zip(d.recent, d.ended)) if (d := self._by_adapter.get(a)) else () for a in adapters}
+        return LengthHistory(own, tuple(zip(self._pooled.recent, self._pooled.ended)), self.cfg.min_samples)
 
     def _source(self, adapter: AdapterName) -> _Sorted | None:
         dist = self._by_adapter.get(adapter)

@@ -79,8 +79,8 @@ def planning_lengths(history: LengthHistory, running: Sequence[RequestLoad]) -> 
     """Each adapter's output lengths for the batch planner: `QUANTILES` equal-mass quantiles of a
     Kaplan-Meier estimate over its finished requests (`history`) and its running ones, censored at
     what they have generated. An adapter with fewer than `min_samples` finished ones of its own is
-    estimated from every adapter's, finished and running alike (the running ones are the long
-    half of the sample: left out, the pooled lengths are the short ones that finished first).
+    estimated from every adapter's, finished and running alike (left out, the running ones would
+    leave the pool to the short requests that finished first).
     `UNBOUNDED` where the mass lies past every end seen (the consumer caps it at a request's
     `max_tokens`)."""
     censored: dict[AdapterName, list[Observation]] = {}

@@ -2,5 +2,8 @@
 
 - `cost_model`: seconds of engine work a replica has outstanding (dispatch, the co-migration ILP);
 - `output_lengths`: how many tokens a request will still generate, per adapter;
-- `wait_estimate`: how long each queued request still waits on a replica before it starts.
+- `wait_estimate`: how long each queued request still waits on a replica before it starts;
+- `held_work`: what a replica's held requests still take, simulated from sampled lengths;
+- `survival`: output lengths with cap hits and running requests censored (Kaplan-Meier), for the
+  batch planner.
 """

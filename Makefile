@@ -15,7 +15,7 @@ serve: install
 	.venv/bin/dlora serve --config configs/default.yaml
 
 test: install
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder  # tests/schedule.py
 
 test-fast: install
 	.venv/bin/python -m pytest --fast

@@ -1,5 +1,5 @@
-"""Shared fixtures (the tiny test model, a live tiny dlora server, the HF + PEFT oracle) and the hooks of
-`pytest --fast` (tests/fast_lane.py)."""
+"""Shared fixtures (the tiny test model, the shared dlora servers, the HF + PEFT oracle), the hooks of
+`pytest --fast` (tests/fast_lane.py) and of the parallel run (tests/schedule.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import sys
 
 import pytest
 
-from tests import fast_lane, harness
+from tests import fast_lane, harness, schedule
 from tests.oracle import HFOracle
 
 ADMIN_TOKEN = "test-admin-token"
-# Fixtures that start a server: a test using one is marked `engine` (tests/fast_lane.py).
-ENGINE_FIXTURES = frozenset({"tiny_server", "shipped_server", "einsum_server"})
+# Session fixtures that start a server or engine, shared across modules: a test using one is marked
+# `engine` (tests/fast_lane.py) and runs in that fixture's group (tests/schedule.py).
+ENGINE_FIXTURES = frozenset(
+    {"tiny_server", "shipped_server", "einsum_server", "two_replica_server", "merged_switching_engine"}
+)
+# Session fixtures that start nothing but cost enough that the tests using them share a worker.
+COSTLY_FIXTURES = frozenset({"smollm2_cache", "fresh_tiny_root"})
 _fast_lane_patches = pytest.MonkeyPatch()
 
 
@@ -28,14 +33,27 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("fast"):
         fast_lane.refuse_engine_starts(_fast_lane_patches)
+    schedule.pin_worker_to_its_core()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(fast_lane.MARKER)
     if config.getoption("fast"):
         fast_lane.select(items, config)
+    schedule.group_and_order(items, ENGINE_FIXTURES | COSTLY_FIXTURES)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures that use it are set up
+def pytest_runtest_setup(item):
+    schedule.SHARED.restart_if_needed(item)
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures that use it are torn down
+def pytest_runtest_teardown(item, nextitem):
+    schedule.SHARED.stop_unless_next_uses(item, nextitem)
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +83,7 @@ def tiny_server(tiny_model, tmp_path_factory):
             **{"server.admin_token": ADMIN_TOKEN, "server.allow_client_priority": True},
         ),
     )
-    yield server
+    yield schedule.SHARED.register("tiny_server", server)
     server.stop()
 
 
@@ -77,7 +95,29 @@ def shipped_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("shipped")
     server = harness.launch(tmp, shipped_config(tmp))
-    yield server
+    yield schedule.SHARED.register("shipped_server", server)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def two_replica_server(tiny_model, tmp_path_factory):
+    """The tiny server on two replicas (least-loaded dispatch, stats read every 0.5 s), every adapter
+    pinned so each is on both replicas from the start (unpinned ones would start on one and spread
+    by demand: tests/server/test_placement.py); pins need max_loras + 3 host entries. Shared by
+    test_two_replicas.py and test_replica_sigkill.py, whose killed replica serves again before it ends."""
+    tmp = tmp_path_factory.mktemp("two")
+    cfg = harness.tiny_config(
+        tiny_model,
+        tmp / "state",
+        harness.free_port(),
+        **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
+    )
+    cfg["engine"]["num_kv_blocks"] = harness.TWO_REPLICA_KV_BLOCKS
+    cfg["engine"]["max_cpu_loras"] = 5
+    for adapter in cfg["adapters"]:
+        adapter["pinned"] = True
+    server = harness.launch(tmp, cfg)
+    yield schedule.SHARED.register("two_replica_server", server)
     server.stop()
 
 
@@ -97,7 +137,7 @@ def einsum_server(tiny_model, hostile_adapter_root, tmp_path_factory):
     overrides = {"engine.lora_backend": "einsum", "server.adapter_roots": roots}
     cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **overrides)
     server = harness.launch(tmp, cfg)
-    yield server
+    yield schedule.SHARED.register("einsum_server", server)
     server.stop()
 
 

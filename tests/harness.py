@@ -17,6 +17,7 @@ import yaml
 
 from dlora import env
 
+REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 420  # generous: engines start in ~35 s alone, minutes on a busy machine
 
 
@@ -24,6 +25,7 @@ START_TIMEOUT_S = 420  # generous: engines start in ~35 s alone, minutes on a bu
 # the test picked ours, and above Ray's worker ports (10002-19999).
 PORT_RANGE = (20000, 32000)
 START_ATTEMPTS = 3  # a port taken between picking and binding is retried with another
+TWO_REPLICA_KV_BLOCKS = 256  # engine.num_kv_blocks of the shared two-replica server (tests/conftest.py)
 
 
 def free_port() -> int:
@@ -37,6 +39,23 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {PORT_RANGE}")
+
+
+def stats_reads(url: str) -> float:
+    """dlora_replica_stats_reads_total: rounds of replica stats the server's balancer has read."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    (line,) = [line for line in text.splitlines() if line.startswith("dlora_replica_stats_reads_total ")]
+    return float(line.split()[1])
+
+
+def wait_for_fresh_stats(url: str, timeout_s: float = 60) -> None:
+    """Wait until the replica gauges in /metrics were read after this call: two more rounds (the
+    first may have begun before what the caller just did)."""
+    wanted = stats_reads(url) + 2
+    deadline = time.monotonic() + timeout_s
+    while stats_reads(url) < wanted:
+        assert time.monotonic() < deadline, "the balancer's loop stopped reading replica stats"
+        time.sleep(0.1)
 
 
 def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
@@ -70,7 +89,12 @@ class ServerProcess:
     config_path: Path
     log_path: Path
     port: int
+    toy: bool = False  # tests/toy_serve.py: toy replicas instead of engines
     proc: subprocess.Popen | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     @property
     def url(self) -> str:
@@ -79,10 +103,12 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlora.cli", "serve", "--config", str(self.config_path)],
+            [sys.executable, "-m", *(("tests.toy_serve",) if self.toy else ("dlora.cli", "serve"))]
+            + ["--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd=REPO,  # where `tests` is importable
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -114,14 +140,15 @@ class ServerProcess:
             return ""
 
 
-def launch(tmp_dir: Path, cfg: dict) -> ServerProcess:
+def launch(tmp_dir: Path, cfg: dict, toy: bool = False) -> ServerProcess:
     """Start a server on cfg's port; if something else took that port first, on another (written
-    back into `cfg`, so a caller that relaunches the same config gets the port that worked)."""
+    back into `cfg`, so a caller that relaunches the same config gets the port that worked).
+    `toy`: over toy replicas, no engine (tests/toy_serve.py)."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     path = tmp_dir / "config.yaml"
     for attempt in range(START_ATTEMPTS):
         path.write_text(yaml.safe_dump(cfg))
-        server = ServerProcess(path, tmp_dir / "server.log", cfg["server"]["port"])
+        server = ServerProcess(path, tmp_dir / "server.log", cfg["server"]["port"], toy)
         offset = server.log_path.stat().st_size if server.log_path.exists() else 0
         try:
             return server.start()

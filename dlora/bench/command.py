@@ -14,6 +14,7 @@ from dlora.bench import cli
 from dlora.bench import workload as wl
 from dlora.bench.arrivals import burstiness_to_cv, cv_to_burstiness
 from dlora.bench.client import BenchError, adapters_of, fetch_models
+from dlora.bench.provenance import machine
 from dlora.bench.report import METRICS
 from dlora.bench.runner import BenchmarkInterrupted, RunOptions, run_benchmark, run_sweep, strip_details
 
@@ -318,6 +319,8 @@ def save(args: argparse.Namespace, plan: Plan, result: dict[str, Any], path: Pat
         out = {**result, **metadata, "results": [_finish(r, args, metadata) for r in result["results"]]}
     else:
         out = _finish(result, args, metadata)
+    # Step costs differ up to 6x between CPUs of one name: a result says which machine it measured.
+    out.setdefault("machine", machine())
     cli.dump_json(out, path)
     return path
 

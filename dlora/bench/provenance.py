@@ -11,19 +11,58 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+# Flag in /proc/cpuinfo -> the name a result records. CPU step costs (einsum LoRA, bf16 matmuls)
+# differ by these more than by clock, so two results are comparable only on the same set.
+CPU_EXTENSIONS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX512-BF16",
+    "amx_tile": "AMX",
+    "amx_bf16": "AMX-BF16",
+}
+
+
+def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo text; (None, empty) where absent."""
+    model: str | None = None
+    flags: set[str] | None = None
+    for ln in text.splitlines():
+        key, sep, value = ln.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and flags is None:
+            flags = set(value.split())
+    return model, flags or set()
+
+
+def cpu_extensions(flags: set[str]) -> list[str]:
+    """The vector/matrix extensions among `flags` that change CPU kernel speed, by name, sorted."""
+    return sorted(name for flag, name in CPU_EXTENSIONS.items() if flag in flags)
+
 
 def machine() -> dict:
-    """CPU model, core count and Python version of this machine."""
-    cpu = platform.processor()
+    """CPU model and its vector/matrix extensions, core count and Python version of this machine.
+
+    Never raises: without /proc/cpuinfo (not Linux) the model is platform.processor() and the
+    extensions are an empty list, i.e. unknown."""
+    model: str | None = None
+    flags: set[str] = set()
     try:
-        cpu = next(
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        )
-    except (OSError, StopIteration):
+        model, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    cpu = model or platform.processor()
+    # "cpu" stays beside "cpu_model": results committed earlier carry only "cpu", so both can be compared.
+    return {
+        "cpu": cpu,
+        "cpu_model": cpu,
+        "cpu_extensions": cpu_extensions(flags),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def git_commit(repo: Path | None = None) -> str:

@@ -1012,6 +1012,7 @@ class Router:
             out.append(st)
         self.queue_times.expire()
         self.slo.basis = self._isolated_basis()  # the cost models were refitted from these steps
+        self.counters["stats_reads"] += 1
         return out
 
     def reported_stats(self) -> list[ReplicaStats]:

@@ -77,13 +77,19 @@ def summary_line(check: Check) -> str:
     return f"[gpu-check] {check.name}: {'ok' if check.ok else 'FAILED'} ({check.seconds:.1f} s)"
 
 
+def engine_command(backend: str, out: Path) -> list[str]:
+    """The child process that checks `backend`'s engine and writes its result JSON to `out`."""
+    return [sys.executable, "-m", "dlora.gpucheck.engine_check", backend, str(out)]
+
+
 def engine_check(backend: str, timeout_s: float) -> Check:
-    """One backend's engine checks in a child process (see engine_check.py)."""
+    """One backend's engine checks in a child process (see engine_check.py): failed if the child
+    times out, exits non-zero or writes no result, else passed as the result's `ok` says."""
     started = time.perf_counter()
     name = f"engine[{backend}]"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "dlora.gpucheck.engine_check", backend, str(out)]
+        cmd = engine_command(backend, out)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

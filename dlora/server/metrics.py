@@ -410,7 +410,13 @@ class ClusterCollector:
             "(a long engine step): waited for, not counted as failures",
         )
         busy.add_metric([], self.counters.get("busy_deadlines", 0))
-        yield from (resub, moved, restarts, gave_up, infeasible, busy)
+        # How fresh the replica gauges are: a scraper that waits for this to grow past its value at
+        # time t reads gauges from after t (they are what the balancer's loop last read).
+        reads = CounterMetricFamily(
+            "dlora_replica_stats_reads", "Rounds of replica stats the balancer's loop has read (what the gauges show)"
+        )
+        reads.add_metric([], self.counters.get("stats_reads", 0))
+        yield from (resub, moved, restarts, gave_up, infeasible, busy, reads)
 
 
 class SloCollector:

@@ -28,7 +28,10 @@ def test_the_poller_samples_the_largest_gap_at_each_scrape_while_the_run_lasts()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with MetricsPoller(f"http://127.0.0.1:{server.server_port}", fairness_gap, every_s=0.02) as poller:
-            time.sleep(0.2)
+            deadline = time.monotonic() + 60  # a hang guard only: three scrapes take ~0.06 s
+            while len(poller.samples) < 3:
+                assert time.monotonic() < deadline, poller.samples
+                time.sleep(0.01)
         n = len(poller.samples)
         time.sleep(0.1)
         assert len(poller.samples) == n  # stopped with the run

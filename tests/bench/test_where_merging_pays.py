@@ -21,7 +21,15 @@ def test_top_share_adapters_gives_the_top_adapter_its_share_and_the_rest_in_turn
     assert Counter(grid.top_share_adapters(32, 0.25, ("a0", "a1", "a2", "a3"), 0)) == dict.fromkeys(
         ("a0", "a1", "a2", "a3"), 8
     )
-    assert grid.top_share_adapters(32, 0.6, ("a0", "a1"), 3) == grid.top_share_adapters(32, 0.6, ("a0", "a1"), 3)
+    # round(0.6 x 32) = round(19.2) = 19 for a0; the other 32 - 19 = 13 go to the only other, a1.
+    names = grid.top_share_adapters(32, 0.6, ("a0", "a1"), 3)
+    assert Counter(names) == {"a0": 19, "a1": 13}
+    assert names != ["a0"] * 19 + ["a1"] * 13  # shuffled, not a0's block first
+    # round(0.5 x 10) = 5 for a0; the other 5 to a1, a2, a3 in turn: a1 a2 a3 a1 a2.
+    names = grid.top_share_adapters(10, 0.5, ("a0", "a1", "a2", "a3"), 0)
+    assert Counter(names) == {"a0": 5, "a1": 2, "a2": 2, "a3": 1}
+    # One adapter: it is also "the rest", so all 5 names are a0 whatever the share.
+    assert grid.top_share_adapters(5, 0.2, ("a0",), 0) == ["a0"] * 5
     with pytest.raises(ValueError):
         grid.top_share_adapters(8, 0.0, ("a0",), 0)
 

@@ -1,7 +1,8 @@
 """Two real replicas (Ray actors running vLLM on the tiny model): migration, queued-request moves, a
 killed actor, and the elastic path: a replica drained with streams in flight, one added under load,
 one failing during its drain. Each engine runs at most MAX_NUM_SEQS requests at once, so requests
-can queue. The tests run in file order on one cluster (the elastic ones go 2 -> 1 -> 2 -> 1)."""
+can queue. The tests share one cluster; each first brings it to the replicas it starts from (two,
+all serving), so none depends on what another left behind."""
 
 from __future__ import annotations
 
@@ -44,6 +45,34 @@ def cluster(tiny_model, tmp_path_factory):
     ray.shutdown()
 
 
+def resize(cluster, n: int) -> None:
+    """Drain replicas (the newest first) or add new ones until `n` serve, and wait until each does
+    (a killed one is rebuilt by the router)."""
+    loop, router, _, factory = cluster
+
+    async def run():
+        while len(router.slots) > n:
+            victim = router.slots[-1].replica_id
+            await router.drain(victim)
+            factory.release(victim)
+        while len(router.slots) < n:
+            await router.add_replica(factory.make(router.next_replica_id))
+        for _ in range(480):
+            if all(slot.healthy for slot in router.slots):
+                return
+            await asyncio.sleep(0.25)
+        raise AssertionError("a replica did not come back")
+
+    loop.run_until_complete(run())
+
+
+@pytest.fixture
+def two(cluster):
+    """The cluster with two serving replicas."""
+    resize(cluster, 2)
+    return cluster
+
+
 def greedy(rid: str, prompt, adapter) -> GenerateRequest:
     return GenerateRequest(
         rid, tuple(prompt), SamplingSpec(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True), adapter
@@ -58,8 +87,8 @@ async def collect(router, req) -> tuple[list[int], str]:
     return ids, text
 
 
-def test_migrated_request_equals_unmigrated_run(cluster, oracle):
-    loop, router, adapters, _ = cluster
+def test_migrated_request_equals_unmigrated_run(two, oracle):
+    loop, router, adapters, _ = two
     prompt = oracle.tokenizer()("def handler(event, context):")["input_ids"]
     req = greedy("mig", prompt, adapters["a1"])
 
@@ -69,7 +98,8 @@ def test_migrated_request_equals_unmigrated_run(cluster, oracle):
         while "mig" not in router.requests or len(router.requests["mig"].generated) < 8:
             await asyncio.sleep(0.005)
         src = router.requests["mig"].slot.replica_id
-        assert await router.migrate("mig", 1 - src)
+        (dst,) = {slot.replica_id for slot in router.slots} - {src}
+        assert await router.migrate("mig", dst)
         return reference, await task
 
     reference, migrated = loop.run_until_complete(run())
@@ -78,8 +108,8 @@ def test_migrated_request_equals_unmigrated_run(cluster, oracle):
     assert migrated[1] == reference[1]  # the text stream continues seamlessly too
 
 
-def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(cluster, oracle):
-    loop, router, adapters, _ = cluster
+def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(two, oracle):
+    loop, router, adapters, _ = two
     tok = oracle.tokenizer()
     prompts = ["def parse(", "class Node:", "import re\n", "if x is None:", "with open(", "try:\n    "]
     names = ["a1", None, "a2", "a1", None, "a2"]
@@ -93,31 +123,38 @@ def test_queued_requests_move_to_the_idle_replica_and_keep_their_greedy_output(c
         reference = await asyncio.gather(
             *(collect(router, dataclasses.replace(r, request_id=f"ref-{r.request_id}")) for r in reqs)
         )
-        router.slot(1).healthy = False  # everything lands on replica 0, which runs two at a time
+        first, second = router.slots
+        second.healthy = False  # everything lands on the first replica, which runs two at a time
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
-        while sum(1 for st in router.requests.values() if st.generated) < MAX_NUM_SEQS:
+        # every request dispatched (to the first: the second is down) and two of them generating
+        while not (
+            all(r.request_id in router.requests and router.requests[r.request_id].slot for r in reqs)
+            and sum(1 for st in router.requests.values() if st.generated) >= MAX_NUM_SEQS
+        ):
             await asyncio.sleep(0.005)
         running = {rid for rid, st in router.requests.items() if st.generated}
-        router.slot(1).healthy = True  # ... until replica 1 comes back idle
+        second.healthy = True  # ... until the second comes back idle
         ticking = asyncio.create_task(balancer.run())
         outs = await asyncio.gather(*tasks)
         ticking.cancel()
-        return reference, running, outs
+        return reference, running, outs, (first.replica_id, second.replica_id)
 
     before = router.counters["migrations"]
-    reference, running, outs = loop.run_until_complete(run())
+    reference, running, outs, first_to_second = loop.run_until_complete(run())
     assert outs == reference  # token ids and text, as the undisturbed run gave them
     for r, n, (ids, _) in zip(reqs, names, outs):  # HF stops at EOS, the engine (ignore_eos) goes on
         expected = oracle.greedy(n, list(r.prompt_token_ids), N_TOKENS)
         assert ids[: len(expected)] == expected, r.request_id
-    moves = [m for rnd in balancer.rounds if rnd.trigger.reason == "queued" for m in rnd.plan.moves]
-    assert moves and all((src, dst) == (0, 1) for _, src, dst in moves)
-    assert not {rid for rid, _, _ in moves} & running  # only queued ones
+    rounds = [rnd.plan.moves for rnd in balancer.rounds if rnd.trigger.reason == "queued" and rnd.plan.moves]
+    # The first round moves queued requests to the idle replica; later ones may even out what the
+    # two replicas hold (on a loaded machine the first sometimes frees up first).
+    assert rounds and all((src, dst) == first_to_second for _, src, dst in rounds[0])
+    assert not {rid for moves in rounds for rid, _, _ in moves} & running  # only queued ones
     assert router.counters["migrations"] - before >= 1
 
 
-def test_killed_replica_actor_loses_no_stream(cluster, oracle):
-    loop, router, adapters, _ = cluster
+def test_killed_replica_actor_loses_no_stream(two, oracle):
+    loop, router, adapters, _ = two
     tok = oracle.tokenizer()
     prompts = ["import json\n", "while True:", "x = [", "return self."]
     reqs = [
@@ -178,26 +215,27 @@ async def busiest_once_streaming(router) -> int:
     return max(set(held), key=held.count)
 
 
-def test_draining_a_replica_moves_its_streams_token_exact(cluster, oracle):
-    loop, router, adapters, factory = cluster
+def test_draining_a_replica_moves_its_streams_token_exact(two, oracle):
+    loop, router, adapters, factory = two
     reqs = elastic_requests("d", oracle, adapters)
 
     async def run():
         tasks = [asyncio.create_task(collect(router, r)) for r in reqs]
         victim = await busiest_once_streaming(router)
+        (other,) = {slot.replica_id for slot in router.slots} - {victim}
         result = await router.drain(victim)
-        return victim, result, await asyncio.gather(*tasks)
+        return victim, other, result, await asyncio.gather(*tasks)
 
-    victim, result, outs = loop.run_until_complete(run())
+    victim, other, result, outs = loop.run_until_complete(run())
     factory.release(victim)
     assert_greedy(reqs, outs, oracle)
     assert result.moved >= 1 and result.forced == 0
-    assert [s.replica_id for s in router.slots] == [1 - victim]
+    assert [s.replica_id for s in router.slots] == [other]
 
 
 def test_a_replica_added_under_load_takes_requests_token_exact(cluster, oracle):
+    resize(cluster, 1)
     loop, router, adapters, factory = cluster
-    assert len(router.slots) == 1
     first, second = elastic_requests("o", oracle, adapters), elastic_requests("p", oracle, adapters)
     seen: set[int] = set()
 
@@ -219,8 +257,8 @@ def test_a_replica_added_under_load_takes_requests_token_exact(cluster, oracle):
     assert len(router.slots) == 2
 
 
-def test_a_replica_failing_during_its_drain_loses_no_stream(cluster, oracle):
-    loop, router, adapters, factory = cluster
+def test_a_replica_failing_during_its_drain_loses_no_stream(two, oracle):
+    loop, router, adapters, factory = two
     reqs = elastic_requests("f", oracle, adapters)
 
     async def run():

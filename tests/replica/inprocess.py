@@ -41,3 +41,28 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
         engine.llm_engine.engine_core.shutdown()
         lora_backend.install(before)
         mp.undo()
+
+
+class SharedEngine:
+    """An `inprocess_engine` that can stop and start again: what a session fixture shares between
+    modules (tests/schedule.py stops it after its last user and starts it again for a later one)."""
+
+    def __init__(self, tiny_model, scheduling: dict, **kwargs) -> None:
+        self._args = (tiny_model, scheduling)
+        self._kwargs = kwargs
+        self._context: contextlib.AbstractContextManager | None = None
+        self.llm = None
+
+    @property
+    def running(self) -> bool:
+        return self._context is not None
+
+    def start(self) -> SharedEngine:
+        self._context = inprocess_engine(*self._args, **self._kwargs)
+        self.llm = self._context.__enter__()
+        return self
+
+    def stop(self) -> None:
+        if self._context is not None:
+            context, self._context, self.llm = self._context, None, None
+            context.__exit__(None, None, None)

@@ -21,7 +21,6 @@ import pytest
 
 from dlora.engine_ext.inband import MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.engine_ext.weight_state import UNKNOWN, Restore, WeightsUnknown, split_reports, weights_after
-from tests.replica.inprocess import inprocess_engine
 from tests.replica.test_switching_engine import PROMPTS, lora, record_steps
 
 # ---- 1. reports through vLLM's output wrappers ------------------------------------------------
@@ -201,12 +200,10 @@ JOBS = [(a, p) for p in PROMPTS[:2] for a in (None, "a0", "a1")]
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    """One in-process engine (vLLM's LoRA ops, no mixing); the `merged` policy changes models every
-    step, so a merge or unmerge comes in the middle of most generations."""
-    with inprocess_engine(tiny_model, {"policy": "merged", "merged_max_iters": 1}) as engine:
-        yield engine
+@pytest.fixture
+def llm(merged_switching_engine):
+    """vLLM's LoRA ops, no mixing; the `merged` policy switching every step (tests/replica/conftest.py)."""
+    return merged_switching_engine.llm
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from dlora.engine_ext.inband import CMDS_ATTR
 from dlora.engine_ext.merge import read_adapter
 from dlora.engine_ext.step_trace import StepTrace
-from tests.replica.inprocess import inprocess_engine
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
@@ -25,12 +24,9 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    """One in-process engine with dlora's scheduler and worker extension; `merged` policy that
-    changes models every step (a merge or unmerge in the middle of most generations)."""
-    with inprocess_engine(tiny_model, {"policy": "merged", "merged_max_iters": 1}) as engine:
-        yield engine
+@pytest.fixture
+def llm(merged_switching_engine):
+    return merged_switching_engine.llm
 
 
 def lora(tiny_model, name):

@@ -18,7 +18,7 @@ from dlora.scheduling import (
     make_policy,
     policy_names,
 )
-from tests.scheduling.simlib import StepSim, linear_cost, req, reqs
+from tests.scheduling.simlib import StepSim, flat_cost, linear_cost, req, reqs
 
 
 def test_unmerged_allows_the_fcfs_batch():
@@ -83,14 +83,45 @@ def test_contract_holds_and_every_request_finishes(name, seed):
         assert any(d.mode is Mode.UNMERGED for _, d in sim.decisions)
 
 
-def test_dlora_is_deterministic():
-    def run():
-        sim = StepSim(DLoRAPolicy(BatchingConfig(max_batch=8)), 8, linear_cost(0.002, 0.001, 0.5))
-        random_workload(sim, 7)
-        sim.run_to_completion()
-        return [(t, d) for t, d in sim.decisions]
+def test_dlora_merges_the_hot_adapter_until_the_cold_one_starves_then_serves_it_first():
+    # Alg. 1 and Alg. 3 alone (the merge planner off), worked by hand. max_batch 4, every step
+    # 0.5 s, switches free. At t=0: c0 (adapter C, 1 token) and h0..h3 (H, 4 tokens each);
+    # c0 sorts first, so B_fcfs = [c0, h0, h1, h2]. Credits start at 1.0, relax 0.25 per step.
+    # alpha and beta stay put: Alg. 2 would tune them only at a period's end (32 steps, or a
+    # change of mode or candidate among the steps it samples; the starvation step is not one).
+    #   t=0.0  H: ratio 4/4 = 1.0 > alpha 0.7, eligible (no step yet: cost 0) -> MERGE H, h0..h3;
+    #          c0 is in B_fcfs but left out: H owes C the step.
+    #   t=0.5  settle: C 1.0+0.5 = 1.5 (held back: no relax); H 1.0-0.5 = 0.5, relaxed to 0.75.
+    #          H eligible: 0.75 - 0.5 x 1 receiver = 0.25 >= 0; ratio 1.0 >= beta 0.3 -> stay.
+    #   t=1.0  C 2.0 (not > t_starve 2.0); H 0.75-0.5 = 0.25, relaxed to 0.5; eligible:
+    #          0.5 - 0.5 = 0 >= min_credit_to_merge 0 -> stay.
+    #   t=1.5  C 2.5 > 2.0: starving; H 0.0 -> 0.25, no longer eligible (0.25 - 0.5 < 0), so
+    #          Alg. 1 unmerges and the starvation step runs B_starve = [c0] filled FCFS with
+    #          h0..h2 (no hot adapter to leave out); C pays H for h3, now held back. c0 and
+    #          h0..h2 finish (h0..h2's fourth token); h3 has 3 of 4.
+    #   t=2.0  settle: H 0.25+0.5 = 0.75 (held back: no relax); C 2.5-0.5 = 2.0, relaxed 1.75,
+    #          still starving (hysteresis: normal only below t_normal 1.5). Only h3 is left:
+    #          ratio 1/1 > alpha, nobody held back -> MERGE H again; h3 finishes at 2.5.
+    cfg = BatchingConfig(max_batch=4, alpha=0.7, beta=0.3, merge_planner=False)
+    sim = StepSim(DLoRAPolicy(cfg), 4, flat_cost(0.5), switch_time=0.0)
+    cold = sim.add("c0", "C", 0.0, 1)
+    hot = [sim.add(f"h{i}", "H", 0.0, 4) for i in range(4)]
+    sim.run_to_completion()
 
-    assert run() == run()
+    h4 = ("h0", "h1", "h2", "h3")
+    merged, unmerged = (Mode.MERGED, "H"), (Mode.UNMERGED, None)
+    assert [(t, d.mode, d.merged_adapter, d.switch, d.allowed_req_ids) for t, d in sim.decisions] == [
+        (0.0, *merged, Switch.MERGE, h4),
+        (0.5, *merged, Switch.NONE, h4),
+        (1.0, *merged, Switch.NONE, h4),
+        (1.5, *unmerged, Switch.UNMERGE, ("c0", "h0", "h1", "h2")),
+        (2.0, *merged, Switch.MERGE, ("h3",)),
+    ]
+    # c0 waited three 0.5 s steps: t_starve - initial_credit plus the step that crossed it.
+    assert (cold.held_back_at_first, cold.finished_at) == (1.5, 2.0)
+    assert [r.finished_at for r in hot] == [2.0, 2.0, 2.0, 2.5]
+    state = sim.policy.snapshot()
+    assert (state.num_switches, state.credits, state.starving) == (3, {"C": 1.75, "H": 0.75}, {"C"})
 
 
 def test_no_requests_gives_an_empty_decision_and_keeps_the_mode():

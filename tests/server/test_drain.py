@@ -1,5 +1,7 @@
-"""SIGTERM/SIGINT drain a real server: /health and new requests get 503, running streams finish with
-[DONE] (or, at server.drain_timeout_s, an error event and [DONE]), then the process exits."""
+"""SIGTERM/SIGINT drain a `dlora serve` process: /health and new requests get 503, running streams
+finish with [DONE] (or, at server.drain_timeout_s, an error event and [DONE]), then the process
+exits. The drain is the HTTP layer's: the deadline and second-signal cases run over toy replicas
+(tests/toy_serve.py, the real app, uvicorn and signal handling), the graceful drain on real engines."""
 
 from __future__ import annotations
 
@@ -67,11 +69,11 @@ class Stream:
 def launch(tiny_model, tmp_path):
     servers = []
 
-    def start(drain_timeout_s: float) -> harness.ServerProcess:
+    def start(drain_timeout_s: float, toy: bool = False) -> harness.ServerProcess:
         cfg = harness.tiny_config(
             tiny_model, tmp_path / "state", harness.free_port(), **{"server.drain_timeout_s": drain_timeout_s}
         )
-        servers.append(harness.launch(tmp_path, cfg))
+        servers.append(harness.launch(tmp_path, cfg, toy=toy))
         return servers[-1]
 
     yield start
@@ -94,13 +96,20 @@ def wait_exit(server: harness.ServerProcess, timeout_s: float) -> int:
     return server.proc.wait(timeout=timeout_s)
 
 
+def wait_draining(server: harness.ServerProcess) -> httpx.Response:
+    """/health once it says draining (the signal handler runs on the server's next loop turn)."""
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{server.url}/health", timeout=10)).status_code != 503:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.02)
+    return health
+
+
 def test_sigterm_lets_running_streams_finish_and_refuses_new_work(launch):
     server = launch(drain_timeout_s=120)
     streams = start_streams(server.url)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)  # the handler runs on the server's next loop turn
-
-    health = httpx.get(f"{server.url}/health", timeout=10)
+    health = wait_draining(server)
     refused = httpx.post(
         f"{server.url}/v1/completions", timeout=10, json={"model": "tiny-base", "prompt": "x", "max_tokens": 2}
     )
@@ -132,7 +141,7 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(launch):
 
 
 def test_streams_still_running_at_the_drain_deadline_end_with_an_error_then_done(launch):
-    server = launch(drain_timeout_s=1)
+    server = launch(drain_timeout_s=1, toy=True)
     streams = start_streams(server.url)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -153,10 +162,10 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_then_done
 
 
 def test_a_second_signal_during_the_drain_stops_at_once(launch):
-    server = launch(drain_timeout_s=120)
+    server = launch(drain_timeout_s=120, toy=True)
     streams = start_streams(server.url)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    wait_draining(server)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGINT)
     for s in streams:

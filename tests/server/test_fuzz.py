@@ -8,8 +8,9 @@ answer within a bound and never with a 5xx; an error is OpenAI-shaped JSON showi
 internals, and a 200 stream ends with `data: [DONE]`. Afterwards /health answers at once and a
 greedy request returns the very tokens it returned before the fuzzing.
 
-Runs are reproducible (derandomize, no example database) and bounded twice: by max_examples and
-by a wall-clock budget per test, past which the remaining examples are skipped.
+Runs are reproducible (derandomize, no example database) and run a fixed number of examples. Each
+exchange has a generous hang guard: an answer (a whole stream included) that takes longer fails the
+test; there is no speed bound.
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ from hypothesis import strategies as st
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SCHEMA_NAMES = {COMPLETIONS: "CompletionRequest", CHAT: "ChatCompletionRequest"}
 MODELS = ["a0", "a1", "a2", "tiny-base"]
-REQUEST_BOUND_S = 30.0  # a request (a whole stream included) must be answered within this
-SCHEMA_BUDGET_S = 20.0  # wall clock per endpoint for the schema-driven bodies
-RAW_BUDGET_S = 10.0
-# Past its budget a test still draws its remaining examples (see below): these caps bound that too.
-SCHEMA_EXAMPLES = 400
-RAW_EXAMPLES = 600
+# The hang guard: no answer of the tiny server (at most 512 tokens) comes near this on a busy 2-core
+# machine; a request still unanswered after it is stuck.
+HANG_GUARD_S = 120.0
+SCHEMA_EXAMPLES = 100  # per endpoint
+RAW_EXAMPLES = 200
 # Server internals a client must never see: Python tracebacks and paths, Ray and its actors.
 LEAKS = re.compile(r'Traceback|File "|\.py\b|\bray\b|\bactor|ActorID', re.IGNORECASE)
 GREEDY = {
@@ -450,7 +450,7 @@ def assert_sane(answer: Answer, request: bytes) -> None:
         f"status {answer.status} after {answer.seconds:.1f}s; body sent: {request[:2000]!r}; "
         f"answer: {answer.text[:2000]!r}"
     )
-    assert answer.seconds < REQUEST_BOUND_S, where
+    assert answer.seconds < HANG_GUARD_S, where
     assert answer.status < 500, where
     if answer.events:
         assert answer.status == 200 and answer.events[-1] == "data: [DONE]", where
@@ -477,8 +477,8 @@ def assert_sane(answer: Answer, request: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def client(tiny_server):
-    # The read timeout is the hang detector: a stream that goes quiet that long is stuck.
-    with httpx.Client(base_url=tiny_server.url, timeout=httpx.Timeout(REQUEST_BOUND_S, connect=5)) as c:
+    # The read timeout is the hang guard for a stream that goes quiet.
+    with httpx.Client(base_url=tiny_server.url, timeout=httpx.Timeout(HANG_GUARD_S, connect=5)) as c:
         yield c
 
 
@@ -507,42 +507,20 @@ def greedy_answers(client: httpx.Client) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def before_fuzzing(client) -> dict[str, tuple[str, list[int]]]:
-    return greedy_answers(client)
-
-
-@dataclass
-class Budget:
-    """A wall-clock allowance for one test's examples. Once an example fails it no longer applies,
-    so that Hypothesis can replay and shrink the failure."""
-
-    seconds: float
-    started: float | None = None
-    failed: bool = False
-
-    def spent(self) -> bool:
-        if self.started is None:
-            self.started = time.monotonic()
-        return not self.failed and time.monotonic() - self.started > self.seconds
-
-    def check(self, fn, *args) -> None:
-        try:
-            fn(*args)
-        except BaseException:
-            self.failed = True
-            raise
-
-
 def exchange(client: httpx.Client, path: str, body: bytes, content_type: str | None) -> None:
-    note(f"POST {path} content-type={content_type!r} body={body[:4000]!r}")
     try:
         answer = send(client, path, body, content_type)
     except httpx.TimeoutException as e:
         raise AssertionError(
-            f"no answer within {REQUEST_BOUND_S}s ({type(e).__name__}); body sent: {body[:2000]!r}"
+            f"no answer within {HANG_GUARD_S}s ({type(e).__name__}); body sent: {body[:2000]!r}"
         ) from e
     assert_sane(answer, body)
+
+
+def noted_exchange(client: httpx.Client, path: str, body: bytes, content_type: str | None) -> None:
+    """`exchange`, with what was sent in Hypothesis's report of a failing example."""
+    note(f"POST {path} content-type={content_type!r} body={body[:4000]!r}")
+    exchange(client, path, body, content_type)
 
 
 FUZZ_SETTINGS = dict(
@@ -551,52 +529,64 @@ FUZZ_SETTINGS = dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# The tests: in this order (the last compares with what the first fixture saw)
+# The tests
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @settings(max_examples=SCHEMA_EXAMPLES, **FUZZ_SETTINGS)
 @given(data=st.data())
-def test_bodies_from_the_schema_and_mutated_never_get_a_5xx(client, openapi, before_fuzzing, budget_schema, path, data):
-    # Drawn whether or not the budget is spent: Hypothesis requires the same draws for the same choices.
+def test_bodies_from_the_schema_and_mutated_never_get_a_5xx(client, openapi, path, data):
     body, _ = data.draw(request_bodies(openapi, path), label="body")
-    if budget_schema.spent():
-        return
-    budget_schema.check(exchange, client, path, render(body), "application/json")
+    noted_exchange(client, path, render(body), "application/json")
 
 
-@settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
-@given(request=raw_requests())
-# Bodies that once got a 500, run every time.
-@example(
-    request=(
+# Bodies that once got a 500: run by the raw fuzzer every time, and before the unharmed-server check.
+ONCE_GOT_A_500 = [
+    (
         CHAT,
         b'{"model": "a0", "messages": [{"role": "system", "content": [{"type": "text", "text": null}]}], '
         b'"max_tokens": 1}',
         "application/json",
-    )
-)
-@example(
-    request=(
+    ),
+    (
         CHAT,
         b'{"model": "a0", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], '
         b'"max_tokens": 1, "stream": true}',
         "application/json",
-    )
-)
-def test_raw_bytes_and_wrong_content_types_never_get_a_5xx(client, before_fuzzing, budget_raw, request):
-    if budget_raw.spent():
-        return
-    budget_raw.check(exchange, client, *request)
+    ),
+]
+# What the unharmed-server check sends between its two greedy requests: the shapes the fuzzers
+# draw from, one of each (a test of its own, so it needs no other test to have run first).
+HOSTILE = [
+    *ONCE_GOT_A_500,
+    (COMPLETIONS, b"\xff\xfe\xfd", "application/json"),
+    (COMPLETIONS, b"[" * 100_000, "application/json"),
+    (CHAT, b'{"a":' * 50_000, "application/json"),
+    (COMPLETIONS, VALID_RAW[COMPLETIONS], "text/plain"),
+    (COMPLETIONS, b'{"model": "a0", "prompt": "hi", "max_tokens": 1e999}', "application/json"),
+    (COMPLETIONS, b'{"model": "a1", "prompt": "\\ud800", "max_tokens": 2, "stream": true}', "application/json"),
+    (CHAT, b'{"model": "a2", "messages": [], "max_tokens": -1, "n": NaN}', "application/json"),
+    (COMPLETIONS, b'{"model": "a0", "prompt": "hi", "max_tokens": 4, "stream": true, "n": 2}', "application/json"),
+]
 
 
-def test_the_server_is_unharmed_after_fuzzing(tiny_server, client, before_fuzzing):
-    t0 = time.monotonic()
-    r = httpx.get(f"{tiny_server.url}/health", timeout=1)
-    assert r.status_code == 200 and time.monotonic() - t0 < 1, r.text
-    assert greedy_answers(client) == before_fuzzing
+@settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
+@given(request=raw_requests())
+@example(request=ONCE_GOT_A_500[0])
+@example(request=ONCE_GOT_A_500[1])
+def test_raw_bytes_and_wrong_content_types_never_get_a_5xx(client, request):
+    noted_exchange(client, *request)
+
+
+def test_the_server_is_unharmed_by_hostile_bodies(tiny_server, client):
+    before = greedy_answers(client)
+    for request in HOSTILE:
+        exchange(client, *request)
+    r = httpx.get(f"{tiny_server.url}/health", timeout=30)
+    assert r.status_code == 200, r.text
+    assert greedy_answers(client) == before
     # Every admitted completion was released once answered (a leak would end in 429s for everyone).
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while (in_flight := admitted(client)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert in_flight == 0
@@ -607,13 +597,3 @@ def admitted(client: httpx.Client) -> float:
         if line.startswith("dlora_admitted_completions "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("/metrics has no dlora_admitted_completions")
-
-
-@pytest.fixture
-def budget_schema() -> Budget:
-    return Budget(SCHEMA_BUDGET_S)
-
-
-@pytest.fixture
-def budget_raw() -> Budget:
-    return Budget(RAW_BUDGET_S)

@@ -1,12 +1,15 @@
-"""A client sending what a well-behaved one never would, against one real server with an API key:
-every bad value is a 400 (401, 404) in OpenAI's shape naming the field, streamed or not, never a
-500, a 200 stream ending in an error, or a traceback; and the server still answers promptly."""
+"""A client sending what a well-behaved one never would, against a server with an API key: every bad
+value is a 400 (401, 404) in OpenAI's shape naming the field, streamed or not, never a 500, a 200
+stream ending in an error, or a traceback; and the server still answers afterwards.
+
+Every check here happens before a request reaches a replica, so the server runs over toy replicas
+(tests/toy_serve.py: the real app, config and tokenizer, no engine). The same kinds of bad request
+against a real engine: test_openai_api.py, test_validation.py and the fuzzer (test_fuzz.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from dlora.config import ServerConfig
 from tests import harness
 
-pytestmark = pytest.mark.engine  # a `dlora serve` process
+pytestmark = pytest.mark.engine  # a `dlora serve` process (over toy replicas)
 
 API_KEY = "sk-test-tenant"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,7 +33,9 @@ def server(tiny_model, tmp_path_factory):
     """Default validation settings (no client priority, no request templates) plus an API key."""
     tmp = tmp_path_factory.mktemp("hostile")
     srv = harness.launch(
-        tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{"server.api_key": API_KEY})
+        tmp,
+        harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{"server.api_key": API_KEY}),
+        toy=True,
     )
     yield srv
     srv.stop()
@@ -139,7 +144,9 @@ CASES = [(path, name, *case) for path in (COMPLETIONS, CHAT) for name, case in S
 
 
 @pytest.mark.parametrize(
-    "path, name, fields, replace, param", CASES, ids=[f"{c[0].split('/')[-1]}-{c[1]}" for c in CASES]
+    "path, name, fields, replace, param",
+    CASES,
+    ids=[f"{'chat' if c[0] == CHAT else 'completions'}-{c[1]}" for c in CASES],
 )
 def test_bad_values_are_400s_naming_the_field_streamed_or_not(server, path, name, fields, replace, param):
     for stream in (False, True):
@@ -193,18 +200,18 @@ def test_the_api_key_guards_the_inference_routes(server):
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
 
 
-def test_good_requests_still_answer_promptly_after_the_hostile_ones(server):
-    """Runs after the cases above (file order): nothing they sent left the server stuck."""
-    t0 = time.monotonic()
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+def test_good_requests_still_answer_after_hostile_ones(server):
+    for path, name, fields, replace, _ in CASES[:: len(CASES) // 8]:  # a few of the cases above first
+        for stream in (False, True):
+            body = base(path) | fields | {"stream": stream}
+            assert post(server.url, path, raw_body(body, replace)).status_code == 400, name
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
     r = post(server.url, COMPLETIONS, raw_body(base(COMPLETIONS) | {"temperature": 0}))
     assert r.status_code == 200, r.text
-    assert time.monotonic() - t0 < 5.0
     assert r.headers["x-request-id"] == r.json()["id"]
-    r = post(server.url, CHAT, raw_body(base(CHAT) | {"temperature": 0, "logprobs": True, "top_logprobs": 20}))
+    r = post(server.url, CHAT, raw_body(base(CHAT) | {"temperature": 0}))
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == r.json()["id"]
-    assert all(lp["logprob"] <= 0 for lp in r.json()["choices"][0]["logprobs"]["content"])
     with httpx.stream(
         "POST", f"{server.url}{CHAT}", headers=AUTH, timeout=60, json=base(CHAT) | {"stream": True, "temperature": 0}
     ) as s:

@@ -2,8 +2,9 @@
 
 Greedy token ids alone cannot show an error smaller than the top-2 margin; logprobs show it at
 every position. The server runs configs/default.yaml (SmolLM2-135M-Instruct, the einsum LoRA
-backend) with one replica, in three variants, one after the other: fp32 unmerged, fp32 merged
-(every adapter request runs on weights with the adapter folded in), and bf16 unmerged.
+backend) with one replica, in three variants, one after the other: fp32 as shipped (the shared
+shipped-config server, whose dlora policy runs merged and unmerged steps), fp32 merged (every
+adapter request runs on weights with the adapter folded in), and bf16 unmerged.
 
 The oracle is HF transformers (+ PEFT) in fp32, scoring the served path: one forward pass over the
 prompt and the served tokens gives the logits every served token was chosen from, so positions
@@ -21,7 +22,9 @@ import pytest
 from tests import harness
 from tests.oracle import ShippedOracle, greedy_choice_errors, shipped_config, token_pieces, top_k_errors
 
-pytestmark = pytest.mark.engine  # `dlora serve` processes
+# `dlora serve` processes of the shipped config: in the shared server's group, so that no two of them
+# (about 13 GiB each) ever run at the same time
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("shipped_server")]
 
 PROMPTS = (
     "What is the capital of France?",
@@ -51,8 +54,8 @@ BF16_TOP1_TOL = 0.5  # the chosen token's logprob
 BF16_TIE = 0.5  # two logits closer than 4 bf16 steps at magnitude 16-32 are a tie for bf16
 BF16_MIN_OVERLAP = TOP_K - 1  # of HF's top-k, at most one may be swapped for its runner-up
 
+SHARED_VARIANT = "fp32-shipped"  # the shared shipped-config server (dlora policy)
 VARIANTS = {
-    "fp32-unmerged": ("float32", {"policy": "unmerged"}),
     "fp32-merged": ("float32", {"policy": "merged"}),
     "bf16-unmerged": ("bfloat16", {"policy": "unmerged"}),
 }
@@ -139,9 +142,7 @@ def check_bf16(oracle, model, prompt_ids, choice) -> float:
     return worst
 
 
-@pytest.mark.parametrize("model", MODELS, ids=["base", *MODELS[1:]])
-def test_top_k_logprobs_equal_hf_peft(served, oracle, model):
-    variant, server = served
+def check_top_k(variant, server, oracle, model):
     check = check_bf16 if variant.startswith("bf16") else check_fp32
     positions, worst = 0, 0.0
     for prompt in PROMPTS:
@@ -154,11 +155,25 @@ def test_top_k_logprobs_equal_hf_peft(served, oracle, model):
     assert positions >= len(PROMPTS) * 8, positions  # answers long enough to compare something
 
 
-def test_merged_variant_really_merged(served):
-    """The merged variant's adapter requests ran merged: one merge per adapter at least."""
-    variant, server = served
+def check_merges(variant, server):
+    """The merged variant's adapter requests ran merged (one merge per adapter at least); the
+    unmerged one never merged."""
     merges = metric(server.url, "dlora_switch_seconds_count", replica="0", op="merge")
     if variant == "fp32-merged":
         assert merges is not None and merges >= len(MODELS) - 1, merges
     else:
-        assert not merges, merges
+        assert variant == "bf16-unmerged" and not merges, merges
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["base", *MODELS[1:]])
+def test_top_k_logprobs_equal_hf_peft(served, oracle, model):
+    check_top_k(*served, oracle, model)
+
+
+def test_merged_variant_really_merged(served):
+    check_merges(*served)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["base", *MODELS[1:]])
+def test_top_k_logprobs_equal_hf_peft_as_shipped(shipped_server, oracle, model):
+    check_top_k(SHARED_VARIANT, shipped_server, oracle, model)

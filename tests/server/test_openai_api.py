@@ -116,6 +116,49 @@ def test_chat_stream_reassembles_and_matches_hf(tiny_server, oracle):
     assert text == whole["choices"][0]["message"]["content"]
 
 
+def test_streamed_n_2_sends_both_indices_each_to_its_finish(tiny_server):
+    body = {"model": "a0", "prompt": PROMPTS[1], "max_tokens": 9, "n": 2, "temperature": 2.0, "seed": 3}
+    whole = complete(tiny_server.url, **body)["choices"]
+    chunks = sse_events(tiny_server.url, "/v1/completions", body | {"stream": True})
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+            finishes[choice["index"]].append(choice["finish_reason"])
+    assert texts == {c["index"]: c["text"] for c in whole}  # each index its own seeded sample
+    for index in (0, 1):  # one finish per index, on its last chunk
+        assert finishes[index][-1] == "length" and set(finishes[index][:-1]) <= {None}, finishes
+
+
+def test_chat_stream_include_usage_ends_with_a_usage_chunk(tiny_server):
+    body = {"model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0}
+    whole = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body, timeout=120).json()
+    chunks = sse_events(
+        tiny_server.url, "/v1/chat/completions", body | {"stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert whole["usage"]["completion_tokens"] == 7
+    assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 7
+    assert all(c.get("usage") is None for c in chunks[:-1])  # only the last chunk carries it
+    plain = sse_events(tiny_server.url, "/v1/chat/completions", body | {"stream": True})
+    assert all(c.get("usage") is None for c in plain)
+
+
+def test_a_prompt_at_the_context_limit_is_served_and_one_token_more_is_400(tiny_server):
+    max_model_len, max_tokens = 512, 8  # tests/harness.tiny_config
+    fits = [11] * (max_model_len - max_tokens)
+    choice = complete(tiny_server.url, model="a2", prompt=fits, max_tokens=max_tokens, ignore_eos=True)["choices"][0]
+    assert len(choice["token_ids"]) == max_tokens and choice["finish_reason"] == "length"
+    r = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        json={"model": "a2", "prompt": [*fits, 11], "max_tokens": max_tokens, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and "512" in err["message"], err
+
+
 def test_n_seed_logprobs_and_stop(tiny_server):
     url = tiny_server.url
     # The tiny model's logits are very peaked (decisive greedy tests), so sample hot to see variety.

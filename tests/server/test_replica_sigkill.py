@@ -1,5 +1,7 @@
-"""A replica's process SIGKILLed in the middle of several streams on a two-replica server: every
-stream completes with exactly the tokens of an undisturbed run (the router resubmits the lost ones)."""
+"""A replica's process SIGKILLed in the middle of several streams on the shared two-replica server
+(tests/conftest.py): every stream completes with exactly the tokens of an undisturbed run (the
+router resubmits the lost ones), and the test ends once the rebuilt replica serves again, so the
+server's later users find it as it was."""
 
 from __future__ import annotations
 
@@ -15,23 +17,10 @@ import pytest
 
 from tests import harness
 
-pytestmark = pytest.mark.engine  # a `dlora serve` process
+pytestmark = pytest.mark.engine  # the shared two-replica `dlora serve` process
 
 MAX_TOKENS = 400  # long enough that no stream ends before every stream is under way
 JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
-
-
-@pytest.fixture
-def two_replica_server(tiny_model, tmp_path):
-    cfg = harness.tiny_config(
-        tiny_model,
-        tmp_path / "state",
-        harness.free_port(),
-        **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
-    )
-    server = harness.launch(tmp_path, cfg)
-    yield server
-    server.stop()
 
 
 def _children() -> dict[int, list[int]]:
@@ -145,3 +134,14 @@ def test_sigkilled_replica_process_loses_no_token(two_replica_server):
     # the kill did hit streams, which moved to the other replica
     assert resubmissions(url) > before, f"routed requests at the kill: {at_kill}"
     assert time.monotonic() - t0 < 240
+    serving_again(url)
+
+
+def serving_again(url: str) -> None:
+    """Wait until both replicas serve (the killed one is rebuilt) and the balancer has read their
+    stats twice since, so that the measurements of the disturbed run are in /metrics."""
+    deadline = time.monotonic() + 300
+    while httpx.get(f"{url}/health", timeout=30).json().get("replicas_healthy") != 2:
+        assert time.monotonic() < deadline, "the killed replica was not rebuilt"
+        time.sleep(0.5)
+    harness.wait_for_fresh_stats(url)

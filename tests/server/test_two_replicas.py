@@ -8,32 +8,11 @@ import time
 import httpx
 import pytest
 
-from tests import harness
+from tests.harness import TWO_REPLICA_KV_BLOCKS as KV_BLOCKS
 
-pytestmark = pytest.mark.engine  # a two-replica `dlora serve` process
+pytestmark = pytest.mark.engine  # the shared two-replica `dlora serve` process (tests/conftest.py)
 
-KV_BLOCKS = 40  # engine.num_kv_blocks: each replica's KV cache, in blocks (vLLM's num_gpu_blocks_override)
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
-
-
-@pytest.fixture(scope="module")
-def two_replica_server(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("two")
-    cfg = harness.tiny_config(
-        tiny_model,
-        tmp / "state",
-        harness.free_port(),
-        **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
-    )
-    cfg["engine"]["num_kv_blocks"] = KV_BLOCKS
-    # Every adapter pinned, so each is on both replicas from the start (unpinned ones would start on
-    # one and spread by demand: tests/server/test_placement.py); pins need max_loras + 3 host entries.
-    cfg["engine"]["max_cpu_loras"] = 5
-    for adapter in cfg["adapters"]:
-        adapter["pinned"] = True
-    server = harness.launch(tmp, cfg)
-    yield server
-    server.stop()
 
 
 def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
@@ -45,6 +24,7 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
         "replicas_given_up": [],
     }
     jobs = [(m, p) for m in ["tiny-base", "a0", "a1", "a2"] for p in PROMPTS]
+    resubmitted_before = resubmissions(httpx.get(f"{url}/metrics").text)
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as c:
@@ -76,7 +56,8 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     assert capacity.keys() == {"0", "1"} and capacity["0"] == capacity["1"] > 0  # same engine config
     block = capacity["0"] / KV_BLOCKS  # the engine allocated exactly engine.num_kv_blocks blocks
     assert block in (16, 32, 64, 128), capacity
-    assert "dlora_migrations_total" in text and "dlora_request_resubmissions_total 0.0" in text
+    assert "dlora_migrations_total" in text
+    assert resubmissions(text) == resubmitted_before  # no replica failed under this batch
     listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters").json()["data"]}
     assert listed["a1"]["resident_on"] == [0, 1]  # the registry is cluster-wide
 
@@ -97,6 +78,11 @@ def _histograms(url: str) -> dict[str, float]:
         for part in ("count", "sum")
         for h in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")
     }
+
+
+def resubmissions(metrics_text: str) -> float:
+    (line,) = [line for line in metrics_text.splitlines() if line.startswith("dlora_request_resubmissions_total ")]
+    return float(line.split()[1])
 
 
 def test_queue_time_is_observed_once_per_request_and_is_part_of_its_ttft(two_replica_server):

@@ -12,12 +12,12 @@ from tests import fast_lane, harness, schedule
 from tests.oracle import HFOracle
 
 ADMIN_TOKEN = "test-admin-token"
-# Session fixtures that start a server or engine, shared across modules: a test using one is marked
-# `engine` (tests/fast_lane.py) and runs in that fixture's group (tests/schedule.py).
+# Fixtures that start a server or engine once for the whole run, shared across modules: a test using
+# one is marked `engine` (tests/fast_lane.py) and runs in that fixture's group (tests/schedule.py).
 ENGINE_FIXTURES = frozenset(
     {"tiny_server", "shipped_server", "einsum_server", "two_replica_server", "merged_switching_engine"}
 )
-# Session fixtures that start nothing but cost enough that the tests using them share a worker.
+# Run-wide fixtures that start nothing but cost enough that the tests using them share a worker.
 COSTLY_FIXTURES = frozenset({"smollm2_cache", "fresh_tiny_root"})
 _fast_lane_patches = pytest.MonkeyPatch()
 

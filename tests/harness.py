@@ -41,11 +41,18 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
+def metric(url: str, series: str) -> float:
+    """The value of one series in the server's /metrics: a name, or a name with its labels as
+    rendered (`dlora_admission_refused_total{reason="overloaded"}`)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(series + " ") or line.startswith(series + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(series)
+
+
 def stats_reads(url: str) -> float:
-    """dlora_replica_stats_reads_total: rounds of replica stats the server's balancer has read."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    (line,) = [line for line in text.splitlines() if line.startswith("dlora_replica_stats_reads_total ")]
-    return float(line.split()[1])
+    """Rounds of replica stats the server's balancer has read."""
+    return metric(url, "dlora_replica_stats_reads_total")
 
 
 def wait_for_fresh_stats(url: str, timeout_s: float = 60) -> None:

@@ -28,7 +28,7 @@ GROUP_MARK = "xdist_group"
 
 
 class SharedServers:
-    """The session-scoped servers and in-process engines of this process, by fixture name: anything
+    """The run-wide servers and in-process engines of this process, by fixture name: anything
     with `running`, `start()` and `stop()` (harness.ServerProcess, replica/inprocess.SharedEngine)."""
 
     def __init__(self) -> None:

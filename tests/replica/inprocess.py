@@ -44,7 +44,7 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
 
 
 class SharedEngine:
-    """An `inprocess_engine` that can stop and start again: what a session fixture shares between
+    """An `inprocess_engine` that can stop and start again: what a run-wide fixture shares between
     modules (tests/schedule.py stops it after its last user and starts it again for a later one)."""
 
     def __init__(self, tiny_model, scheduling: dict, **kwargs) -> None:

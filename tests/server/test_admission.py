@@ -68,13 +68,6 @@ def timed_get(url: str) -> float:
     return time.monotonic() - t0
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
 def test_a_body_over_the_limit_is_refused_with_413(server):
     url = f"{server.url}/v1/completions"
     big = {"model": "tiny-base", "prompt": "x" * (MAX_BODY + 10), "max_tokens": 1}
@@ -101,7 +94,7 @@ def test_a_fanout_over_the_cap_is_refused_at_once(server):
     assert_openai_error(httpx.post(f"{server.url}/v1/completions", json=many, timeout=30), 400, "prompt")
     chat = {"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES + 1}
     assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30), 400, "n")
-    assert metric(server.url, "dlora_admitted_completions") == 0  # refused before any was admitted
+    assert harness.metric(server.url, "dlora_admitted_completions") == 0  # refused before any was admitted
 
 
 def stream_lines(url: str, body: dict, lines: list, started: threading.Event) -> None:
@@ -133,7 +126,7 @@ def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(
     for _ in range(5):
         assert timed_get(f"{url}/health") < 5.0
         assert timed_get(f"{url}/metrics") < 5.0
-    assert metric(url, "dlora_admitted_completions") == MAX_CHOICES
+    assert harness.metric(url, "dlora_admitted_completions") == MAX_CHOICES
 
     # 256 + 8 > 260: refused whole, up front, with a hint when to retry
     r = httpx.post(
@@ -141,7 +134,7 @@ def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(
     )
     err = assert_openai_error(r, 429)
     assert r.headers["retry-after"] == "1" and "server.max_pending_requests" in err["message"]
-    assert metric(url, 'dlora_admission_refused_total{reason="overloaded"}') >= 1
+    assert harness.metric(url, 'dlora_admission_refused_total{reason="overloaded"}') >= 1
 
     # the stream passes its deadline: an OpenAI error chunk, then [DONE]
     reader.join(DEADLINE_S + 30)
@@ -160,10 +153,10 @@ def test_under_a_request_at_the_cap_the_server_answers_and_the_deadline_ends_it(
 
     # the engine's work was stopped, not left to run for minutes
     deadline = time.monotonic() + 15
-    while metric(url, "dlora_replica_unfinished_requests") > 0:
+    while harness.metric(url, "dlora_replica_unfinished_requests") > 0:
         assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
         time.sleep(0.25)
-    assert metric(url, "dlora_admitted_completions") == 0
+    assert harness.metric(url, "dlora_admitted_completions") == 0
     r = httpx.post(
         f"{url}/v1/completions", json={"model": "tiny-base", "prompt": "hi", "n": 8, "max_tokens": 2}, timeout=60
     )

@@ -82,10 +82,7 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, p
 
 
 def resubmissions(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return next(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("dlora_request_resubmissions_total ")
-    )
+    return harness.metric(url, "dlora_request_resubmissions_total")
 
 
 async def routed(client: httpx.AsyncClient, url: str) -> dict[str, float]:

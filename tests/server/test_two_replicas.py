@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.harness import TWO_REPLICA_KV_BLOCKS as KV_BLOCKS
+from tests.harness import metric
 
 pytestmark = pytest.mark.engine  # the shared two-replica `dlora serve` process (tests/conftest.py)
 
@@ -24,7 +25,7 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
         "replicas_given_up": [],
     }
     jobs = [(m, p) for m in ["tiny-base", "a0", "a1", "a2"] for p in PROMPTS]
-    resubmitted_before = resubmissions(httpx.get(f"{url}/metrics").text)
+    resubmitted_before = metric(url, "dlora_request_resubmissions_total")
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as c:
@@ -57,7 +58,7 @@ def test_mixed_batch_over_two_replicas_equals_hf(two_replica_server, oracle):
     block = capacity["0"] / KV_BLOCKS  # the engine allocated exactly engine.num_kv_blocks blocks
     assert block in (16, 32, 64, 128), capacity
     assert "dlora_migrations_total" in text
-    assert resubmissions(text) == resubmitted_before  # no replica failed under this batch
+    assert metric(url, "dlora_request_resubmissions_total") == resubmitted_before  # no replica failed meanwhile
     listed = {a["name"]: a for a in httpx.get(f"{url}/v1/adapters").json()["data"]}
     assert listed["a1"]["resident_on"] == [0, 1]  # the registry is cluster-wide
 
@@ -78,11 +79,6 @@ def _histograms(url: str) -> dict[str, float]:
         for part in ("count", "sum")
         for h in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")
     }
-
-
-def resubmissions(metrics_text: str) -> float:
-    (line,) = [line for line in metrics_text.splitlines() if line.startswith("dlora_request_resubmissions_total ")]
-    return float(line.split()[1])
 
 
 def test_queue_time_is_observed_once_per_request_and_is_part_of_its_ttft(two_replica_server):

@@ -69,6 +69,15 @@ def oracle(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def shipped_oracle():
+    """HF + PEFT in fp32 on the shipped model (tests/oracle.py), shared by the modules that score the
+    shipped server's answers; they run in its group, on one worker, so each model loads once."""
+    from tests.oracle import ShippedOracle
+
+    return ShippedOracle()
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model, tmp_path_factory):
     """One real server shared by the API tests: 1 replica, adapters a0 (pinned), a1, a2; a3 left for
     the admin API. The admin token is on, so the admin tests can check 401s; client priorities are
@@ -84,7 +93,7 @@ def tiny_server(tiny_model, tmp_path_factory):
         ),
     )
     yield schedule.SHARED.register("tiny_server", server)
-    server.stop()
+    server.stop(wait=False)
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +105,7 @@ def shipped_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shipped")
     server = harness.launch(tmp, shipped_config(tmp))
     yield schedule.SHARED.register("shipped_server", server)
-    server.stop()
+    server.stop(wait=False)
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +127,7 @@ def two_replica_server(tiny_model, tmp_path_factory):
         adapter["pinned"] = True
     server = harness.launch(tmp, cfg)
     yield schedule.SHARED.register("two_replica_server", server)
-    server.stop()
+    server.stop(wait=False)
 
 
 @pytest.fixture(scope="session")
@@ -129,16 +138,22 @@ def hostile_adapter_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def einsum_server(tiny_model, hostile_adapter_root, tmp_path_factory):
-    """The tiny server with `engine.lora_backend: einsum` (which reads every slot's weights): shared
-    by test_lora_backend.py and test_adapter_safety.py. Its adapter roots are the test model's
-    directory and `hostile_adapter_root`."""
+    """The tiny server with `engine.lora_backend: einsum` (which reads every slot's weights) and
+    dlora's policy switching often with mixed merged steps (harness.SWITCH_OFTEN_MIXED), so that
+    every answer it gives is also one of a replica that keeps merging and unmerging: shared by
+    test_lora_backend.py, test_adapter_safety.py and test_batching_modes.py. Its adapter roots are
+    the test model's directory and `hostile_adapter_root`."""
     tmp = tmp_path_factory.mktemp("einsum")
     roots = [str(tiny_model.base.parent), str(hostile_adapter_root)]
-    overrides = {"engine.lora_backend": "einsum", "server.adapter_roots": roots}
+    overrides = {
+        "engine.lora_backend": "einsum",
+        "server.adapter_roots": roots,
+        "scheduling": harness.SWITCH_OFTEN_MIXED,
+    }
     cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **overrides)
     server = harness.launch(tmp, cfg)
     yield schedule.SHARED.register("einsum_server", server)
-    server.stop()
+    server.stop(wait=False)
 
 
 _exit_status: int | None = None
@@ -154,9 +169,11 @@ def pytest_unconfigure(config):
     """End the process with pytest's own status once its report is written. Why: the in-process vLLM
     engines (tests/replica) leave native OpenMP/oneDNN threads behind, and tearing the interpreter
     down under them can segfault after every test has passed, which would turn a green run red.
-    Ray and the test servers are stopped by their fixtures before this point."""
+    Ray and the test servers are stopped by their fixtures before this point; this waits until the
+    servers told to stop have exited."""
     if _exit_status is None:
         return
+    harness.wait_for_stopped_servers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_exit_status)

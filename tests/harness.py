@@ -8,8 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -80,6 +81,21 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
     return apply_overrides(cfg, overrides)
 
 
+# dlora's policy with thresholds and credits set to switch between merged and unmerged steps often
+# (for testing only; the defaults switch far less), and the same running the unmerged adapters
+# in the merged steps (`mixed_merged`, on dlora's einsum kernels).
+SWITCH_OFTEN = {
+    "policy": "dlora",
+    "alpha": 0.2,
+    "beta": 0.1,
+    "t_starve": 0.12,
+    "t_normal": 0.08,
+    "initial_credit": 0.04,
+    "break_period_iters": 4,
+}
+SWITCH_OFTEN_MIXED = {**SWITCH_OFTEN, "mixed_merged": True}
+
+
 def apply_overrides(cfg: dict, overrides: dict) -> dict:
     """Set "section.key": value (or a whole "section": {...}) in a config dict; returns it."""
     for dotted, value in overrides.items():
@@ -98,16 +114,19 @@ class ServerProcess:
     port: int
     toy: bool = False  # tests/toy_serve.py: toy replicas instead of engines
     proc: subprocess.Popen | None = None
+    _stopping: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Serving or starting; not once told to stop, though it may still be shutting down."""
+        return self.proc is not None and self.proc.poll() is None and self._stopping is None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
+        self.wait_stopped()  # the same port and state dir
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *(("tests.toy_serve",) if self.toy else ("dlora.cli", "serve"))]
@@ -130,21 +149,47 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"dlora serve not healthy after {START_TIMEOUT_S}s:\n{self.tail()}")
 
-    def stop(self) -> None:
-        if not self.proc or self.proc.poll() is not None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGINT: the server drains and exits (killed if it has not within a minute). `wait=False`
+        returns at once, so that a test's next work overlaps the seconds Ray and the engines take
+        to shut down; `start()` and `wait_for_stopped_servers()` wait for the exit."""
+        if not self.running:
             return
+        assert self.proc is not None
         self.proc.send_signal(signal.SIGINT)
+        self._stopping = threading.Thread(target=self._reap, args=(self.proc,), daemon=True)
+        self._stopping.start()
+        _STOPPING.append(self)
+        if wait:
+            self.wait_stopped()
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen) -> None:
         try:
-            self.proc.wait(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def wait_stopped(self) -> None:
+        if self._stopping is not None:
+            self._stopping.join()
+            self._stopping = None
 
     def tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+_STOPPING: list[ServerProcess] = []
+
+
+def wait_for_stopped_servers() -> None:
+    """Every server told to stop has exited (at the end of the run: none outlives it)."""
+    while _STOPPING:
+        _STOPPING.pop().wait_stopped()
 
 
 def launch(tmp_dir: Path, cfg: dict, toy: bool = False) -> ServerProcess:

@@ -79,17 +79,20 @@ def shipped_adapters() -> dict[str, Path]:
 
 
 class ShippedOracle:
-    """HF (+ PEFT) in fp32 on the shipped model directory; one model object per adapter, cached.
-    fp32 is the reference for every served dtype: it is the exact answer lower precisions round."""
+    """HF (+ PEFT) on the shipped model directory, in `dtype` (fp32 unless said: the reference for
+    every served dtype, the exact answer lower precisions round); one model object per adapter and
+    the logits of every path scored, cached, so the modules that share one oracle load each model once."""
 
-    def __init__(self):
+    def __init__(self, dtype: str = "float32"):
         from dlora.models.smollm2 import resolve_model_path
 
         cfg = yaml.safe_load(SHIPPED_CONFIG.read_text())
         self.model_dir = resolve_model_path(cfg["model"]["path"])
         self.served_name = cfg["model"]["served_name"]
+        self.dtype = dtype
         self.adapters = shipped_adapters()
         self._models: dict = {}
+        self._logits: dict = {}
         self._tok = None
 
     def tokenizer(self):
@@ -106,7 +109,7 @@ class ShippedOracle:
             from transformers import AutoModelForCausalLM
 
             torch.set_num_threads(1)  # the other core serves
-            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            m = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype))
             if adapter is not None:
                 m = PeftModel.from_pretrained(m, self.adapters[adapter])
             self._models[adapter] = m.eval()
@@ -118,7 +121,11 @@ class ShippedOracle:
         )["input_ids"]
 
     def logits(self, adapter: str | None, prompt_ids: list[int], output_ids: list[int]):
-        return teacher_forced_logits(self.model(adapter), prompt_ids, output_ids)
+        """teacher_forced_logits under `adapter`; a copy, so that a caller may mask it in place."""
+        key = (adapter, tuple(prompt_ids), tuple(output_ids))
+        if key not in self._logits:
+            self._logits[key] = teacher_forced_logits(self.model(adapter), prompt_ids, output_ids)
+        return self._logits[key].clone()
 
 
 def teacher_forced_logits(model, prompt_ids: list[int], output_ids: list[int]):

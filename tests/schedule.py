@@ -46,7 +46,7 @@ class SharedServers:
     def stop_unless_next_uses(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         for name, server in self._servers.items():
             if name in _fixtures(item) and (nextitem is None or name not in _fixtures(nextitem)):
-                server.stop()
+                server.stop(wait=False)
 
 
 SHARED = SharedServers()

@@ -75,8 +75,10 @@ class Server:
     def start(self):
         self.running, self.starts = True, self.starts + 1
 
-    def stop(self):
-        self.running, self.stops = False, self.stops + 1
+    waited: bool | None = None
+
+    def stop(self, wait: bool = True):
+        self.running, self.stops, self.waited = False, self.stops + 1, wait
 
 
 def test_a_shared_server_stops_after_its_last_user_and_starts_again_for_a_later_one():
@@ -87,6 +89,7 @@ def test_a_shared_server_stops_after_its_last_user_and_starts_again_for_a_later_
     assert server.running and server.stops == 0  # the next test uses it
     shared.stop_unless_next_uses(user, other)
     assert not server.running and server.stops == 1
+    assert server.waited is False  # it shuts down while the next test runs
     shared.restart_if_needed(other)
     assert not server.running  # a test that does not use it does not start it
     shared.restart_if_needed(user)

@@ -184,12 +184,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from dlora.server.app import create_app
-    from dlora.server.drain import Drain
-    from dlora.server.draining_server import DrainingServer
-
     cfg = load_config(args)
     listener = bind_listener(cfg.server.host, cfg.server.port)
     try:
@@ -197,6 +191,13 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         listener.close()
         raise
+    # Imported only now: the app pulls in vLLM (seconds), and a bad value is refused without it.
+    import uvicorn
+
+    from dlora.server.app import create_app
+    from dlora.server.drain import Drain
+    from dlora.server.draining_server import DrainingServer
+
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The state is built before uvicorn starts rather than in the app's lifespan, where uvicorn would
     # log a failure's whole traceback; from here on the lifespan owns it (closes it at shutdown).

@@ -62,7 +62,8 @@ class SharedEngine:
         self.llm = self._context.__enter__()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Shuts the engine down now (in this process there is nothing to overlap with)."""
         if self._context is not None:
             context, self._context, self.llm = self._context, None, None
             context.__exit__(None, None, None)

@@ -55,7 +55,7 @@ def server(tiny_model, root, s3_endpoint, tmp_path_factory):
     )
     srv = harness.launch(tmp, cfg)
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def resolved(url: str, outcome: str) -> float:

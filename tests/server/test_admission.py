@@ -50,7 +50,7 @@ def server(tiny_model, tmp_path_factory):
     )
     srv = harness.launch(tmp, cfg, toy=True)
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:

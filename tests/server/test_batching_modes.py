@@ -2,10 +2,10 @@
 
 Four servers (tiny model, fp32): `unmerged` (the shared `tiny_server`), `merged` with
 `merged_max_iters: 1` (it changes models every step, so nearly every generation is interrupted
-by a merge or unmerge), and `dlora` with thresholds and credits set to switch often, on vLLM's
-LoRA ops (only the merged adapter runs while merged) and as `dlora-mixed` on the einsum backend
-(the others run in the same steps, compensated). The switching configs are for testing only; the
-defaults switch far less.
+by a merge or unmerge), and `dlora` with thresholds and credits set to switch often
+(harness.SWITCH_OFTEN), on vLLM's LoRA ops (only the merged adapter runs while merged) and as
+`dlora-mixed` on the einsum backend (the others run in the same steps, compensated: the shared
+`einsum_server`). The switching configs are for testing only; the defaults switch far less.
 """
 
 from __future__ import annotations
@@ -24,27 +24,12 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i
 BASE_PROMPTS = ["The quick brown", "x = 1\n"]
 MAX_TOKENS = 20
 
-FORCED = {
-    "merged": {"policy": "merged", "merged_max_iters": 1},
-    "dlora": {
-        "policy": "dlora",
-        "alpha": 0.2,
-        "beta": 0.1,
-        "t_starve": 0.12,
-        "t_normal": 0.08,
-        "initial_credit": 0.04,
-        "break_period_iters": 4,
-    },
-}
-FORCED["dlora-mixed"] = {**FORCED["dlora"], "mixed_merged": True}
-ENGINE = {"dlora-mixed": {"engine.lora_backend": "einsum"}}  # mixed merged steps need dlora's kernels
+FORCED = {"merged": {"policy": "merged", "merged_max_iters": 1}, "dlora": harness.SWITCH_OFTEN}
 
 
-@pytest.fixture(scope="module", params=["unmerged", "merged", "dlora", "dlora-mixed"])
-def server(request, tiny_model, tmp_path_factory, tiny_server):
-    if request.param == "unmerged":
-        yield request.param, tiny_server
-        return
+@pytest.fixture(scope="module", params=list(FORCED))
+def switching_server(request, tiny_model, tmp_path_factory):
+    """This module's own servers: `merged` and `dlora` (on vLLM's LoRA ops)."""
     tmp = tmp_path_factory.mktemp(f"batching-{request.param}")
     roots = [str(tiny_model.base.parent), str(tmp)]
     state = tmp / "state"
@@ -57,16 +42,22 @@ def server(request, tiny_model, tmp_path_factory, tiny_server):
     srv = harness.launch(
         tmp,
         harness.tiny_config(
-            tiny_model,
-            state,
-            harness.free_port(),
-            scheduling=FORCED[request.param],
-            **{"server.adapter_roots": roots, **ENGINE.get(request.param, {})},
+            tiny_model, state, harness.free_port(), scheduling=FORCED[request.param], **{"server.adapter_roots": roots}
         ),
     )
     srv.scratch = tmp
     yield request.param, srv
-    srv.stop()
+    srv.stop(wait=False)
+
+
+@pytest.fixture
+def unmerged(tiny_server):
+    return "unmerged", tiny_server
+
+
+@pytest.fixture
+def dlora_mixed(einsum_server):
+    return "dlora-mixed", einsum_server
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +121,21 @@ def metric(url, name, **labels):
 
 
 @pytest.mark.engine
-def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, expected):
-    policy, srv = server
+def test_mixed_concurrent_outputs_equal_hf_peft_unmerged(unmerged, expected):
+    check_mixed_concurrent_outputs(*unmerged, expected)
+
+
+@pytest.mark.engine
+def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(switching_server, expected):
+    check_mixed_concurrent_outputs(*switching_server, expected)
+
+
+@pytest.mark.engine
+def test_mixed_concurrent_outputs_equal_hf_peft_with_mixed_merged_steps(dlora_mixed, expected):
+    check_mixed_concurrent_outputs(*dlora_mixed, expected)
+
+
+def check_mixed_concurrent_outputs(policy, srv, expected):
     before = base_alone(srv.url)
     switches_before = metric(srv.url, "dlora_switches_total", replica="0")
     failures_before = metric(srv.url, "dlora_merge_failures_total", replica="0")
@@ -161,8 +165,21 @@ def test_mixed_concurrent_outputs_equal_hf_peft_and_base_is_restored(server, exp
 
 
 @pytest.mark.engine
-def test_batching_metrics(server):
-    policy, srv = server
+def test_batching_metrics_unmerged(unmerged):
+    check_batching_metrics(*unmerged)
+
+
+@pytest.mark.engine
+def test_batching_metrics(switching_server):
+    check_batching_metrics(*switching_server)
+
+
+@pytest.mark.engine
+def test_batching_metrics_with_mixed_merged_steps(dlora_mixed):
+    check_batching_metrics(*dlora_mixed)
+
+
+def check_batching_metrics(policy, srv):
     assert metric(srv.url, "dlora_batching_mode", replica="0") in (0.0, 1.0)
     assert metric(srv.url, "dlora_merge_failures_total", replica="0") >= 0  # exported (counted in the tests above)
     if policy.startswith("dlora"):
@@ -170,9 +187,9 @@ def test_batching_metrics(server):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("server", ["merged"], indirect=True)  # one switching server is enough
-def test_merge_failure_leaves_the_replica_unmerged_and_serving(server, tiny_model, expected):
-    _, srv = server
+@pytest.mark.parametrize("switching_server", ["merged"], indirect=True)  # one switching server is enough
+def test_merge_failure_leaves_the_replica_unmerged_and_serving(switching_server, tiny_model, expected):
+    _, srv = switching_server
     copy = srv.scratch / "a3copy"
     shutil.copytree(tiny_model.adapters["a1"], copy)
     r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a1copy", "lora_path": str(copy)}, timeout=120)

@@ -38,7 +38,7 @@ def server(tiny_model, tmp_path_factory):
         toy=True,
     )
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def raw_body(body: dict, replace: dict[str, str] | None = None) -> bytes:

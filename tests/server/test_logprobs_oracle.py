@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests import harness
-from tests.oracle import ShippedOracle, greedy_choice_errors, shipped_config, token_pieces, top_k_errors
+from tests.oracle import greedy_choice_errors, shipped_config, token_pieces, top_k_errors
 
 # `dlora serve` processes of the shipped config: in the shared server's group, so that no two of them
 # (about 13 GiB each) ever run at the same time
@@ -61,11 +61,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    return ShippedOracle()
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def served(request, tmp_path_factory):
     dtype, scheduling = VARIANTS[request.param]
@@ -75,7 +70,7 @@ def served(request, tmp_path_factory):
     overrides = {"model.dtype": dtype, "engine.kv_cache_space_gib": 1}
     server = harness.launch(tmp, shipped_config(tmp, **overrides, scheduling=scheduling))
     yield request.param, server
-    server.stop()
+    server.stop(wait=False)
 
 
 def served_logprobs(server, model: str, prompt_ids: list[int]) -> dict:
@@ -166,8 +161,8 @@ def check_merges(variant, server):
 
 
 @pytest.mark.parametrize("model", MODELS, ids=["base", *MODELS[1:]])
-def test_top_k_logprobs_equal_hf_peft(served, oracle, model):
-    check_top_k(*served, oracle, model)
+def test_top_k_logprobs_equal_hf_peft(served, shipped_oracle, model):
+    check_top_k(*served, shipped_oracle, model)
 
 
 def test_merged_variant_really_merged(served):
@@ -175,5 +170,5 @@ def test_merged_variant_really_merged(served):
 
 
 @pytest.mark.parametrize("model", MODELS, ids=["base", *MODELS[1:]])
-def test_top_k_logprobs_equal_hf_peft_as_shipped(shipped_server, oracle, model):
-    check_top_k(SHARED_VARIANT, shipped_server, oracle, model)
+def test_top_k_logprobs_equal_hf_peft_as_shipped(shipped_server, shipped_oracle, model):
+    check_top_k(SHARED_VARIANT, shipped_server, shipped_oracle, model)

@@ -49,7 +49,7 @@ def server(tiny_model, tmp_path_factory):
     cfg["engine"]["max_cpu_lora_mib"] = BUDGET_MIB
     srv = harness.launch(tmp, cfg)
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def listed(url: str) -> dict[str, dict]:

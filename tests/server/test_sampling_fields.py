@@ -16,7 +16,7 @@ import json
 import httpx
 import pytest
 
-from tests.oracle import ShippedOracle, greedy_choice_errors, top_k_errors
+from tests.oracle import greedy_choice_errors, top_k_errors
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
@@ -158,11 +158,6 @@ PENALTIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def shipped_oracle():
-    return ShippedOracle()
-
-
 def penalized(
     logits,
     prompt_ids: list[int],
@@ -189,15 +184,26 @@ def penalized(
     return out
 
 
+@pytest.fixture(scope="module")
+def unpenalized(shipped_server, shipped_oracle) -> dict[str, list[int]]:
+    """The greedy answer to each penalty prompt without penalties, asked once for all penalties."""
+    return {
+        prompt: complete(shipped_server.url, **penalty_body(shipped_oracle, prompt))["token_ids"]
+        for prompt in PENALTY_PROMPTS
+    }
+
+
+def penalty_body(oracle, prompt: str) -> dict:
+    return {"model": oracle.served_name, "prompt": oracle.chat_ids(prompt), "max_tokens": PENALTY_MAX_TOKENS}
+
+
 @pytest.mark.parametrize("penalty", list(PENALTIES))
-def test_penalties_match_the_reference(shipped_server, shipped_oracle, penalty):
+def test_penalties_match_the_reference(shipped_server, shipped_oracle, unpenalized, penalty):
     fields = PENALTIES[penalty]
-    base = shipped_oracle.served_name
     changed = False
     for prompt in PENALTY_PROMPTS:
-        ids = shipped_oracle.chat_ids(prompt)
-        body = {"model": base, "prompt": ids, "max_tokens": PENALTY_MAX_TOKENS}
-        plain = complete(shipped_server.url, **body)["token_ids"]
+        body = penalty_body(shipped_oracle, prompt)
+        ids, plain = body["prompt"], unpenalized[prompt]
         got = complete(shipped_server.url, **body, **fields)["token_ids"]
         logits = shipped_oracle.logits(None, ids, got)
         assert greedy_choice_errors(penalized(logits, ids, got, **fields), got, FP32_TIE) == [], (prompt, got)

@@ -1,7 +1,8 @@
 """Batches on a real engine (the tiny fp32 model, greedy): through the official `openai` client
-against the shared server, and `dlora batch run` on its own in-process cluster. Every output's
-tokens equal HF + PEFT's greedy tokens and what the same request gets online; bad lines are that
-line's error. The life cycle in detail (cancel, expiry, restart): tests/batch/test_batch_api.py."""
+against the shared server, and `dlora batch run` on its own in-process cluster (one run for both
+of its tests). Every output's tokens equal HF + PEFT's greedy tokens and what the same request
+gets online; bad lines are that line's error. The life cycle in detail (cancel, expiry, restart):
+tests/batch/test_batch_api.py."""
 
 from __future__ import annotations
 
@@ -92,30 +93,44 @@ def test_a_chat_batch_equals_hf_peft(tiny_server, oracle):
         assert choice["token_ids"] == oracle.greedy(adapter_of(line["body"]["model"]), prompt_ids, MAX_TOKENS)
 
 
-@pytest.mark.engine
-def test_dlora_batch_run_writes_vllm_run_batch_output_in_input_order(tiny_model, oracle, tmp_path):
-    lines = [completion_line("c0", "a0", PROMPTS["a0"]), chat_line("c1", "a2", "Hi."), "{oops"]
-    lines.append(completion_line("c3", "tiny-base", PROMPTS["tiny-base"]))
-    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
-    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port())
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [
-        sys.executable,
-        "-m",
-        "dlora.cli",
-        "batch",
-        "run",
-        str(tmp_path / "in.jsonl"),
-        "-o",
-        str(tmp_path / "o.jsonl"),
-    ]
+# One `dlora batch run` (an in-process cluster of its own) serves both CLI tests below: the lines of
+# the first (a chat line and a malformed one among completions) come first, then enough lines of a
+# few adapters that the stage plan beats sending them at once.
+IN_ORDER = [
+    completion_line("c0", "a0", PROMPTS["a0"]),
+    chat_line("c1", "a2", "Hi."),
+    "{oops",
+    completion_line("c3", "tiny-base", PROMPTS["tiny-base"]),
+]
+STAGED_PROMPTS = ["def f(", "x = [", "import ", "class A", "while True", "return "]
+STAGED = (
+    [completion_line(f"a0-{i}", "a0", p) for i, p in enumerate(STAGED_PROMPTS * 2)]
+    + [completion_line(f"a1-{i}", "a1", p) for i, p in enumerate(STAGED_PROMPTS + STAGED_PROMPTS[:2])]
+    + [completion_line(f"base-{i}", "tiny-base", p) for i, p in enumerate(STAGED_PROMPTS[:4])]
+)
+
+
+@pytest.fixture(scope="module")
+def batch_run(tiny_model, tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`dlora batch run -i IN -o OUT --config CFG` (planner `stages`): the process and its output lines."""
+    tmp = tmp_path_factory.mktemp("batch-run")
+    (tmp / "in.jsonl").write_bytes(jsonl(IN_ORDER + STAGED))
+    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), batch={"planner": "stages"})
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", "-i", str(tmp / "in.jsonl"), "-o", str(tmp / "o.jsonl")]
     done = subprocess.run(
-        [*cmd, "--config", str(tmp_path / "cfg.yaml"), "--no-progress"], capture_output=True, text=True, timeout=600
+        [*cmd, "--config", str(tmp / "cfg.yaml"), "--no-progress"], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "4 requests, 3 succeeded, 1 failed" in done.stdout
-    out = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == ["c0", "c1", None, "c3"]
+    return done, [json.loads(x) for x in (tmp / "o.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.engine
+def test_dlora_batch_run_writes_vllm_run_batch_output_in_input_order(batch_run, oracle):
+    done, out = batch_run
+    n = len(IN_ORDER) + len(STAGED)
+    assert f"{n} requests, {n - 1} succeeded, 1 failed" in done.stdout
+    assert [o["custom_id"] for o in out[: len(IN_ORDER)]] == ["c0", "c1", None, "c3"]
     assert out[2]["error"]["code"] == "invalid_json" and out[2]["error"]["line"] == 3
     tok = oracle.tokenizer()
     expected = {
@@ -136,25 +151,13 @@ def test_dlora_batch_run_names_a_missing_input_file(tmp_path):
 
 
 @pytest.mark.engine
-def test_a_planned_batch_runs_adapters_merged_by_stage_and_equals_hf_peft(tiny_model, oracle, tmp_path):
+def test_a_planned_batch_runs_adapters_merged_by_stage_and_equals_hf_peft(batch_run, oracle):
     """Enough lines of a few adapters that the stage plan beats sending them at once: they run in
     stages (segments of one adapter, merged), and every output is still HF + PEFT's."""
-    prompts = ["def f(", "x = [", "import ", "class A", "while True", "return "]
-    lines = [completion_line(f"a0-{i}", "a0", p) for i, p in enumerate(prompts * 2)]
-    lines += [completion_line(f"a1-{i}", "a1", p) for i, p in enumerate(prompts + prompts[:2])]
-    lines += [completion_line(f"base-{i}", "tiny-base", p) for i, p in enumerate(prompts[:4])]
-    (tmp_path / "in.jsonl").write_bytes(jsonl(lines))
-    cfg = harness.tiny_config(tiny_model, tmp_path / "state", harness.free_port(), batch={"planner": "stages"})
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "dlora.cli", "batch", "run", "-i", str(tmp_path / "in.jsonl")]
-    cmd += ["-o", str(tmp_path / "o.jsonl"), "--config", str(tmp_path / "cfg.yaml"), "--no-progress"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "24 requests, 24 succeeded, 0 failed" in done.stdout
+    done, out = batch_run
     assert "; plan: stages" in done.stdout, done.stdout
     tok = oracle.tokenizer()
-    out = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
-    for o, line in zip(out, lines):
+    for o, line in zip(out[len(IN_ORDER) :], STAGED, strict=True):
         body = line["body"]
         expected = oracle.greedy(adapter_of(body["model"]), tok(body["prompt"])["input_ids"], MAX_TOKENS)
         assert o["custom_id"] == line["custom_id"]

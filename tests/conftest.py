@@ -121,7 +121,6 @@ def two_replica_server(tiny_model, tmp_path_factory):
         harness.free_port(),
         **{"cluster": {"num_replicas": 2, "dispatch": "least_loaded", "monitor_interval_s": 0.5}},
     )
-    cfg["engine"]["num_kv_blocks"] = harness.TWO_REPLICA_KV_BLOCKS
     cfg["engine"]["max_cpu_loras"] = 5
     for adapter in cfg["adapters"]:
         adapter["pinned"] = True
@@ -132,22 +131,41 @@ def two_replica_server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hostile_adapter_root(tmp_path_factory):
-    """An adapter root the hostile-adapter tests write broken copies into (of the einsum server)."""
+    """An adapter root of the einsum server, where the hostile-adapter and resolver tests write their
+    (broken) copies."""
     return tmp_path_factory.mktemp("adapter-roots")
 
 
 @pytest.fixture(scope="session")
-def einsum_server(tiny_model, hostile_adapter_root, tmp_path_factory):
+def s3_adapter_store(tiny_model):
+    """An S3-compatible store (moto's server) holding one adapter, `tenants/from-s3` (a copy of a3),
+    that exists nowhere on disk: the object-store root of `einsum_server`'s adapter resolver."""
+    from tests.s3 import client, s3_server, upload_adapter
+
+    with s3_server() as url:
+        store = client(url)
+        store.create_bucket(Bucket="adapters")
+        upload_adapter(store, "adapters", "tenants/from-s3", tiny_model.adapters["a3"])
+        yield url
+
+
+@pytest.fixture(scope="session")
+def einsum_server(tiny_model, hostile_adapter_root, s3_adapter_store, tmp_path_factory):
     """The tiny server with `engine.lora_backend: einsum` (which reads every slot's weights) and
     dlora's policy switching often with mixed merged steps (harness.SWITCH_OFTEN_MIXED), so that
-    every answer it gives is also one of a replica that keeps merging and unmerging: shared by
-    test_lora_backend.py, test_adapter_safety.py and test_batching_modes.py. Its adapter roots are
-    the test model's directory and `hostile_adapter_root`."""
+    every answer it gives is also one of a replica that keeps merging and unmerging, and with
+    adapters found by name (`server.resolve_adapters`) under its roots (the test model's directory,
+    where a3 is left unregistered, and `hostile_adapter_root`) and in `s3_adapter_store`. Shared by
+    test_lora_backend.py, test_adapter_safety.py, test_adapter_resolution.py and
+    test_batching_modes.py."""
     tmp = tmp_path_factory.mktemp("einsum")
     roots = [str(tiny_model.base.parent), str(hostile_adapter_root)]
     overrides = {
         "engine.lora_backend": "einsum",
         "server.adapter_roots": roots,
+        "server.resolve_adapters": True,
+        "server.adapter_s3_uri": "s3://adapters/tenants",
+        "server.adapter_s3_endpoint_url": s3_adapter_store,
         "scheduling": harness.SWITCH_OFTEN_MIXED,
     }
     cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **overrides)

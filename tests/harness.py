@@ -26,7 +26,10 @@ START_TIMEOUT_S = 420  # generous: engines start in ~35 s alone, minutes on a bu
 # the test picked ours, and above Ray's worker ports (10002-19999).
 PORT_RANGE = (20000, 32000)
 START_ATTEMPTS = 3  # a port taken between picking and binding is retried with another
-TWO_REPLICA_KV_BLOCKS = 256  # engine.num_kv_blocks of the shared two-replica server (tests/conftest.py)
+# KV blocks (128 tokens each on CPU) of every tiny-model engine in the suite: 32,768 tokens, twice
+# what max_num_seqs x max_model_len can hold. Sized by blocks, not GiB: allocating a GiB of KV cache
+# took 5 of the engine's 15 seconds of start-up CPU, for space no test uses.
+TINY_KV_BLOCKS = 256
 
 
 def free_port() -> int:
@@ -70,7 +73,14 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
     """A config serving the tiny test model in fp32 (exact comparisons against HF)."""
     cfg = {
         "model": {"path": str(model.base), "served_name": "tiny-base", "dtype": "float32", "max_model_len": 512},
-        "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "kv_cache_space_gib": 1, "max_num_seqs": 32},
+        "engine": {
+            "max_loras": 2,
+            "max_lora_rank": 8,
+            "max_cpu_loras": 4,
+            "kv_cache_space_gib": 1,
+            "max_num_seqs": 32,
+            "num_kv_blocks": TINY_KV_BLOCKS,
+        },
         "server": {"port": port, "state_dir": str(state_dir), "adapter_roots": [str(model.base.parent)]},
         "adapters": [
             {"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},

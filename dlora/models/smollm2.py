@@ -106,8 +106,7 @@ def _plain_llama_copy(gguf_model: PreTrainedModel) -> LlamaForCausalLM:
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    # transformers' decorator on PreTrainedModel.to types its first argument as the model itself.
-    return model.to(torch.bfloat16).eval()  # type: ignore[arg-type]
+    return model.to(torch.bfloat16).eval()
 
 
 def _is_tied_head(key: str, config: LlamaConfig) -> bool:

@@ -9,6 +9,7 @@ import pytest
 from dlora import config
 from dlora.engine_ext import lora_backend
 from dlora.replica.engine import engine_kwargs
+from tests.harness import TINY_KV_BLOCKS
 
 
 @contextlib.contextmanager
@@ -28,7 +29,13 @@ def inprocess_engine(tiny_model, scheduling: dict, backend: str = "vllm", **engi
     cfg = config.from_dict(
         {
             "model": {"dtype": "float32", "max_model_len": 512, "seed": 0},
-            "engine": {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "max_num_seqs": 32},
+            "engine": {
+                "max_loras": 2,
+                "max_lora_rank": 8,
+                "max_cpu_loras": 4,
+                "max_num_seqs": 32,
+                "num_kv_blocks": TINY_KV_BLOCKS,
+            },
             "scheduling": scheduling,
         }
     )

@@ -16,6 +16,7 @@ import pytest
 from dlora.engine_ext.inband import CMDS_ATTR
 from dlora.engine_ext.merge import read_adapter
 from dlora.engine_ext.step_trace import StepTrace
+from tests.harness import TINY_KV_BLOCKS
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
@@ -229,13 +230,12 @@ def test_prefix_cache_is_not_shared_across_weight_states(llm, tiny_model):
         scheduler.batching_policy = policy
 
 
-def test_state_reports_the_kv_capacity_the_engine_allocated(llm, tiny_model):
-    """The balancer prices KV room with this (migration ILP, queued moves): VLLM_CPU_KVCACHE_SPACE=1
-    GiB over the tiny fp32 model's bytes per token (K and V, every layer), in whole blocks."""
+def test_state_reports_the_kv_capacity_the_engine_allocated(llm):
+    """The balancer prices KV room with this (migration ILP, queued moves): the blocks the engine
+    allocated (tests/harness.TINY_KV_BLOCKS, well under the 1 GiB of VLLM_CPU_KVCACHE_SPACE) times
+    the block size, in tokens."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    cfg = json.loads((tiny_model.base / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
-    block = scheduler.block_size
     capacity = scheduler.dlora_state()["kv_capacity_tokens"]
-    assert capacity == (2**30 // (bytes_per_token * block)) * block
+    assert capacity == TINY_KV_BLOCKS * scheduler.block_size
+    # The engine's own block pool (one block is vLLM's null block, never handed out).
+    assert scheduler.kv_cache_manager.block_pool.num_gpu_blocks == TINY_KV_BLOCKS

@@ -1,8 +1,9 @@
 """Adapters found by name, without an admin call (`server.resolve_adapters`), on a real server: a
 request naming an unregistered adapter under the roots, or in an S3-compatible store (moto's
-server, started here), is served with its own weights (checked against Hugging Face + PEFT);
+server, started by the suite), is served with its own weights (checked against Hugging Face + PEFT);
 concurrent first requests register it once; unknown and unsafe names are 404s; found-but-bad files
-are a 400 that reveals no path, and hurt nobody. One server."""
+are a 400 that reveals no path, and hurt nobody. The server is the shared `einsum_server`
+(tests/conftest.py), whose adapter roots and object store these tests use."""
 
 from __future__ import annotations
 
@@ -15,47 +16,21 @@ import httpx
 import pytest
 
 from dlora.adapters.lifecycle import MISSING_RETRY_S
-from tests import harness
-from tests.s3 import client, s3_server, upload_adapter
 from tests.server.test_adapter_safety import _nan_tensor, _symlink_escape
 from tests.server.test_admin_api import complete
 
 pytestmark = pytest.mark.engine  # a `dlora serve` process
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("resolver-root")
+@pytest.fixture
+def root(hostile_adapter_root):
+    """An adapter root of the server, where these tests place adapters for it to find."""
+    return hostile_adapter_root
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint(tiny_model):
-    """An S3-compatible store holding one adapter (a copy of a3) that exists nowhere on disk."""
-    with s3_server() as url:
-        store = client(url)
-        store.create_bucket(Bucket="adapters")
-        upload_adapter(store, "adapters", "tenants/from-s3", tiny_model.adapters["a3"])
-        yield url
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, root, s3_endpoint, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resolution")
-    roots = [str(tiny_model.base.parent), str(root)]  # the test model's a3 is left unregistered there
-    cfg = harness.tiny_config(
-        tiny_model,
-        tmp / "state",
-        harness.free_port(),
-        **{
-            "server.adapter_roots": roots,
-            "server.resolve_adapters": True,
-            "server.adapter_s3_uri": "s3://adapters/tenants",
-            "server.adapter_s3_endpoint_url": s3_endpoint,
-        },
-    )
-    srv = harness.launch(tmp, cfg)
-    yield srv
-    srv.stop(wait=False)
+@pytest.fixture
+def server(einsum_server):
+    return einsum_server
 
 
 def resolved(url: str, outcome: str) -> float:

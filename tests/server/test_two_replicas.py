@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.harness import TWO_REPLICA_KV_BLOCKS as KV_BLOCKS
+from tests.harness import TINY_KV_BLOCKS as KV_BLOCKS
 from tests.harness import metric
 
 pytestmark = pytest.mark.engine  # the shared two-replica `dlora serve` process (tests/conftest.py)

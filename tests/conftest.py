@@ -15,7 +15,7 @@ ADMIN_TOKEN = "test-admin-token"
 # Fixtures that start a server or engine once for the whole run, shared across modules: a test using
 # one is marked `engine` (tests/fast_lane.py) and runs in that fixture's group (tests/schedule.py).
 ENGINE_FIXTURES = frozenset(
-    {"tiny_server", "shipped_server", "einsum_server", "two_replica_server", "merged_switching_engine"}
+    {"tiny_server", "toy_server", "shipped_server", "einsum_server", "two_replica_server", "merged_switching_engine"}
 )
 # Run-wide fixtures that start nothing but cost enough that the tests using them share a worker.
 COSTLY_FIXTURES = frozenset({"smollm2_cache", "fresh_tiny_root"})
@@ -81,18 +81,28 @@ def shipped_oracle():
 def tiny_server(tiny_model, tmp_path_factory):
     """One real server shared by the API tests: 1 replica, adapters a0 (pinned), a1, a2; a3 left for
     the admin API. The admin token is on, so the admin tests can check 401s; client priorities are
-    allowed, so the API tests can send them."""
+    allowed, so the API tests can send them. Its drain waits up to 120 s: test_drain.py ends it with
+    SIGTERM while streams run, which must finish on a busy machine too."""
     tmp = tmp_path_factory.mktemp("server")
-    server = harness.launch(
-        tmp,
-        harness.tiny_config(
-            tiny_model,
-            tmp / "state",
-            harness.free_port(),
-            **{"server.admin_token": ADMIN_TOKEN, "server.allow_client_priority": True},
-        ),
-    )
+    overrides = {
+        "server.admin_token": ADMIN_TOKEN,
+        "server.allow_client_priority": True,
+        "server.drain_timeout_s": 120,
+    }
+    server = harness.launch(tmp, harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **overrides))
     yield schedule.SHARED.register("tiny_server", server)
+    server.stop(wait=False)
+
+
+@pytest.fixture(scope="session")
+def toy_server(tiny_model, tmp_path_factory):
+    """The real app over toy replicas (tests/toy_serve.py), for tests where no engine is the subject:
+    the tiny config with its default validation settings (no client priority, no request
+    templates) and an API key (harness.TOY_API_KEY). Shared by test_hostile_client.py and test_tokenize.py."""
+    tmp = tmp_path_factory.mktemp("toy")
+    cfg = harness.tiny_config(tiny_model, tmp / "state", harness.free_port(), **{"server.api_key": harness.TOY_API_KEY})
+    server = harness.launch(tmp, cfg, toy=True)
+    yield schedule.SHARED.register("toy_server", server)
     server.stop(wait=False)
 
 

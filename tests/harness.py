@@ -30,6 +30,7 @@ START_ATTEMPTS = 3  # a port taken between picking and binding is retried with a
 # what max_num_seqs x max_model_len can hold. Sized by blocks, not GiB: allocating a GiB of KV cache
 # took 5 of the engine's 15 seconds of start-up CPU, for space no test uses.
 TINY_KV_BLOCKS = 256
+TOY_API_KEY = "sk-test-tenant"  # the API key of the shared toy server (tests/conftest.py)
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ and keeps few servers up at once.
 - **Order.** A group's tests run one after another on one worker, the groups that start servers
   first (the longest work first leaves the short tests to fill in at the end), and inside a group
   the users of its shared server first, so the server can stop before the group's other servers
-  start.
+  start; of those, a test that ends the server itself (`ends_shared_server`) last.
 - **Stopping after the last user.** A shared server stops once the next test on its worker does not
   use it (`SharedServers`); a later test that does use it starts it again on the same config.
 - **Cores.** Each worker is pinned to a core of its own, so the servers it starts pin their replicas
@@ -25,6 +25,7 @@ import pytest
 from tests.harness import ServerProcess
 
 GROUP_MARK = "xdist_group"
+ENDS_SHARED = "ends_shared_server"  # the test stops its shared server: it goes after the other users
 
 
 class SharedServers:
@@ -84,9 +85,10 @@ def group_and_order(items: list[pytest.Item], shared: frozenset[str]) -> None:
         group = groups[id(item)]
         holds_shared = group in shared
         after_the_shared_users = holds_shared and group not in _fixtures(item)
+        ends_it = item.get_closest_marker(ENDS_SHARED) is not None
         if group not in engine:
-            return (2, 0, first_seen[group], after_the_shared_users, position)
-        return (0 if holds_shared else 1, -sizes[group], first_seen[group], after_the_shared_users, position)
+            return (2, 0, first_seen[group], after_the_shared_users, ends_it, position)
+        return (0 if holds_shared else 1, -sizes[group], first_seen[group], after_the_shared_users, ends_it, position)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 

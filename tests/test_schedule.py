@@ -35,6 +35,11 @@ def test_groups_and_order():
         Item("tests/a/test_unit.py::test_1"),
         engine("tests/s/test_logprobs.py::test_own[x]", "oracle", group="shipped_server"),
         engine("tests/s/test_logprobs.py::test_shared", "shipped_server"),
+        Item(
+            "tests/s/test_drain.py::test_sigterm",
+            ("tiny_server",),
+            [pytest.mark.engine.mark, pytest.mark.ends_shared_server.mark],
+        ),
         engine("tests/s/test_api.py::test_1", "tiny_server"),
         engine("tests/s/test_own.py::test_1"),
         Item("tests/a/test_unit.py::test_2"),
@@ -45,12 +50,13 @@ def test_groups_and_order():
     schedule.group_and_order(items, SHARED)
     order = [i.nodeid for i in items]
     assert order == [
-        # shared groups first, largest first (by test count: tiny 2, shipped 2: first seen first);
-        # inside the shipped group its server's users come before the module's own servers
-        "tests/s/test_logprobs.py::test_shared",
-        "tests/s/test_logprobs.py::test_own[x]",
+        # shared groups first, largest first (tiny 3, shipped 2); inside a group its server's users
+        # come first, the one that ends the server last of them, then the module's own servers
         "tests/s/test_api.py::test_1",
         "tests/s/test_api.py::test_2",
+        "tests/s/test_drain.py::test_sigterm",
+        "tests/s/test_logprobs.py::test_shared",
+        "tests/s/test_logprobs.py::test_own[x]",
         # then the other engine groups, largest first
         "tests/s/test_big.py::test_1",
         "tests/s/test_big.py::test_2",

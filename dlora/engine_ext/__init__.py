@@ -3,10 +3,11 @@
 Everything under `dlora/replica/` runs on the host side of a replica (the Ray actor, the AsyncLLM
 wrapper, the messages crossing the actor boundary); everything here is imported by vLLM itself,
 from class paths dlora hands it, inside its EngineCore process (the scheduler) or its worker
-process (the model runner). dlora's replicas set `VLLM_ENABLE_V1_MULTIPROCESSING=0`
-(`ray_replica.replica_runtime_env`), so on a replica both "processes" live in the Ray actor's
-process; the code is still written for the split, since only RPCs (`call_utility_async`,
-`collective_rpc`) and the step's scheduler/model-runner outputs cross between them.
+process (the model runner). On a replica the EngineCore is a process of its own, which vLLM's
+`AsyncLLM` always spawns from the Ray actor, and with one worker the model runner runs inside that
+EngineCore process (vLLM's single-process executor); the code is still written for the split, since
+only RPCs (`call_utility_async`, `collective_rpc`) and the step's scheduler/model-runner outputs
+cross between them.
 
 Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's internals:
 
@@ -30,6 +31,8 @@ Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's i
 | `PunicaWrapperCPU` / `PunicaWrapperGPU`, subclassed | `punica_wrapper.py` | worker | LoRA linears on dlora's kernels, and mixed merged steps (subtracting the merged adapter's delta) |
 | `vllm.lora.ops.torch_ops.lora_ops.bgmv_*` and `punica_cpu.bgmv_*`, replaced (`cpu_lora_fix.install`) | `cpu_lora_fix.py` | worker | vLLM's CPU ops give base-model tokens (index -1) the last slot's adapter |
 | `tokenizers.decoders.DecodeStream`, replaced by `dlora/replica/decode_stream.py` (`install`, from `EngineHost.start`) | `../replica/decode_stream.py` | replica host (AsyncLLM's output processor) | tokenizers' stream echoes the whole prompt when the prompt's text ends in half a character, as a request moved right after such a token does |
+| `OpenAIModelRegistry`, subclassed (`lora_requests` a view of dlora's registry, `check_model` / `resolve_lora` dlora's lookup); `ServingTokenization` and its router, used as they are | `../server/vllm_frontend.py` | API server | vLLM's own frontend code answers over dlora's adapters instead of a re-typed copy |
+| `EngineClient`, implemented over the router (`RouterEngineClient`: `generate` runs n legs through dispatch, migration and resubmission and answers in vLLM's `RequestOutput`s) | `../server/engine_client.py` | API server | vLLM's own serving classes (completions, chat, ...) generate through the cluster instead of a local engine |
 | imports with side effects: `worker.py` runs `cpu_lora_fix.install()` and `lora_backend.install()`; `scheduler.py` adds the EngineCore utilities | `worker.py`, `scheduler.py` | worker, EngineCore | vLLM imports these modules before the model is built and before the first step, the only moment the patches can take effect |
 
 Modules without a seam of their own: `merge.py` and `pristine_rows.py` (the weight merger, worker),

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dlora.adapters.registry_store import RegistryPersistError
 from dlora.config import ServerConfig
-from dlora.server import admission, errors, routes_admin, routes_batch, routes_openai
+from dlora.server import admission, errors, routes_admin, routes_batch, routes_openai, vllm_frontend
 from dlora.server.drain import Drain, DrainMiddleware
 from dlora.server.state import ServerState
 
@@ -35,6 +35,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.dlora = await make_state()
+        vllm_frontend.start(app, app.state.dlora)
         try:
             yield
         finally:
@@ -53,6 +54,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_batch.router)
+    vllm_frontend.install(app)
 
     @app.get("/health")
     async def health(request: Request):

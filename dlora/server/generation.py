@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dlora.adapters.lifecycle import AdapterResolveError, AdapterUnavailableError, ref_of
-from dlora.adapters.registry import AdapterNotFoundError
+from dlora.adapters.lifecycle import AdapterManager, AdapterResolveError, AdapterUnavailableError, ref_of
+from dlora.adapters.registry import AdapterNotFoundError, AdapterRecord
 from dlora.adapters.resolver import AdapterSourceError
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError
@@ -53,8 +53,14 @@ async def resolve_adapter(state, model: str) -> AdapterRef | None:
     """None for the base model; 404 for a name nobody registered (and no resolver finds)."""
     if model == state.base_model_name:
         return None
+    return ref_of(await lookup_adapter(state.adapters, model))
+
+
+async def lookup_adapter(adapters: AdapterManager, model: str) -> AdapterRecord:
+    """The adapter named `model`, registered or found by a resolver; else dlora's APIError saying
+    why it cannot be served (404 unknown, 400 bad files, 503 source or stored copy unavailable)."""
     try:
-        return ref_of(await state.adapters.lookup_or_resolve(model))
+        return await adapters.lookup_or_resolve(model)
     except AdapterSourceError:
         raise APIError(
             503, f"The adapter `{model}` could not be looked up: its source is not reachable; retry later.", "model"
@@ -156,13 +162,18 @@ def make_jobs(
     return jobs
 
 
-async def run_jobs(state, jobs: list[Job], adapter_label: str) -> AsyncIterator[tuple[Job, Delta]]:
+STOP = object()  # put in run_jobs' queue: the run ends there, as if its caller had left
+
+
+async def run_jobs(
+    state, jobs: list[Job], adapter_label: str, queue: asyncio.Queue | None = None
+) -> AsyncIterator[tuple[Job, Delta]]:
     """Run every job concurrently and yield (job, delta) in arrival order.
 
     Leaving the iterator early (client disconnect, error) cancels every job, which aborts the
-    requests inside the engines.
+    requests inside the engines; so does `STOP` put in `queue` (the caller's, when given).
     """
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = asyncio.Queue() if queue is None else queue
     done_marker = object()
 
     async def run(job: Job) -> None:
@@ -186,7 +197,10 @@ async def run_jobs(state, jobs: list[Job], adapter_label: str) -> AsyncIterator[
     remaining = len(tasks)
     try:
         while remaining:
-            job, item = await queue.get()
+            got = await queue.get()
+            if got is STOP:
+                return
+            job, item = got
             if item is done_marker:
                 remaining -= 1
             elif isinstance(item, Exception):

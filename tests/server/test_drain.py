@@ -1,7 +1,8 @@
 """SIGTERM/SIGINT drain a `dlora serve` process: /health and new requests get 503, running streams
 finish with [DONE] (or, at server.drain_timeout_s, an error event and [DONE]), then the process
 exits. The drain is the HTTP layer's: the deadline and second-signal cases run over toy replicas
-(tests/toy_serve.py, the real app, uvicorn and signal handling), the graceful drain on real engines."""
+(tests/toy_serve.py, the real app, uvicorn and signal handling), the graceful drain on real engines:
+the shared `tiny_server`, which it ends (a later user of it starts it again)."""
 
 from __future__ import annotations
 
@@ -69,11 +70,12 @@ class Stream:
 def launch(tiny_model, tmp_path):
     servers = []
 
-    def start(drain_timeout_s: float, toy: bool = False) -> harness.ServerProcess:
+    def start(drain_timeout_s: float) -> harness.ServerProcess:
+        """A server over toy replicas with this drain deadline."""
         cfg = harness.tiny_config(
             tiny_model, tmp_path / "state", harness.free_port(), **{"server.drain_timeout_s": drain_timeout_s}
         )
-        servers.append(harness.launch(tmp_path, cfg, toy=toy))
+        servers.append(harness.launch(tmp_path, cfg, toy=True))
         return servers[-1]
 
     yield start
@@ -105,8 +107,10 @@ def wait_draining(server: harness.ServerProcess) -> httpx.Response:
     return health
 
 
-def test_sigterm_lets_running_streams_finish_and_refuses_new_work(launch):
-    server = launch(drain_timeout_s=120)
+@pytest.mark.ends_shared_server
+def test_sigterm_lets_running_streams_finish_and_refuses_new_work(tiny_server):
+    server = tiny_server
+    log_start = server.log_path.stat().st_size  # the log holds the server's earlier life too
     streams = start_streams(server.url)
     server.proc.send_signal(signal.SIGTERM)
     health = wait_draining(server)
@@ -135,13 +139,13 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_work(launch):
         assert not any("error" in c for c in chunks), chunks[-3:]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS == s.tokens()
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    log = server.log_path.read_text(errors="replace")
+    log = server.log_path.read_bytes()[log_start:].decode(errors="replace")
     assert "SIGTERM: draining 3 request(s)" in log
     assert "Application shutdown complete" in log and "Traceback" not in log
 
 
 def test_streams_still_running_at_the_drain_deadline_end_with_an_error_then_done(launch):
-    server = launch(drain_timeout_s=1, toy=True)
+    server = launch(drain_timeout_s=1)
     streams = start_streams(server.url)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -162,7 +166,7 @@ def test_streams_still_running_at_the_drain_deadline_end_with_an_error_then_done
 
 
 def test_a_second_signal_during_the_drain_stops_at_once(launch):
-    server = launch(drain_timeout_s=120, toy=True)
+    server = launch(drain_timeout_s=120)
     streams = start_streams(server.url)
     server.proc.send_signal(signal.SIGTERM)
     wait_draining(server)

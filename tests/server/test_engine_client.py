@@ -1,0 +1,176 @@
+"""vLLM's own completion serving (`OpenAIServingCompletion`, unchanged) generating through dlora's
+router (`RouterEngineClient`), in process, over toy replicas (deterministic tokens:
+dlora.sim.toy_replica.reference_tokens is the oracle): vLLM's defaults and response shapes, n > 1 as
+separate routed legs with one prompt count in the usage, adapters by their public name, fields a
+replica cannot carry yet refused with a 400 naming them, an unknown model a 404, and an abort ending
+the request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.renderers import renderer_from_config
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+from dlora.config import from_dict
+from dlora.server import vllm_frontend
+from dlora.server.engine_client import RouterEngineClient
+from dlora.server.state import build_state
+from dlora.sim.toy_replica import ToyReplica, reference_tokens
+from tests import harness
+
+PROMPT = "def main():\n    return 1"
+
+
+@contextlib.asynccontextmanager
+async def serving(tiny_model, tmp_path, step_s: float = 0.001):
+    """vLLM's completion serving over dlora's router on two toy replicas."""
+    cfg = from_dict(harness.tiny_config(tiny_model, tmp_path / "state", 0, cluster={"num_replicas": 2}))
+    state = await build_state(cfg, replicas=[ToyReplica(i, step_s=step_s) for i in range(2)])
+    try:
+        vllm_config = vllm_frontend.engine_less_vllm_config(cfg, state.model_path, state.base_model_name)
+        renderer = renderer_from_config(vllm_config)
+        client = RouterEngineClient(state, vllm_config, renderer)
+        models = vllm_frontend.DloraModelRegistry(vllm_config, state.model_path, state.base_model_name, state.adapters)
+        online = OnlineRenderer(
+            vllm_config.model_config,
+            renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        yield OpenAIServingCompletion(client, models, online_renderer=online, request_logger=None), client
+    finally:
+        await state.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model.base)(PROMPT)["input_ids"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def answered(call):
+    """What vLLM's server answers: the serving call's result, or its exception as the error
+    response vLLM's exception handlers send."""
+    try:
+        return await call
+    except Exception as e:
+        return create_error_response(e)
+
+
+def test_vllms_defaults_and_shape_with_n_legs_counted_once(tiny_model, tmp_path, prompt_ids):
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            req = CompletionRequest(model="tiny-base", prompt=PROMPT, n=2, seed=3)  # no max_tokens
+            return await completion.create_completion(req)
+
+    resp = run(go())
+    assert isinstance(resp, CompletionResponse), resp
+    want = reference_tokens(None, tuple(prompt_ids), 16)  # vLLM's (and OpenAI's) default max_tokens
+    assert [c.index for c in resp.choices] == [0, 1]
+    for c in resp.choices:
+        assert c.text == "".join(f"<{t}>" for t in want) and c.finish_reason == "length"
+    assert resp.model == "tiny-base"
+    assert resp.usage.prompt_tokens == len(prompt_ids)  # once, however many choices
+    assert resp.usage.completion_tokens == 2 * 16
+
+
+def test_an_adapter_is_served_under_its_public_name(tiny_model, tmp_path, prompt_ids):
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            req = CompletionRequest(model="a1", prompt=PROMPT, max_tokens=5, return_token_ids=True)
+            return await completion.create_completion(req)
+
+    resp = run(go())
+    assert isinstance(resp, CompletionResponse), resp
+    assert resp.model == "a1"
+    assert resp.choices[0].token_ids == reference_tokens("a1", tuple(prompt_ids), 5)
+
+
+def test_a_stream_of_two_choices_finishes_each_and_counts_the_prompt_once(tiny_model, tmp_path, prompt_ids):
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            req = CompletionRequest(
+                model="a2", prompt=PROMPT, n=2, max_tokens=4, stream=True, stream_options={"include_usage": True}
+            )
+            stream = await completion.create_completion(req)
+            return [chunk async for chunk in stream]
+
+    chunks = [json.loads(c[len("data: ") :]) for c in run(go()) if c.startswith("data: {")]
+    text = {0: "", 1: ""}
+    finished = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            text[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finished[choice["index"]].append(choice["finish_reason"])
+    want = "".join(f"<{t}>" for t in reference_tokens("a2", tuple(prompt_ids), 4))
+    assert text == {0: want, 1: want}
+    assert finished == {0: ["length"], 1: ["length"]}
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert usage["prompt_tokens"] == len(prompt_ids) and usage["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"5": 10.0}),
+        ("allowed_token_ids", [1, 2, 3]),
+        ("bad_words", ["x"]),
+        ("structured_outputs", {"choice": ["yes", "no"]}),
+        ("prompt_logprobs", 1),
+    ],
+)
+def test_a_field_replicas_cannot_carry_yet_is_a_400_naming_it(tiny_model, tmp_path, field, value):
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            req = CompletionRequest(model="tiny-base", prompt=PROMPT, max_tokens=2, **{field: value})
+            return await answered(completion.create_completion(req))
+
+    resp = run(go())
+    assert isinstance(resp, ErrorResponse), resp
+    assert resp.error.code == 400 and resp.error.param == field and f"`{field}`" in resp.error.message
+
+
+def test_an_unknown_model_is_a_404(tiny_model, tmp_path):
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            return await completion.create_completion(CompletionRequest(model="nobody", prompt=PROMPT))
+
+    resp = run(go())
+    assert isinstance(resp, ErrorResponse) and resp.error.code == 404 and resp.error.param == "model"
+
+
+def test_abort_ends_every_leg_with_finish_reason_abort(tiny_model, tmp_path, prompt_ids):
+    async def go():
+        async with serving(tiny_model, tmp_path, step_s=0.05) as (_, client):
+            params = SamplingParams(n=2, max_tokens=200, output_kind=RequestOutputKind.DELTA)
+            outputs = []
+            async for out in client.generate({"prompt_token_ids": prompt_ids}, params, "r1"):
+                outputs.append(out)
+                if len(outputs) == 3:
+                    await client.abort("r1")
+            return outputs
+
+    outputs = run(go())
+    last = outputs[-1]
+    assert last.finished and sorted(o.index for o in last.outputs) == [0, 1]
+    assert {o.finish_reason for o in last.outputs} == {"abort"}
+    generated = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    assert 3 <= generated < 400  # stopped long before either leg's 200 tokens
+    assert not any(out.finished for out in outputs[:-1])

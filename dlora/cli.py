@@ -1,8 +1,10 @@
 """`dlora` command line: one subcommand per module, each owning its own flags.
 
 Every subcommand module exposes `add_parser(subparsers)` which registers the subcommand and sets
-`func` to a callable taking the parsed namespace and returning an exit code. Imports are lazy so
-`dlora --help` stays fast and a broken optional dependency only breaks its own subcommand.
+`func` to a callable taking the parsed namespace and returning an exit code; it may also set
+`explain_unrecognized`, which turns the arguments the subcommand did not take into a one-line error
+(None leaves argparse's). Imports are lazy so `dlora --help` stays fast and a broken optional
+dependency only breaks its own subcommand.
 """
 
 from __future__ import annotations
@@ -47,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # blame the subcommand, whose --help lists what it accepts
+    if extra:
+        # A subcommand may say more about arguments it does not take (`dlora serve` names the vLLM
+        # flags it refuses); otherwise blame the subcommand, whose --help lists what it accepts.
+        explain = getattr(args, "explain_unrecognized", None)
+        why = explain(extra) if explain else None
+        if why:
+            print(f"dlora {args.command}: error: {why}", file=sys.stderr)
+            return 2
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

@@ -65,11 +65,20 @@ class ModelConfig:
     dtype: str = "bfloat16"
     max_model_len: int = 2048
     seed: int = 0
+    # Sampling defaults for requests that leave a parameter out (vLLM's --generation-config): "auto" =
+    # the model's generation_config.json, "vllm" = vLLM's neutral defaults, else a directory holding one.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _check_kinds(self, "model")
         _check(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.max_model_len > 0, "model.max_model_len", self.max_model_len, "must be > 0")
+        _check(
+            self.generation_config != "",
+            "model.generation_config",
+            self.generation_config,
+            "must be auto, vllm or a directory holding generation_config.json",
+        )
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,17 @@ def _is_s3_uri(uri: str) -> bool:
     return uri.startswith("s3://") and bool(uri[5:].split("/", 1)[0])
 
 
+def _api_keys(value: Any) -> tuple[str, ...]:
+    """server.api_key as the tuple it is kept as: YAML and overrides give one key, a list of keys,
+    or null (no key: the routes are open)."""
+    if value is None:
+        return ()
+    keys = (value,) if isinstance(value, str) else value
+    if not isinstance(keys, tuple | list) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"server.api_key={value!r}: must be a non-empty string, a list of them, or null")
+    return tuple(keys)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -173,12 +193,22 @@ class ServerConfig:
     # Where the adapter registry is persisted so registrations survive a restart.
     state_dir: str = "~/.cache/dlora/state"
     log_level: str = "info"
-    # Bearer token clients must send on the inference routes (vLLM's --api-key); None = open.
-    # DLORA_API_KEY overrides. Separate from admin_token.
-    api_key: str | None = None
+    # Bearer tokens clients may send on the inference routes, any one of them (vLLM's --api-key); YAML
+    # gives one key or a list; empty = open. DLORA_API_KEY (one key) overrides. Separate from admin_token.
+    api_key: tuple[str, ...] = ()
     # A request's own `chat_template` (in chat_template_kwargs or the body) is a Jinja program run by
     # the server: refused unless the operator trusts every client (vLLM's --trust-request-chat-template).
     trust_request_chat_template: bool = False
+    # The chat template that replaces the tokenizer's (vLLM's --chat-template): a file, or the template
+    # itself when it holds `{`, `}` or a newline; None = the tokenizer's own.
+    chat_template: str | None = None
+    # vLLM's parser that turns a model's tool-call text into `tool_calls` (--tool-call-parser), by name.
+    tool_call_parser: str | None = None
+    # Let the model decide when to call a tool (`tool_choice: auto`; --enable-auto-tool-choice). As in
+    # vLLM it needs tool_call_parser, which reads the calls out of the model's text.
+    enable_auto_tool_choice: bool = False
+    # vLLM's parser that separates a reasoning model's thinking into `reasoning_content` (--reasoning-parser).
+    reasoning_parser: str | None = None
     # Seconds one request's chat-template rendering + tokenisation may take (off the event loop).
     template_timeout_s: float = 5.0
     # Client `priority` is honoured only when this is on; else a non-zero priority is refused (400),
@@ -192,8 +222,15 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight streams may still run
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", _api_keys(self.api_key))
         _check_kinds(self, "server")
         _check(0 <= self.port < 65536, "server.port", self.port, "must be a TCP port (0-65535)")
+        _check(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "server.enable_auto_tool_choice",
+            self.enable_auto_tool_choice,
+            "needs server.tool_call_parser (--tool-call-parser), as vLLM's --enable-auto-tool-choice does",
+        )
         _check(
             self.adapter_s3_uri is None or _is_s3_uri(self.adapter_s3_uri),
             "server.adapter_s3_uri",
@@ -579,8 +616,11 @@ class DloraConfig:
         return env.DLORA_ADMIN_TOKEN.get() or self.server.admin_token
 
     @property
-    def api_key(self) -> str | None:
-        return env.DLORA_API_KEY.get() or self.server.api_key
+    def api_key(self) -> tuple[str, ...]:
+        """The keys the inference routes accept, any one of them; empty = open. DLORA_API_KEY, one
+        key, replaces the configured ones."""
+        key = env.DLORA_API_KEY.get()
+        return (key,) if key else self.server.api_key
 
 
 _SECTIONS = {
@@ -615,6 +655,23 @@ def _resolve(path: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
+def _resolve_generation_config(value: str, base: Path) -> str:
+    return value if value in ("auto", "vllm") else _resolve(value, base)
+
+
+def _resolve_chat_template(value: str | None, base: Path) -> str | None:
+    """A template file named relative to the config file; a template written inline (it holds `{`,
+    `}` or a newline, vLLM's test) or a name that is no file there (one of vLLM's built-in
+    templates, or a mistake check_before_start names) is kept as written."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    p = Path(os.path.expanduser(value))
+    if p.is_absolute():
+        return str(p)
+    candidate = base / p
+    return str(candidate.resolve()) if candidate.is_file() else value
+
+
 def from_dict(data: dict[str, Any], base_dir: Path | None = None) -> DloraConfig:
     """Build a config from a parsed YAML mapping; relative paths resolve against `base_dir`."""
     data = dict(data or {})
@@ -624,11 +681,16 @@ def from_dict(data: dict[str, Any], base_dir: Path | None = None) -> DloraConfig
         raise ConfigError(f"unknown top-level key(s) {unknown}; known: {sorted([*_SECTIONS, 'adapters'])}")
     sections = {name: _build(cls, data.get(name) or {}, name) for name, cls in _SECTIONS.items()}
     model = sections["model"]
-    if not model.path.startswith("auto:"):
-        sections["model"] = dataclasses.replace(model, path=_resolve(model.path, base))
+    sections["model"] = dataclasses.replace(
+        model,
+        path=_resolve(model.path, base),
+        generation_config=_resolve_generation_config(model.generation_config, base),
+    )
     server = sections["server"]
     sections["server"] = dataclasses.replace(
-        server, adapter_roots=tuple(_resolve(r, base) for r in server.adapter_roots)
+        server,
+        adapter_roots=tuple(_resolve(r, base) for r in server.adapter_roots),
+        chat_template=_resolve_chat_template(server.chat_template, base),
     )
     adapters = []
     for i, a in enumerate(data.get("adapters") or []):
@@ -652,7 +714,10 @@ def load(path: str | os.PathLike | None) -> DloraConfig:
 
 
 def override(cfg: DloraConfig, dotted: dict[str, Any]) -> DloraConfig:
-    """Apply overrides such as {"server.port": 9000}; None values are ignored."""
+    """Apply overrides such as {"server.port": 9000}; None values are ignored. A section's new values
+    are applied together, so a check that relates two of its keys (engine.max_cpu_loras >=
+    engine.max_loras, server.enable_auto_tool_choice with server.tool_call_parser) sees both."""
+    changes: dict[str, dict[str, Any]] = {}
     for key, value in dotted.items():
         if value is None:
             continue
@@ -661,9 +726,11 @@ def override(cfg: DloraConfig, dotted: dict[str, Any]) -> DloraConfig:
         # A section is a dataclass instance; `adapters` (a tuple) and unknown names are not.
         if not dataclasses.is_dataclass(sub) or isinstance(sub, type) or name not in {f.name for f in fields(sub)}:
             raise ConfigError(f"unknown config key {key!r}")
+        changes.setdefault(section, {})[name] = value
+    for section, values in changes.items():
         try:
-            changes: dict[str, Any] = {section: dataclasses.replace(sub, **{name: value})}
-            cfg = dataclasses.replace(cfg, **changes)
+            replaced: dict[str, Any] = {section: dataclasses.replace(getattr(cfg, section), **values)}
+            cfg = dataclasses.replace(cfg, **replaced)
         except TypeError as e:
-            raise ConfigError(f"{key}={value!r}: {e}") from None
+            raise ConfigError(f"{section}: {e}") from None
     return cfg

@@ -29,8 +29,7 @@ from dlora.cluster.estimators.held_work import held_jobs, planning_lengths
 from dlora.scheduling.config import einsum_merged_cost
 from dlora.server.admission import fanout_of_data
 from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
-from dlora.server.protocol import ChatCompletionRequest, CompletionRequest
-from dlora.server.routes_openai import chat_completion_body, completion_body
+from dlora.server.validation import check_body
 from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
@@ -66,9 +65,9 @@ async def _answer(state, line: BatchLine, rid: str, priority: int) -> dict:
     too_wide = fanout_of_data(line.url, line.body).too_wide(state.cfg.server.max_choices_per_request)
     if too_wide is not None:
         raise APIError(400, *too_wide)
-    if line.url == "/v1/completions":
-        return await completion_body(state, CompletionRequest.model_validate(line.body), rid, priority)
-    return await chat_completion_body(state, ChatCompletionRequest.model_validate(line.body), rid, priority)
+    # The rules an HTTP request meets in admission (the client's priority is checked, then replaced).
+    check_body(line.body, None, state.cfg.server)
+    return await state.frontend.answer(line.url, line.body, rid, priority)
 
 
 def online_in_flight(router, batch_priority: int) -> int:

@@ -61,6 +61,8 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         dtype=cfg.model.dtype,
         max_model_len=cfg.model.max_model_len,
         seed=cfg.model.seed,
+        # Read by the API process's frontend for its sampling defaults (vLLM's server does the same).
+        generation_config=cfg.model.generation_config,
         enable_lora=True,
         max_loras=e.max_loras,
         max_lora_rank=e.max_lora_rank,

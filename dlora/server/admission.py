@@ -6,12 +6,17 @@ every route. In order:
     body is read;
   * a body over `server.max_body_bytes` (a file upload: `batch.max_file_mib`) -> 413 (the declared
     Content-Length, else bytes counted as they arrive, for chunked bodies; nothing more is read);
+  * an inference request whose JSON breaks dlora's rules (a value the engines cannot carry: a lone
+    surrogate, a non-finite float, an integer beyond int64; a client priority, in the body or vLLM's
+    X-Vllm-Priority header, the operator does not allow; a reserved chat-template argument) -> 400
+    naming the field (dlora.server.validation.check_body);
   * an inference request asking for more than `server.max_choices_per_request` completions
     (prompts x n: each is one engine request) -> 400 naming `n` (or `prompt` when n is 1);
   * an inference request whose completions would push the cluster's in-flight completions past
     `server.max_pending_requests` -> 429 with `Retry-After`: the whole request is refused up front,
     so a request never runs half of its choices.
-The completions of an admitted request count as in flight until its response has been sent
+An admitted inference request gets an id of the server's making (`with_request_id`). The completions
+of an admitted request count as in flight until its response has been sent
 (a stream included). Why here and not in the routes: the fan-out is known from the raw JSON, so a
 request of 48,000 completions is refused before it is validated, tokenised or turned into jobs.
 Refusals are OpenAI-shaped JSON (dlora/server/errors.py) and counted in /metrics.
@@ -20,6 +25,7 @@ Refusals are OpenAI-shaped JSON (dlora/server/errors.py) and counted in /metrics
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
@@ -27,9 +33,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dlora.cluster.errors import ClusterError
 from dlora.server.auth import authorized
-from dlora.server.errors import error_body, error_response
+from dlora.server.errors import APIError, error_body, error_response
+from dlora.server.validation import check_body
 
 INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None}
+RESPONSE_ID_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}  # vLLM's
+PRIORITY_HEADER = b"x-vllm-priority"  # vLLM's: overrides the body's `priority`
 UPLOAD_PATH = "/v1/files"  # batch input files: their own size limit (batch.max_file_mib)
 UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart body's headers and boundaries around the file
 RETRY_AFTER_S = 1  # in-flight completions end within seconds on a busy server: come back soon
@@ -57,16 +66,12 @@ class Fanout:
         return message, "n" if self.n > 1 else "prompt"
 
 
-def fanout_of(path: str, body: bytes) -> Fanout | None:
-    """The request's prompts x n from its raw JSON; None for other routes. A malformed body counts
-    as one completion: the route refuses it with the precise reason."""
-    if path not in INFERENCE_PATHS:
-        return None
+def parsed(body: bytes) -> object:
+    """The body's JSON, or None when it is not JSON (the route refuses it with the precise reason)."""
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return Fanout()
-    return fanout_of_data(path, data)
+        return None
 
 
 def fanout_of_data(path: str, data: object) -> Fanout:
@@ -135,10 +140,16 @@ class AdmissionMiddleware:
                 f"request body is larger than the server's limit of {max_bytes} bytes ({limit_key})",
             )
             return
-        fanout = fanout_of(scope["path"], body) if body is not None else None
-        if fanout is None:
+        if scope["path"] not in INFERENCE_PATHS or body is None:
             await self.app(scope, receive, send)
             return
+        data = parsed(body)
+        try:
+            check_body(data, _header(scope, PRIORITY_HEADER) or None, limits)
+        except APIError as e:
+            await self._refuse(state, scope, send, "invalid", e.status, e.message, e.param)
+            return
+        fanout = fanout_of_data(scope["path"], data)
         too_wide = fanout.too_wide(limits.max_choices_per_request)
         if too_wide is not None:
             await self._refuse(state, scope, send, "fanout", 400, *too_wide)
@@ -157,6 +168,7 @@ class AdmissionMiddleware:
             )
             return
         _set_in_flight(state, self.in_flight.count)
+        scope, send = with_request_id(scope, send)
         try:
             await self.app(scope, receive, send)
         finally:
@@ -177,6 +189,24 @@ class AdmissionMiddleware:
         state.metrics.admission_refused.labels(reason).inc()
         response = JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
         await response(scope, _no_body, send)
+
+
+def with_request_id(scope: Scope, send: Send) -> tuple[Scope, Send]:
+    """The request with an id of the server's making, which vLLM's serving puts in the response's
+    `id` (`cmpl-<id>`, `chatcmpl-<id>`), and a `send` that also gives that id in an X-Request-Id
+    header, errors included. A client's own X-Request-Id is replaced: engine requests are keyed by
+    it, and one client must not name another's."""
+    base = uuid.uuid4().hex
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"x-request-id"]
+    scope = dict(scope, headers=[*headers, (b"x-request-id", base.encode())])
+    shown = (RESPONSE_ID_PREFIX[scope["path"]] + base).encode()
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", shown)])
+        await send(message)
+
+    return scope, send_with_id
 
 
 async def _no_body() -> Message:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dlora.adapters.registry_store import RegistryPersistError
 from dlora.config import ServerConfig
-from dlora.server import admission, errors, routes_admin, routes_batch, routes_openai, vllm_frontend
+from dlora.server import admission, errors, routes_admin, routes_batch, routes_models, vllm_frontend
 from dlora.server.drain import Drain, DrainMiddleware
 from dlora.server.state import ServerState
 
@@ -27,6 +27,13 @@ def _refresh_gauges(state: ServerState) -> None:
         state.metrics.update_batches(statuses, state.batches.gate.in_flight)
 
 
+def attach(app: FastAPI, state: ServerState) -> None:
+    """Give the app its server state: dlora's routes read `app.state.dlora`, vLLM's their serving
+    objects (what the lifespan does at start; an app run without its lifespan needs it too)."""
+    app.state.dlora = state
+    vllm_frontend.start(app, state)
+
+
 def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | None = None) -> FastAPI:
     """`drain` is set off by the server's signal handler (serve_cmd); its middleware is outermost, so
     a draining server refuses new requests before any other check runs."""
@@ -34,8 +41,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.dlora = await make_state()
-        vllm_frontend.start(app, app.state.dlora)
+        attach(app, await make_state())
         try:
             yield
         finally:
@@ -51,7 +57,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
         # The registry undid the change, so the adapter set is what it was before this call.
         return errors.error_response(500, f"{exc}; the change was not applied")
 
-    app.include_router(routes_openai.router)
+    app.include_router(routes_models.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_batch.router)
     vllm_frontend.install(app)

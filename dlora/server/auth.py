@@ -1,4 +1,5 @@
-"""The optional API key of the inference routes (vLLM's --api-key): `Authorization: Bearer <key>`."""
+"""The optional API keys of the inference routes (vLLM's --api-key): `Authorization: Bearer <key>`, any
+one of the configured keys."""
 
 from __future__ import annotations
 
@@ -19,13 +20,19 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def authorized(authorization: str, key: str | None) -> bool:
-    """Whether an `Authorization` header value carries the key (any caller when no key is set)."""
-    if key is None:
+def authorized(authorization: str, keys: tuple[str, ...] | str | None) -> bool:
+    """Whether an `Authorization` header value carries one of the keys (any caller when none is set)."""
+    accepted = (keys,) if isinstance(keys, str) else keys or ()
+    if not accepted:
         return True
     token = bearer_token(authorization)
-    # Constant time, so the comparison does not reveal how much of a guess was right.
-    return token is not None and hmac.compare_digest(token.encode(), key.encode())
+    if token is None:
+        return False
+    given = token.encode()
+    # Each key in constant time, and every key (no stop at the first match), so the time taken
+    # reveals neither how much of a guess was right nor which key it matched.
+    matches = [hmac.compare_digest(given, key.encode()) for key in accepted]
+    return any(matches)
 
 
 async def require_api_key(request: Request) -> None:

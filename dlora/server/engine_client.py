@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -37,7 +38,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from dlora.adapters.lifecycle import ref_of
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
-from dlora.server.errors import APIError
+from dlora.server.errors import APIError, as_api_error
 from dlora.server.generation import STOP, Job, lookup_adapter, run_jobs
 from dlora.server.state import ServerState
 from dlora.server.validation import check_sampling
@@ -93,9 +94,21 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
     )
     try:
         check_sampling(spec, vocab_size)
+        if spec.seed is not None and params.n > 1:
+            # Leg i runs with seed + i: the last one must still fit what the engines carry.
+            check_sampling(dataclasses.replace(spec, seed=spec.seed + params.n - 1), vocab_size)
     except APIError as e:
         raise vllm_error(e) from None
     return spec
+
+
+def check_prompt(ids: list[int], vocab_size: int) -> None:
+    """A prompt the engines can take: at least one token, every id in the vocabulary (the input
+    processing vLLM's engine client does before its engine sees a prompt)."""
+    if not ids:
+        raise VLLMValidationError("the prompt must hold at least one token", parameter="prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise VLLMValidationError(f"prompt token ids must lie in [0, {vocab_size})", parameter="prompt")
 
 
 def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter, priority: int) -> list[Job]:
@@ -110,17 +123,25 @@ def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter
     return jobs
 
 
+# vLLM's floor for a logprob in a response; NaN (a fully masked row) too, so responses stay JSON.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
 def vllm_logprobs(logprobs: list[TokenLogprob]) -> list[dict[int, Logprob]]:
     """dlora's per-token logprobs in vLLM's shape: the sampled token first, then the top
     alternatives by rank (the sampled token's own rank is known only when it is among them)."""
     out = []
     for lp in logprobs:
-        step = {lp.token_id: Logprob(lp.logprob, None, lp.token)}
+        step = {lp.token_id: Logprob(_finite(lp.logprob), None, lp.token)}
         for rank, (token_id, logprob, token) in enumerate(lp.top, start=1):
             if token_id == lp.token_id:
-                step[token_id] = Logprob(lp.logprob, rank, lp.token)
+                step[token_id] = Logprob(_finite(lp.logprob), rank, lp.token)
             else:
-                step[token_id] = Logprob(logprob, rank, token)
+                step[token_id] = Logprob(_finite(logprob), rank, token)
         out.append(step)
     return out
 
@@ -144,7 +165,8 @@ class LegOutput:
         self.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs = (self.logprobs or []) + vllm_logprobs(d.logprobs)
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(lp.logprob for lp in d.logprobs)
+            total = (self.cumulative_logprob or 0.0) + sum(lp.logprob for lp in d.logprobs)
+            self.cumulative_logprob = _finite(total)
         if d.finished:
             self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
@@ -232,7 +254,7 @@ class RouterEngineClient(EngineClient):
         self._state = state
         self._stop: dict[str, asyncio.Queue] = {}
 
-    async def generate(
+    def generate(
         self,
         prompt,
         sampling_params: SamplingParams,
@@ -242,21 +264,21 @@ class RouterEngineClient(EngineClient):
         priority: int = 0,
         **_unused: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
+        """Checks the request at once and runs it when iterated. vLLM's serving calls this before a
+        stream's first byte, so a value the replicas refuse is a 400, not an error inside a 200
+        stream."""
         components = extract_prompt_components(self.model_config, prompt)
         ids = list(components.token_ids or ())
-        if not ids:
-            raise VLLMValidationError("the prompt must hold at least one token", parameter="prompt")
-        adapter = await self._adapter(lora_request)
-        spec = spec_of(sampling_params, self.model_config.get_vocab_size())
-        jobs = legs(request_id, ids, spec, sampling_params.n, adapter, priority)
-        outputs = RequestOutputs(
-            request_id,
-            components.text,
-            ids,
-            sampling_params.output_kind,
-            lora_request,
-            [LegOutput(job.index) for job in jobs],
-        )
+        check_prompt(ids, self._state.vocab_size)
+        spec = spec_of(sampling_params, self._state.vocab_size)
+        legs_out = [LegOutput(i) for i in range(sampling_params.n)]
+        outputs = RequestOutputs(request_id, components.text, ids, sampling_params.output_kind, lora_request, legs_out)
+        return self._run(outputs, spec, priority)
+
+    async def _run(self, outputs: RequestOutputs, spec: SamplingSpec, priority: int) -> AsyncGenerator[RequestOutput]:
+        request_id = outputs.request_id
+        adapter = await self._adapter(outputs.lora_request)
+        jobs = legs(request_id, outputs.prompt_token_ids, spec, len(outputs.legs), adapter, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._stop[request_id] = queue
         try:
@@ -265,6 +287,12 @@ class RouterEngineClient(EngineClient):
                 out = outputs.after(job.index)
                 if out is not None:
                     yield out
+        except (VLLMError, GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            # The cluster's refusals keep their status and message; anything else is logged under the
+            # request id and reaches the client as a 500 without its text.
+            raise vllm_error(as_api_error(e, request_id)) from None
         finally:
             self._stop.pop(request_id, None)
         if not all(leg.finished for leg in outputs.legs):  # ended by abort(request_id)

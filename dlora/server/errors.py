@@ -86,6 +86,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if not isinstance(first, dict):  # vLLM raises some with plain messages (a wrong content type)
+        return str(first), None
     field = _field_of(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":

@@ -109,7 +109,8 @@ class Metrics:
         self.preloads = Counter("dlora_adapter_preloads", "Adapters copied by the long-term preload", registry=r)
         self.admission_refused = Counter(
             "dlora_admission_refused",
-            "Requests refused before any work started, by reason: body_too_large (413), fanout (400), overloaded (429)",
+            "Requests refused before any work started, by reason: unauthorized (401), body_too_large (413), "
+            "invalid (400), fanout (400), overloaded (429)",
             ["reason"],
             registry=r,
         )

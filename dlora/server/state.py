@@ -28,6 +28,8 @@ from dlora.server.metrics import Metrics
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from dlora.server.vllm_frontend import Frontend
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,8 @@ class ServerState:
     elastic: ElasticCluster | None = None
     # /v1/files and /v1/batches (set by build_state once the state exists: batch lines run through it).
     batches: BatchService | None = None
+    # vLLM's serving classes over this state (set by build_state: the routes and batch lines use it).
+    frontend: Frontend | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -123,6 +127,7 @@ async def build_state(
 
     from dlora.cluster.launcher import ReplicaFactory, create_replicas
     from dlora.models.smollm2 import resolve_model_path
+    from dlora.server import vllm_frontend
 
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -190,6 +195,7 @@ async def build_state(
             on_event=metrics.observe_scale_event,
         )
     state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer, elastic)
+    state.frontend = vllm_frontend.build(state)
     state.batches = server_batches(state)
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))

@@ -9,6 +9,7 @@ rules apply and are not re-typed here; what vLLM checks elsewhere (its OpenAI pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from dlora.config import ServerConfig
 from dlora.replica.engine import to_sampling_params
 from dlora.replica.messages import SamplingSpec
 from dlora.server.errors import APIError
-from dlora.server.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, SamplingFields
+from dlora.server.protocol import INT64_MAX, INT64_MIN
 
 # Lone UTF-16 surrogates are valid in JSON ("\ud800") but not in UTF-8: the tokenizer and the JSON
 # encoder of the response both fail on them.
@@ -32,8 +33,10 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 # apply_chat_template's own arguments: a request setting them through chat_template_kwargs would
 # change what the call returns (token ids instead of text, tensors, a dict), not what the template sees.
+# (`chat_template` there vLLM refuses too; the field for a request's own template is `chat_template`.)
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
+        "chat_template",
         "conversation",
         "messages",
         "tokenize",
@@ -48,26 +51,30 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def _leaves(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield path, k  # keys reach the template too
-            yield from _leaves(v, path + (str(k),))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _leaves(v, path + (str(i),))
-    else:
-        yield path, value
+def _leaves(value: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every dict key and leaf value of a JSON value, with its path (iteratively: a body may nest
+    as deep as the JSON parser allows, beyond Python's recursion limit)."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                yield path, k  # keys reach the template too
+                stack.append((path + (str(k),), item))
+        elif isinstance(v, list):
+            stack.extend((path + (str(i),), item) for i, item in enumerate(v))
+        else:
+            yield path, v
 
 
 def _param(path: tuple[str, ...]) -> str | None:
     return ".".join(path) or None
 
 
-def check_values(body: SamplingFields) -> None:
+def check_values(body: Any) -> None:
     """Every string valid Unicode, every float finite, every integer within int64 (what the engine's
-    MessagePack transport and torch carry), anywhere in the body."""
-    for path, value in _leaves(body.model_dump(), ()):
+    MessagePack transport and torch carry), anywhere in a parsed JSON body."""
+    for path, value in _leaves(body):
         param = _param(path)
         if isinstance(value, str):
             if _SURROGATE.search(value):
@@ -85,46 +92,44 @@ def check_values(body: SamplingFields) -> None:
                 raise APIError(400, f"{param}: must lie in [-2**63, 2**63 - 1]", param)
 
 
-def check_policy(body: SamplingFields, server: ServerConfig) -> None:
-    """What the operator allows clients to ask for."""
-    if body.priority != 0 and not server.allow_client_priority:
-        # vLLM refuses a non-zero priority when its scheduling policy is not `priority`; dlora's engines
-        # always run that policy, so the operator decides whether clients may use it.
+def check_priority(body: dict, header: str | None, server: ServerConfig) -> None:
+    """A client's priority (the body's `priority`, or vLLM's X-Vllm-Priority header, which wins) only
+    where the operator allows it. vLLM refuses a non-zero priority when its scheduling policy is not
+    `priority`; dlora's engines always run that policy, so the operator decides."""
+    priority = body.get("priority", 0)
+    if header is not None:
+        try:
+            priority = int(header)
+        except ValueError:
+            pass  # vLLM ignores a header it cannot read
+        else:
+            if not INT64_MIN <= priority <= INT64_MAX:
+                raise APIError(400, "X-Vllm-Priority: must lie in [-2**63, 2**63 - 1]", "priority")
+    if priority not in (0, None) and not server.allow_client_priority:
         raise APIError(400, "Priority scheduling is not enabled.", "priority")
-    if isinstance(body, ChatCompletionRequest):
-        check_chat_template(body, server.trust_request_chat_template)
 
 
-def request_template(body: ChatCompletionRequest) -> tuple[str | None, str | None]:
-    """(template, the field it came in) of a request-supplied chat template, if any."""
-    kwargs = body.chat_template_kwargs or {}
-    if kwargs.get("chat_template") is not None:
-        return kwargs["chat_template"], "chat_template_kwargs.chat_template"
-    if body.chat_template is not None:
-        return body.chat_template, "chat_template"
-    return None, None
-
-
-def check_chat_template(body: ChatCompletionRequest, trusted: bool) -> None:
-    template, field = request_template(body)
-    if template is not None and not trusted:
-        # A template is a program the server runs: it can rewrite the whole prompt (system message
-        # included) or loop for ever. vLLM's message, its flag named after dlora's key.
-        raise APIError(
-            400,
-            "Chat template is passed with request, but server.trust_request_chat_template "
-            "is not set. Refused request with untrusted chat template.",
-            field,
-        )
-    if template is not None and not isinstance(template, str):
-        raise APIError(400, f"{field}: must be a string", field)
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(body.chat_template_kwargs or {}))
+def check_template_kwargs(body: dict) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if not isinstance(kwargs, dict):
+        return  # vLLM's request model refuses a non-object
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise APIError(
             400,
             f"chat_template_kwargs: `{reserved[0]}` cannot be set by a request",
             f"chat_template_kwargs.{reserved[0]}",
         )
+
+
+def check_body(body: Any, priority_header: str | None, server: ServerConfig) -> None:
+    """dlora's rules for an inference request's parsed JSON body, before vLLM's serving reads it:
+    values every layer below can carry, and what the operator allows clients to ask for. A body that
+    is not an object is left to vLLM's request model to refuse."""
+    check_values(body)
+    if isinstance(body, dict):
+        check_priority(body, priority_header, server)
+        check_template_kwargs(body)
 
 
 def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
@@ -156,7 +161,7 @@ def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
         )
 
 
-_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields)
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingSpec))
 
 
 def _field_named_in(message: str) -> str | None:

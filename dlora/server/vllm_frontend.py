@@ -1,37 +1,58 @@
-"""vLLM's own OpenAI serving classes in dlora's API process, over dlora's adapters.
+"""vLLM's own OpenAI serving classes in dlora's API process, over dlora's router and adapters.
 
-vLLM builds its frontend from a `VllmConfig`, a renderer (tokenizer and chat template) and a
-model registry; none of them needs a local engine (vLLM's GPU-less render server builds them the
-same way). dlora builds them once at start from its config, and serves vLLM's own routes with
-them, so that request fields, validation and response shapes are vLLM's, not a re-typed copy:
+vLLM builds its frontend from a `VllmConfig`, a renderer (tokenizer and chat template), a model
+registry and an `EngineClient`; none of them needs a local engine (vLLM's GPU-less render server
+builds the first three the same way). dlora builds them once per server from its config, with
+`RouterEngineClient` (dlora.server.engine_client) generating through the cluster, so request fields,
+defaults, validation and response and stream shapes are vLLM's, not a re-typed copy:
 
-- `/tokenize` and `/detokenize` (vLLM's `ServingTokenization`), for the base model and every
-  adapter (adapters share the base model's tokenizer).
+- `/v1/completions` and `/v1/chat/completions` (vLLM's `OpenAIServingCompletion` and
+  `OpenAIServingChat`, and their route functions); batch lines go through the same objects;
+- `/tokenize` and `/detokenize` (vLLM's `ServingTokenization`).
 
-The registry (`DloraModelRegistry`) is a view over dlora's adapter manager: a name is served when
-it is the base model or an adapter dlora has registered, or can resolve (`server.resolve_adapters`),
-with dlora's own answers for adapters that exist but cannot be served.
+What dlora changes, by subclassing:
+- the model check: a name is served when it is the base model or an adapter dlora has registered or
+  can resolve (`server.resolve_adapters`), with dlora's own answers (404, 400 or 503) for adapters
+  that exist but cannot be served. vLLM consults resolvers only under an environment variable and
+  answers every failure but a 400 as a 404.
+- a chat template that renders for longer than `server.template_timeout_s` is the client's 400
+  (vLLM's renderer raises a bare TimeoutError).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, cast
 
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.engine.protocol import EngineClient
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
-from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
+from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry, OpenAIServingModels
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.exceptions import VLLMError
 from vllm.lora.request import LoRARequest
 from vllm.renderers import renderer_from_config
+from vllm.renderers.chat_utils import load_chat_template
 from vllm.renderers.online_renderer import OnlineRenderer
 
 from dlora.adapters.lifecycle import AdapterManager
 from dlora.replica.engine import engine_kwargs
+from dlora.server.auth import require_api_key
+from dlora.server.engine_client import RouterEngineClient
 from dlora.server.errors import APIError, error_body
 from dlora.server.generation import lookup_adapter
 
@@ -43,6 +64,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CONTENT_FORMAT: Final = "auto"  # vLLM's default: the chat template decides how message content is given
+RESPONSE_ROLE = "assistant"
+# vLLM renders chat templates in a thread pool and gives up on one after this many seconds (it reads
+# the variable at each render): set from `server.template_timeout_s` when the frontend is built.
+RENDER_TIMEOUT_ENV = "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT"
+
 
 def engine_less_vllm_config(cfg: DloraConfig, model_path: str, served_name: str) -> VllmConfig:
     """The replicas' own engine arguments (dlora.replica.engine) as a `VllmConfig` for the frontend:
@@ -53,11 +80,12 @@ def engine_less_vllm_config(cfg: DloraConfig, model_path: str, served_name: str)
     return VllmConfig(model_config=model_config, structured_outputs_config=args.create_structured_outputs_config())
 
 
-class DloraModelRegistry(OpenAIModelRegistry):
-    """vLLM's model registry over dlora's: the base model, then every adapter dlora serves."""
+class DloraServingModels(OpenAIServingModels):
+    """vLLM's model registry over dlora's: the base model, then every adapter dlora serves. Loading
+    and unloading stay dlora's (its admin routes): vLLM's are not mounted."""
 
-    def __init__(self, vllm_config: VllmConfig, model_path: str, served_name: str, adapters: AdapterManager):
-        super().__init__(vllm_config.model_config, [BaseModelPath(name=served_name, model_path=model_path)])
+    def __init__(self, client: EngineClient, model_path: str, served_name: str, adapters: AdapterManager):
+        super().__init__(client, [BaseModelPath(name=served_name, model_path=model_path)])
         self._adapters = adapters
 
     @property
@@ -72,11 +100,9 @@ class DloraModelRegistry(OpenAIModelRegistry):
     def lora_requests(self, _value: dict[str, LoRARequest]) -> None:
         """The base class sets an empty dict; dlora's registry is the only source."""
 
-    def model_name(self, lora_request: LoRARequest | None = None) -> str:
-        """The name a response carries: the adapter's public name, else the base model's."""
-        return lora_request.lora_name if lora_request is not None else super().model_name()
-
     async def check_model(self, model_name: str | None) -> ErrorResponse | None:
+        """None when `model_name` can be served (resolving it if a resolver finds it), else the
+        error response saying why not."""
         if not model_name or self.is_base_model(model_name):
             return None
         try:
@@ -92,34 +118,144 @@ class DloraModelRegistry(OpenAIModelRegistry):
         return error if error is not None else self.lora_requests[lora_name]
 
 
-def tokenization(state: ServerState) -> ServingTokenization:
-    """vLLM's /tokenize and /detokenize over the server's model and adapters."""
-    vllm_config = engine_less_vllm_config(state.cfg, state.model_path, state.base_model_name)
-    models = DloraModelRegistry(vllm_config, state.model_path, state.base_model_name, state.adapters)
-    renderer = OnlineRenderer(
-        vllm_config.model_config,
-        renderer_from_config(vllm_config),
-        request_logger=None,
-        chat_template=None,  # the model's own
-        chat_template_content_format="auto",
+class _DloraModelCheck:
+    """vLLM's serving classes' model check, answered by dlora's registry and resolvers."""
+
+    models: OpenAIServingModels | OpenAIModelRegistry
+
+    async def _check_model(self, request: Any) -> ErrorResponse | None:
+        return await cast(DloraServingModels, self.models).check_model(request.model)
+
+
+class DloraCompletion(_DloraModelCheck, OpenAIServingCompletion):
+    """vLLM's /v1/completions serving, with dlora's model check."""
+
+
+class DloraChat(_DloraModelCheck, OpenAIServingChat):
+    """vLLM's /v1/chat/completions serving, with dlora's model check and template time bound."""
+
+    async def render_chat_request(self, request: ChatCompletionRequest):
+        try:
+            return await super().render_chat_request(request)
+        except TimeoutError:
+            # A (trusted) request template or a pathological conversation: the client's doing.
+            limit = os.environ.get(RENDER_TIMEOUT_ENV)
+            return create_error_response(
+                f"chat template rendering took longer than {limit} s",
+                param="messages",
+                status_code=HTTPStatus.BAD_REQUEST,
+            )
+
+
+class DloraTokenization(_DloraModelCheck, ServingTokenization):
+    """vLLM's /tokenize and /detokenize, with dlora's model check."""
+
+
+@dataclass(frozen=True)
+class Frontend:
+    """vLLM's serving objects over one server's router and adapters."""
+
+    client: RouterEngineClient
+    completion: DloraCompletion
+    chat: DloraChat
+    tokenization: DloraTokenization
+
+    async def answer(self, url: str, body: dict, request_id: str, priority: int) -> dict:
+        """A whole (non-streamed) response body for `body` posted to `url` without HTTP (a batch
+        line), as vLLM's run-batch gets one; `priority` and `request_id` replace the body's own.
+        Raises pydantic's ValidationError for a body the route would refuse, and APIError for the
+        error response the route would send."""
+        update = {"stream": False, "priority": priority, "request_id": request_id}
+        result: Any
+        try:
+            if url == "/v1/completions":
+                completion = CompletionRequest.model_validate(body).model_copy(update=update)
+                result = await self.completion.create_completion(completion)
+            else:
+                chat = ChatCompletionRequest.model_validate(body).model_copy(update=update)
+                result = await self.chat.create_chat_completion(chat)
+        except ValidationError:
+            raise
+        except Exception as e:
+            result = error_of(e, request_id)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # vLLM answers a cancelled request as a client's disconnect (an error response); a line is
+            # cancelled when its batch or the server stops, and must run again, not fail.
+            raise asyncio.CancelledError
+        if isinstance(result, ErrorResponse):
+            raise APIError(result.error.code, result.error.message, result.error.param)
+        return result.model_dump()  # a whole response: `stream` is off
+
+
+# What vLLM's own exception handlers answer with the error's status and (sanitised) message; any
+# other exception is the server's fault, and its text stays in the log.
+CLIENT_ERRORS = (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError)
+
+
+def error_of(exc: Exception, context: str) -> ErrorResponse:
+    """The error response vLLM's server sends for `exc`, without the text of unexpected ones."""
+    if isinstance(exc, CLIENT_ERRORS):
+        return create_error_response(exc)
+    log.error("%s failed", context, exc_info=exc)
+    return create_error_response("internal server error", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def build(state: ServerState) -> Frontend:
+    """vLLM's serving objects over `state`'s router and adapters, configured from its config."""
+    cfg = state.cfg
+    os.environ[RENDER_TIMEOUT_ENV] = str(cfg.server.template_timeout_s)
+    vllm_config = engine_less_vllm_config(cfg, state.model_path, state.base_model_name)
+    renderer = renderer_from_config(vllm_config)
+    server = cfg.server
+    # What vLLM's server builds from its flags of the same names (--chat-template, --tool-call-parser,
+    # --enable-auto-tool-choice, --reasoning-parser, --trust-request-chat-template).
+    chat_options: dict[str, Any] = dict(
+        chat_template=load_chat_template(server.chat_template),  # None: the model's own
+        chat_template_content_format=CONTENT_FORMAT,
         # A request's own template is code the server would run: only where the operator allows it.
-        trust_request_chat_template=state.cfg.server.trust_request_chat_template,
+        trust_request_chat_template=server.trust_request_chat_template,
     )
-    return ServingTokenization(
-        models,
-        renderer,
-        chat_template=None,
-        chat_template_content_format="auto",
-        trust_request_chat_template=state.cfg.server.trust_request_chat_template,
+    parsers: dict[str, Any] = dict(
+        enable_auto_tools=server.enable_auto_tool_choice,
+        tool_parser=server.tool_call_parser,
+        reasoning_parser=server.reasoning_parser or "",
     )
+    online = OnlineRenderer(vllm_config.model_config, renderer, request_logger=None, **chat_options, **parsers)
+    client = RouterEngineClient(state, vllm_config, renderer)
+    models = DloraServingModels(client, state.model_path, state.base_model_name, state.adapters)
+    completion = DloraCompletion(client, models, online_renderer=online, request_logger=None)
+    chat = DloraChat(
+        client, models, RESPONSE_ROLE, online_renderer=online, request_logger=None, **chat_options, **parsers
+    )
+    tokenization = DloraTokenization(models, online, **chat_options)
+    return Frontend(client, completion, chat, tokenization)
 
 
 def install(app: FastAPI) -> None:
-    """Mount vLLM's routes; their serving objects are set by `start` once the server state exists."""
+    """Mount vLLM's routes (its own route functions); their serving objects are set by `start` once
+    the server state exists."""
+    from vllm.entrypoints.openai.chat_completion.api_router import create_chat_completion
+    from vllm.entrypoints.openai.completion.api_router import create_completion
     from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
+    from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
+    async def vllm_error(request: Request, exc: Exception) -> JSONResponse:
+        err = error_of(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+    for kind in CLIENT_ERRORS:
+        app.add_exception_handler(kind, vllm_error)
+    inference = [Depends(require_api_key), Depends(validate_json_request)]
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"], dependencies=inference)
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=inference)
     app.include_router(tokenize_router)
 
 
 def start(app: FastAPI, state: ServerState) -> None:
-    app.state.serving_tokenization = tokenization(state)
+    """Hand vLLM's routes the serving objects they look up on `app.state`."""
+    frontend = state.frontend
+    assert frontend is not None, "build_state builds the frontend"
+    app.state.openai_serving_completion = frontend.completion
+    app.state.openai_serving_chat = frontend.chat
+    app.state.serving_tokenization = frontend.tokenization

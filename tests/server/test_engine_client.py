@@ -12,17 +12,13 @@ import contextlib
 import json
 
 import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.renderers import renderer_from_config
-from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from dlora.config import from_dict
-from dlora.server import vllm_frontend
-from dlora.server.engine_client import RouterEngineClient
 from dlora.server.state import build_state
 from dlora.sim.toy_replica import ToyReplica, reference_tokens
 from tests import harness
@@ -32,22 +28,12 @@ PROMPT = "def main():\n    return 1"
 
 @contextlib.asynccontextmanager
 async def serving(tiny_model, tmp_path, step_s: float = 0.001):
-    """vLLM's completion serving over dlora's router on two toy replicas."""
+    """vLLM's completion serving over dlora's router on two toy replicas (the frontend a server
+    builds, dlora.server.vllm_frontend)."""
     cfg = from_dict(harness.tiny_config(tiny_model, tmp_path / "state", 0, cluster={"num_replicas": 2}))
     state = await build_state(cfg, replicas=[ToyReplica(i, step_s=step_s) for i in range(2)])
     try:
-        vllm_config = vllm_frontend.engine_less_vllm_config(cfg, state.model_path, state.base_model_name)
-        renderer = renderer_from_config(vllm_config)
-        client = RouterEngineClient(state, vllm_config, renderer)
-        models = vllm_frontend.DloraModelRegistry(vllm_config, state.model_path, state.base_model_name, state.adapters)
-        online = OnlineRenderer(
-            vllm_config.model_config,
-            renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
-        yield OpenAIServingCompletion(client, models, online_renderer=online, request_logger=None), client
+        yield state.frontend.completion, state.frontend.client
     finally:
         await state.close()
 
@@ -174,3 +160,97 @@ def test_abort_ends_every_leg_with_finish_reason_abort(tiny_model, tmp_path, pro
     generated = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     assert 3 <= generated < 400  # stopped long before either leg's 200 tokens
     assert not any(out.finished for out in outputs[:-1])
+
+
+NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x"
+
+
+def test_a_trusted_template_that_renders_too_long_is_a_400_and_the_server_goes_on(tiny_model, tmp_path):
+    cfg = from_dict(
+        harness.tiny_config(
+            tiny_model,
+            tmp_path / "state",
+            0,
+            server={"trust_request_chat_template": True, "template_timeout_s": 0.5},
+        )
+    )
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        state = await build_state(cfg, replicas=[ToyReplica(0, step_s=0.001)])
+        chat = state.frontend.chat
+        try:
+            looping = ChatCompletionRequest(model="tiny-base", messages=messages, chat_template=NESTED_LOOPS)
+            refused = await answered(chat.create_chat_completion(looping))
+            # The stuck render thread does not hold up the next request.
+            ok = await asyncio.wait_for(
+                chat.create_chat_completion(ChatCompletionRequest(model="tiny-base", messages=messages, max_tokens=2)),
+                30,
+            )
+            return refused, ok
+        finally:
+            await state.close()
+
+    refused, ok = run(go())
+    assert isinstance(refused, ErrorResponse) and refused.error.code == 400 and refused.error.param == "messages"
+    assert "0.5 s" in refused.error.message
+    assert isinstance(ok, ChatCompletionResponse) and ok.choices[0].finish_reason == "length"
+
+
+def test_a_chat_stream_sends_the_role_with_the_first_token(tiny_model, tmp_path):
+    """vLLM's chat stream: no chunk before the engine has produced something, so a client's
+    time to first token is the engine's."""
+
+    async def go():
+        cfg = from_dict(harness.tiny_config(tiny_model, tmp_path / "state2", 0))
+        state = await build_state(cfg, replicas=[ToyReplica(0, step_s=0.2)])
+        try:
+            req = ChatCompletionRequest(
+                model="a0", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+            )
+            stream = await state.frontend.chat.create_chat_completion(req)
+            t0 = asyncio.get_running_loop().time()
+            first = await stream.__anext__()
+            waited = asyncio.get_running_loop().time() - t0
+            rest = [c async for c in stream]
+            return first, waited, rest
+        finally:
+            await state.close()
+
+    first, waited, rest = run(go())
+    chunk = json.loads(first[len("data: ") :])
+    assert chunk["choices"][0]["delta"]["role"] == "assistant"
+    assert waited >= 0.15  # the toy replica's first step (0.2 s) came first
+    assert rest[-1].strip() == "data: [DONE]"
+
+
+def test_the_servers_chat_template_and_tool_parser_are_vllms_options(tiny_model, tmp_path, prompt_ids):
+    """server.chat_template (vLLM's --chat-template) renders every chat; a tool parser with auto tool
+    choice lets a chat carry tools."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    server = {"chat_template": template, "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+    cfg = from_dict(harness.tiny_config(tiny_model, tmp_path / "state", 0, server=server))
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+    async def go():
+        state = await build_state(cfg, replicas=[ToyReplica(0, step_s=0.001)])
+        try:
+            tokens = await state.frontend.tokenization.create_tokenize(
+                TokenizeChatRequest(model="a0", messages=messages, add_special_tokens=False), None
+            )
+            chat = await state.frontend.chat.create_chat_completion(
+                ChatCompletionRequest(model="a0", messages=messages, max_tokens=3, tools=[tool], tool_choice="auto")
+            )
+            return tokens, chat
+        finally:
+            await state.close()
+
+    tokens, chat = run(go())
+    want = AutoTokenizer.from_pretrained(tiny_model.base)("[user] hi\n", add_special_tokens=False)["input_ids"]
+    assert tokens.tokens == want
+    assert isinstance(chat, ChatCompletionResponse), chat
+    assert chat.choices[0].message.content == "".join(f"<{t}>" for t in reference_tokens("a0", tuple(want), 3))

@@ -243,6 +243,7 @@ def chat_specific() -> st.SearchStrategy:
 SCHEMA_KEYWORDS = {
     "$ref",
     "anyOf",
+    "const",
     "enum",
     "type",
     "title",
@@ -259,6 +260,10 @@ SCHEMA_KEYWORDS = {
     "properties",
     "required",
     "additionalProperties",
+    # annotations: they say nothing of which values are valid
+    "description",
+    "deprecated",
+    "contentMediaType",
 }
 
 
@@ -272,6 +277,8 @@ def from_json_schema(schema: dict, components: dict) -> st.SearchStrategy:
         return st.deferred(lambda: from_json_schema(components[name], components))
     if "anyOf" in schema:
         return st.one_of([from_json_schema(s, components) for s in schema["anyOf"]])
+    if "const" in schema:
+        return st.just(schema["const"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     kind = schema.get("type")

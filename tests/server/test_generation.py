@@ -1,33 +1,63 @@
-"""Turning an OpenAI body into the replica's GenerateRequests (no engine)."""
+"""From vLLM's engine requests to the replicas' (no engine): one routed leg per sample, what each
+carries, prompts the engines can take, and logprobs JSON can carry."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
 
-from dlora.server.errors import APIError
-from dlora.server.generation import make_jobs
-from dlora.server.protocol import CompletionRequest
+from dlora.replica.messages import SamplingSpec, TokenLogprob
+from dlora.server.engine_client import LOGPROB_FLOOR, check_prompt, legs, spec_of, vllm_logprobs
 
-
-def jobs(**body):
-    req = CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=4, **body)
-    return make_jobs("cmpl-1", [[1, 2, 3], [4, 5]], req, None, None, max_model_len=64, vocab_size=100)
+VOCAB = 100
 
 
-def test_every_sample_of_every_prompt_carries_the_bodys_priority():
-    out = jobs(n=2, priority=-7)
-    assert [j.request.request_id for j in out] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2", "cmpl-1-3"]
-    assert [j.request.priority for j in out] == [-7] * 4
-    assert [j.request.priority for j in jobs()] == [0, 0]  # vLLM's default
+def test_every_leg_carries_the_priority_and_seed_plus_its_index():
+    out = legs("cmpl-1-0", [1, 2, 3], SamplingSpec(max_tokens=4, seed=10), 3, None, -7)
+    assert [j.request.request_id for j in out] == ["0_cmpl-1-0", "1_cmpl-1-0", "2_cmpl-1-0"]
+    assert [j.index for j in out] == [0, 1, 2]
+    assert [j.request.priority for j in out] == [-7] * 3
+    assert [j.request.sampling.seed for j in out] == [10, 11, 12]
+    one = legs("cmpl-2-0", [1], SamplingSpec(max_tokens=4), 1, None, 0)
+    assert [j.request.request_id for j in one] == ["cmpl-2-0"] and one[0].request.sampling.seed is None
 
 
 def test_no_arrival_stamp_before_the_router():
-    """The router stamps a request's first arrival; a job carries none of its own."""
-    assert all(j.request.arrival_time is None for j in jobs(n=3))
+    """The router stamps a request's first arrival; a leg carries none of its own."""
+    assert all(j.request.arrival_time is None for j in legs("r", [1], SamplingSpec(max_tokens=2), 3, None, 0))
 
 
-def test_out_of_vocabulary_prompt_ids_are_refused_naming_the_prompt():
-    req = CompletionRequest(model="m", prompt=[1, 2, 300], max_tokens=4)
-    with pytest.raises(APIError) as e:
-        make_jobs("cmpl-2", [[1, 2, 300]], req, None, None, max_model_len=64, vocab_size=100)
-    assert e.value.status == 400 and e.value.param == "prompt"
+@pytest.mark.parametrize("ids", [[], [1, 2, VOCAB], [-1, 2]])
+def test_empty_or_out_of_vocabulary_prompts_are_refused_naming_the_prompt(ids):
+    with pytest.raises(VLLMValidationError) as e:
+        check_prompt(ids, VOCAB)
+    assert e.value.parameter == "prompt"
+    check_prompt([0, VOCAB - 1], VOCAB)
+
+
+def test_the_last_legs_seed_must_fit_int64():
+    with pytest.raises(VLLMValidationError) as e:
+        spec_of(SamplingParams(max_tokens=4, seed=2**63 - 1, n=2), VOCAB)
+    assert e.value.parameter == "seed"
+    assert spec_of(SamplingParams(max_tokens=4, seed=2**63 - 2, n=2), VOCAB).seed == 2**63 - 2
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {1: 2.0}), ("bad_words", ["x"]), ("prompt_logprobs", 1)])
+def test_fields_a_replica_cannot_carry_are_refused_naming_them(field, value):
+    with pytest.raises(VLLMValidationError) as e:
+        spec_of(SamplingParams(max_tokens=4, **{field: value}), VOCAB)
+    assert e.value.parameter == field
+
+
+def test_non_finite_logprobs_are_floored_as_vllm_does():
+    lps = [TokenLogprob(1, -math.inf, "a", ((2, math.nan, "b"), (3, -0.5, "c"))), TokenLogprob(4, -1.0, "d")]
+    out = vllm_logprobs(lps)
+    assert [{t: (lp.logprob, lp.rank) for t, lp in step.items()} for step in out] == [
+        {1: (LOGPROB_FLOOR, None), 2: (LOGPROB_FLOOR, 1), 3: (-0.5, 2)},
+        {4: (-1.0, None)},
+    ]
+    json.dumps([[lp.logprob for lp in step.values()] for step in out], allow_nan=False)

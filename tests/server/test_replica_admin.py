@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dlora.config import from_dict
-from dlora.server.app import _refresh_gauges, create_app
+from dlora.server.app import _refresh_gauges, attach, create_app
 from dlora.server.state import build_state
 from dlora.sim.toy_replica import ToyReplica
 from tests import harness
@@ -36,7 +36,7 @@ async def toy_cluster(tiny_model, state_dir, autoscale: dict | None = AUTOSCALE)
         return state
 
     app = create_app(make_state)
-    app.state.dlora = state  # what the lifespan sets; ASGITransport does not run it
+    attach(app, state)  # what the lifespan does; ASGITransport does not run it
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dlora", timeout=60)
     try:
         yield http, state

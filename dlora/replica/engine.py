@@ -106,6 +106,9 @@ def to_sampling_params(s: SamplingSpec):
         logprobs=s.logprobs,
         skip_special_tokens=s.skip_special_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        logit_bias=dict(s.logit_bias) or None,
+        allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids),
+        bad_words=list(s.bad_words) or None,
         output_kind=RequestOutputKind.DELTA,
     )
 

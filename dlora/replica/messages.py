@@ -45,6 +45,12 @@ class SamplingSpec:
     logprobs: int | None = None  # top-k alternatives per sampled token; 0 = only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's logit processing: added to a token's logit before sampling; the only tokens that may be
+    # sampled (None: any); words never to generate. Each holds on every leg of a moved request (a
+    # bad word split across two legs is not seen whole by either).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ instead of a local engine core, doing for each request what vLLM's `AsyncLLM` do
   FINAL_ONLY (one output holding every leg's whole completion, by index) or CUMULATIVE;
 - every output carries the request's prompt ids (vLLM counts prompt usage once per request from them).
 
-What a replica cannot carry yet (structured outputs, logit bias, bad words, allowed token ids, prompt
-logprobs) is refused with vLLM's own validation error naming the field, which vLLM's server answers
+Values are checked by vLLM's own `SamplingParams.verify` against the model, then by dlora's rules
+for what the engines carry. What a replica cannot carry yet (structured outputs, prompt logprobs) is
+refused with vLLM's own validation error naming the field, which vLLM's server answers
 as a 400: never silently ignored. dlora's own refusals (an adapter that cannot be served) become the
 vLLM error of the same status.
 """
@@ -46,9 +47,6 @@ from dlora.server.validation import check_sampling
 # SamplingParams fields a replica does not receive yet: their values when unset.
 NOT_CARRIED: dict[str, Any] = {
     "structured_outputs": None,
-    "logit_bias": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
     "prompt_logprobs": None,
     "logprob_token_ids": None,
     "thinking_token_budget": None,
@@ -91,6 +89,9 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
         logprobs=params.logprobs,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=tuple((int(t), float(b)) for t, b in (params.logit_bias or {}).items()),
+        allowed_token_ids=None if params.allowed_token_ids is None else tuple(params.allowed_token_ids),
+        bad_words=tuple(params.bad_words or ()),
     )
     try:
         check_sampling(spec, vocab_size)
@@ -270,6 +271,10 @@ class RouterEngineClient(EngineClient):
         components = extract_prompt_components(self.model_config, prompt)
         ids = list(components.token_ids or ())
         check_prompt(ids, self._state.vocab_size)
+        # vLLM's own checks of the values against the model (what its engine client runs first).
+        sampling_params.verify(
+            self.model_config, None, self.vllm_config.structured_outputs_config, self.renderer.tokenizer
+        )
         spec = spec_of(sampling_params, self._state.vocab_size)
         legs_out = [LegOutput(i) for i in range(sampling_params.n)]
         outputs = RequestOutputs(request_id, components.text, ids, sampling_params.output_kind, lora_request, legs_out)

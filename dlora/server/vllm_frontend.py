@@ -139,9 +139,9 @@ class DloraChat(_DloraModelCheck, OpenAIServingChat):
             return await super().render_chat_request(request)
         except TimeoutError:
             # A (trusted) request template or a pathological conversation: the client's doing.
-            limit = os.environ.get(RENDER_TIMEOUT_ENV)
+            limit = float(os.environ[RENDER_TIMEOUT_ENV])
             return create_error_response(
-                f"chat template rendering took longer than {limit} s",
+                f"chat template rendering took longer than {limit:g} s",
                 param="messages",
                 status_code=HTTPStatus.BAD_REQUEST,
             )

@@ -115,9 +115,6 @@ def test_a_stream_of_two_choices_finishes_each_and_counts_the_prompt_once(tiny_m
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logit_bias", {"5": 10.0}),
-        ("allowed_token_ids", [1, 2, 3]),
-        ("bad_words", ["x"]),
         ("structured_outputs", {"choice": ["yes", "no"]}),
         ("prompt_logprobs", 1),
     ],

@@ -46,11 +46,23 @@ def test_the_last_legs_seed_must_fit_int64():
     assert spec_of(SamplingParams(max_tokens=4, seed=2**63 - 2, n=2), VOCAB).seed == 2**63 - 2
 
 
-@pytest.mark.parametrize("field, value", [("logit_bias", {1: 2.0}), ("bad_words", ["x"]), ("prompt_logprobs", 1)])
+@pytest.mark.parametrize("field, value", [("structured_outputs", None), ("prompt_logprobs", 1)])
 def test_fields_a_replica_cannot_carry_are_refused_naming_them(field, value):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    value = StructuredOutputsParams(choice=["a", "b"]) if field == "structured_outputs" else value
     with pytest.raises(VLLMValidationError) as e:
         spec_of(SamplingParams(max_tokens=4, **{field: value}), VOCAB)
     assert e.value.parameter == field
+
+
+def test_logit_bias_allowed_ids_and_bad_words_reach_the_replicas_spec():
+    params = SamplingParams(max_tokens=4, logit_bias={7: -2.5, 3: 1.0}, allowed_token_ids=[3, 7], bad_words=["no"])
+    spec = spec_of(params, VOCAB)
+    assert dict(spec.logit_bias) == {7: -2.5, 3: 1.0}
+    assert spec.allowed_token_ids == (3, 7) and spec.bad_words == ("no",)
+    plain = spec_of(SamplingParams(max_tokens=4), VOCAB)
+    assert (plain.logit_bias, plain.allowed_token_ids, plain.bad_words) == ((), None, ())
 
 
 def test_non_finite_logprobs_are_floored_as_vllm_does():

@@ -98,6 +98,66 @@ def test_min_tokens_suppresses_stop_ids_until_reached(tiny_server, oracle):
         assert choice["finish_reason"] == "length"
 
 
+def tiny_greedy_with(oracle, adapter, prompt_ids, max_tokens, shape) -> list[int]:
+    """HF greedy where `shape(logits)` (in place) acts on each step's logits, as vLLM's logit
+    processing does before it samples."""
+    import torch
+
+    model, ids, out = oracle._load(adapter), list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            shape(logits)
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+def test_logit_bias_and_allowed_token_ids_steer_greedy_as_in_hf(tiny_server, oracle):
+    """logit_bias adds to the named logits; allowed_token_ids leaves only those ids. Both hold on
+    every step of an adapter's answer, as HF's greedy with the same logits."""
+    ids = oracle.tokenizer()(TINY_PROMPTS[0])["input_ids"]
+    full = oracle.greedy("a1", ids, TINY_MAX_TOKENS)
+    at = first_new_token(full, 1)
+    bias = {full[0]: -30.0, full[at]: 3.0}
+
+    def biased(logits):
+        for token, b in bias.items():
+            logits[token] += b
+
+    want = tiny_greedy_with(oracle, "a1", ids, TINY_MAX_TOKENS, biased)
+    assert want != full  # the bias changed the answer, so the comparison means something
+    body = {"model": "a1", "prompt": ids, "ignore_eos": True}
+    choice = complete(tiny_server.url, **body, logit_bias={str(t): b for t, b in bias.items()})
+    assert choice["token_ids"] == want
+
+    allowed = sorted({full[1], full[at], 11, 42})
+
+    def only_allowed(logits):
+        keep = logits[allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[allowed] = keep
+
+    want = tiny_greedy_with(oracle, "a1", ids, TINY_MAX_TOKENS, only_allowed)
+    choice = complete(tiny_server.url, **body, allowed_token_ids=allowed)
+    assert choice["token_ids"] == want and set(choice["token_ids"]) <= set(allowed)
+
+
+def test_bad_words_are_never_generated(tiny_server, oracle):
+    """vLLM bans a bad word's tokens, written with and without a leading space: the greedy answer's
+    first word, banned, appears in neither form."""
+    tok = oracle.tokenizer()
+    ids = tok(TINY_PROMPTS[1])["input_ids"]
+    full = oracle.greedy("a0", ids, TINY_MAX_TOKENS)
+    word = next(w for w in (tok.decode(full[: i + 1]).strip() for i in range(len(full))) if w)
+    banned = [tok(w, add_special_tokens=False)["input_ids"] for w in (word, " " + word)]
+    out = complete(tiny_server.url, model="a0", prompt=ids, bad_words=[word], ignore_eos=True)["token_ids"]
+    assert out != full
+    for seq in banned:
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out))), (word, seq, out)
+
+
 @pytest.mark.parametrize("field", [{"top_k": 1}, {"min_p": 1.0}], ids=["top_k=1", "min_p=1"])
 def test_single_candidate_sampling_equals_greedy(tiny_server, oracle, field):
     """top_k=1 and min_p=1 leave only the argmax, whatever the temperature or seed."""

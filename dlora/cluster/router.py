@@ -172,7 +172,12 @@ class RequestState:
         """The request to send after a move: the prompt grows by what was generated."""
         s = self.request.sampling
         n = len(self.generated)
-        sampling = dataclasses.replace(s, max_tokens=s.max_tokens - n, min_tokens=max(0, s.min_tokens - n))
+        # A leg's first output gives the prompt's logprobs with its first token: once a token came, they
+        # came, and this leg's prompt holds generated tokens too.
+        prompt_logprobs = s.prompt_logprobs if n == 0 else None
+        sampling = dataclasses.replace(
+            s, max_tokens=s.max_tokens - n, min_tokens=max(0, s.min_tokens - n), prompt_logprobs=prompt_logprobs
+        )
         return dataclasses.replace(
             self.request,
             request_id=f"{self.request.request_id}-r{self.resubmissions}",

@@ -104,6 +104,7 @@ def to_sampling_params(s: SamplingSpec):
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty,
         logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
         skip_special_tokens=s.skip_special_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output,
         logit_bias=dict(s.logit_bias) or None,
@@ -202,14 +203,20 @@ class EngineHost:
             priority=req.priority,
         )
         ended = self._streams[req.request_id] = asyncio.Event()
+        prompt_k = req.sampling.prompt_logprobs
         try:
             async for out in stream:
                 c = out.outputs[0]
                 ids = list(c.token_ids)
+                prompt = None
+                if prompt_k is not None and out.prompt_logprobs is not None:
+                    prompt = _convert_logprobs(list(req.prompt_token_ids[1:]), out.prompt_logprobs[1:], prompt_k)
+                    prompt_k = None  # vLLM gives them with the first output only
                 yield Delta(
                     token_ids=ids,
                     text=c.text,
                     logprobs=_convert_logprobs(ids, c.logprobs, req.sampling.logprobs or 0),
+                    prompt_logprobs=prompt,
                     finished=out.finished,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,

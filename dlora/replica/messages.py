@@ -43,6 +43,9 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k alternatives per sampled token; 0 = only the sampled one
+    # top-k alternatives per prompt token (0 = only the prompt's own), on the first leg only: a
+    # moved request's continuation has its generated tokens in its prompt
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's logit processing: added to a token's logit before sampling; the only tokens that may be
@@ -83,6 +86,9 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    # On a request's first delta when it asked for them: one per prompt token from the second on
+    # (the first has no logprob)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None

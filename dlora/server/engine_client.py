@@ -11,8 +11,8 @@ instead of a local engine core, doing for each request what vLLM's `AsyncLLM` do
 - every output carries the request's prompt ids (vLLM counts prompt usage once per request from them).
 
 Values are checked by vLLM's own `SamplingParams.verify` against the model, then by dlora's rules
-for what the engines carry. What a replica cannot carry yet (structured outputs, prompt logprobs) is
-refused with vLLM's own validation error naming the field, which vLLM's server answers
+for what the engines carry. Prompt logprobs come from a request's first leg. What a replica cannot
+carry yet (structured outputs) is refused with vLLM's own validation error naming the field, which vLLM's server answers
 as a 400: never silently ignored. dlora's own refusals (an adapter that cannot be served) become the
 vLLM error of the same status.
 """
@@ -47,7 +47,6 @@ from dlora.server.validation import check_sampling
 # SamplingParams fields a replica does not receive yet: their values when unset.
 NOT_CARRIED: dict[str, Any] = {
     "structured_outputs": None,
-    "prompt_logprobs": None,
     "logprob_token_ids": None,
     "thinking_token_budget": None,
     "repetition_detection": None,
@@ -87,6 +86,7 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         skip_special_tokens=params.skip_special_tokens,
         include_stop_str_in_output=params.include_stop_str_in_output,
         logit_bias=tuple((int(t), float(b)) for t, b in (params.logit_bias or {}).items()),
@@ -212,6 +212,13 @@ class RequestOutputs:
     kind: RequestOutputKind
     lora_request: LoRARequest | None
     legs: list[LegOutput]
+    # From the first leg's first delta, in vLLM's shape (None for the first prompt token)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, index: int, d: Delta) -> None:
+        self.legs[index].add(d)
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *vllm_logprobs(d.prompt_logprobs)]
 
     def after(self, index: int) -> RequestOutput | None:
         """The output to send after leg `index` produced something, if any."""
@@ -236,7 +243,7 @@ class RequestOutputs:
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            None,
+            self.prompt_logprobs,
             outputs,
             finished,
             lora_request=self.lora_request,
@@ -288,7 +295,7 @@ class RouterEngineClient(EngineClient):
         self._stop[request_id] = queue
         try:
             async for job, delta in run_jobs(self._state, jobs, adapter.name if adapter else "", queue):
-                outputs.legs[job.index].add(delta)
+                outputs.add(job.index, delta)
                 out = outputs.after(job.index)
                 if out is not None:
                     yield out

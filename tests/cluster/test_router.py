@@ -742,3 +742,19 @@ def test_a_round_whose_moves_are_simulated_to_cost_more_than_they_save_is_not_ru
         assert done.plan.moves == () and done.moved == 0 and "not run: simulated gain" in done.plan.status
     else:
         assert done.moved > 0
+
+
+def test_a_continuation_carries_the_sampling_but_not_the_prompts_logprobs():
+    """A moved request's next leg keeps what samples its tokens and counts what is left; once a leg
+    has given tokens (and with the first, the prompt's logprobs) the next does not ask for them again."""
+    from dlora.cluster.router import RequestState
+
+    spec = SamplingSpec(
+        max_tokens=10, min_tokens=4, prompt_logprobs=1, logit_bias=((3, 2.0),), allowed_token_ids=(3, 4), seed=5
+    )
+    state = RequestState(GenerateRequest("r", (1, 2), spec), arrival=0.0)
+    assert state.continuation().sampling.prompt_logprobs == 1  # moved before its first output
+    state.generated.extend([3, 4, 3])
+    nxt = state.continuation()
+    assert nxt.prompt_token_ids == (1, 2, 3, 4, 3)
+    assert nxt.sampling == dataclasses.replace(spec, max_tokens=7, min_tokens=1, prompt_logprobs=None)

@@ -116,7 +116,6 @@ def test_a_stream_of_two_choices_finishes_each_and_counts_the_prompt_once(tiny_m
     "field, value",
     [
         ("structured_outputs", {"choice": ["yes", "no"]}),
-        ("prompt_logprobs", 1),
     ],
 )
 def test_a_field_replicas_cannot_carry_yet_is_a_400_naming_it(tiny_model, tmp_path, field, value):

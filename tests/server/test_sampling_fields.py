@@ -319,3 +319,22 @@ def test_chat_logprobs_equal_hf_log_softmax(shipped_server, shipped_oracle, mode
         assert len(top) == 5 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
         errors, _ = top_k_errors(tok, hf_lp[step], {t["token"]: t["logprob"] for t in top}, 5, FP32_TOL)
         assert errors == [], (step, errors)
+
+
+@pytest.mark.parametrize("model", ["tiny-base", "a2"])
+def test_echo_with_logprobs_scores_the_prompt_as_hf(tiny_server, oracle, model):
+    """lm-eval's loglikelihood request (echo, logprobs, one new token): every prompt token after the
+    first carries its log-probability under the model, as HF's log-softmax over the same prefix."""
+    import torch
+
+    adapter = None if model == "tiny-base" else model
+    ids = oracle.tokenizer()(TINY_PROMPTS[1])["input_ids"]
+    body = {"model": model, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    lp = post(tiny_server.url, "/v1/completions", **body)["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 1
+    with torch.no_grad():
+        logits = oracle._load(adapter)(torch.tensor([ids])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    got = lp["token_logprobs"][1 : len(ids)]
+    assert max(abs(g - w) for g, w in zip(got, want)) < FP32_TOL, (got, want)
+    assert all(len(top) >= 1 for top in lp["top_logprobs"][1:])  # the prompt's own token, at least

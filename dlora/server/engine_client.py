@@ -12,9 +12,9 @@ instead of a local engine core, doing for each request what vLLM's `AsyncLLM` do
 
 Values are checked by vLLM's own `SamplingParams.verify` against the model, then by dlora's rules
 for what the engines carry. Prompt logprobs come from a request's first leg. What a replica cannot
-carry yet (structured outputs) is refused with vLLM's own validation error naming the field, which vLLM's server answers
-as a 400: never silently ignored. dlora's own refusals (an adapter that cannot be served) become the
-vLLM error of the same status.
+carry yet (structured outputs) is refused with vLLM's own validation error naming the field, which
+vLLM's server answers as a 400: never silently ignored. dlora's own refusals (an adapter that cannot
+be served) become the vLLM error of the same status.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingS
 from dlora.server.errors import APIError, as_api_error
 from dlora.server.generation import STOP, Job, lookup_adapter, run_jobs
 from dlora.server.state import ServerState
-from dlora.server.validation import check_sampling
+from dlora.server.validation import check_sampling, check_seed
 
 # SamplingParams fields a replica does not receive yet: their values when unset.
 NOT_CARRIED: dict[str, Any] = {
@@ -95,9 +95,8 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
     )
     try:
         check_sampling(spec, vocab_size)
-        if spec.seed is not None and params.n > 1:
-            # Leg i runs with seed + i: the last one must still fit what the engines carry.
-            check_sampling(dataclasses.replace(spec, seed=spec.seed + params.n - 1), vocab_size)
+        if spec.seed is not None:
+            check_seed(spec.seed + params.n - 1)  # leg i runs with seed + i
     except APIError as e:
         raise vllm_error(e) from None
     return spec
@@ -120,7 +119,7 @@ def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter
         sampling = dataclasses.replace(spec, seed=seed)
         leg_id = request_id if n == 1 else f"{i}_{request_id}"
         req = GenerateRequest(leg_id, tuple(prompt), sampling, adapter, priority=priority)
-        jobs.append(Job(index=i, prompt_index=0, request=req))
+        jobs.append(Job(index=i, request=req))
     return jobs
 
 

@@ -20,10 +20,9 @@ from dlora.server.errors import APIError
 
 @dataclass(frozen=True)
 class Job:
-    """One completion (choice `index`) of prompt `prompt_index`, as the request a replica runs."""
+    """One completion (choice `index` of its prompt), as the request a replica runs."""
 
     index: int
-    prompt_index: int
     request: GenerateRequest
 
 

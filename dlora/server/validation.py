@@ -132,11 +132,17 @@ def check_body(body: Any, priority_header: str | None, server: ServerConfig) -> 
         check_template_kwargs(body)
 
 
+def check_seed(seed: int) -> None:
+    """A seed the engines carry (int64). n > 1 gives sample i the seed `seed + i`, which can step
+    past int64 when `seed` did not."""
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise APIError(400, "seed: seed + n - 1 must lie in [-2**63, 2**63 - 1]", "seed")
+
+
 def check_sampling(spec: SamplingSpec, vocab_size: int) -> None:
     """One engine request's sampling values, by vLLM's rules; 400 naming the field otherwise."""
-    if spec.seed is not None and not INT64_MIN <= spec.seed <= INT64_MAX:
-        # n > 1 gives sample i the seed `seed + i`, which can step past int64 when `seed` did not.
-        raise APIError(400, "seed: seed + n - 1 must lie in [-2**63, 2**63 - 1]", "seed")
+    if spec.seed is not None:
+        check_seed(spec.seed)
     bad = [t for t in spec.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise APIError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -50,6 +51,7 @@ from vllm.renderers.chat_utils import load_chat_template
 from vllm.renderers.online_renderer import OnlineRenderer
 
 from dlora.adapters.lifecycle import AdapterManager
+from dlora.adapters.registry import AdapterRegistry
 from dlora.replica.engine import engine_kwargs
 from dlora.server.auth import require_api_key
 from dlora.server.engine_client import RouterEngineClient
@@ -80,6 +82,23 @@ def engine_less_vllm_config(cfg: DloraConfig, model_path: str, served_name: str)
     return VllmConfig(model_config=model_config, structured_outputs_config=args.create_structured_outputs_config())
 
 
+class AdapterRequests(Mapping[str, LoRARequest]):
+    """dlora's adapter registry as vLLM's name -> LoRARequest map, without copying it."""
+
+    def __init__(self, registry: AdapterRegistry):
+        self._registry = registry
+
+    def __getitem__(self, name: str) -> LoRARequest:
+        rec = self._registry.get(name)  # AdapterNotFoundError is a KeyError
+        return LoRARequest(lora_name=rec.name, lora_int_id=rec.int_id, lora_path=rec.path)
+
+    def __iter__(self) -> Iterator[str]:
+        return (rec.name for rec in self._registry.all())
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+
 class DloraServingModels(OpenAIServingModels):
     """vLLM's model registry over dlora's: the base model, then every adapter dlora serves. Loading
     and unloading stay dlora's (its admin routes): vLLM's are not mounted."""
@@ -88,13 +107,12 @@ class DloraServingModels(OpenAIServingModels):
         super().__init__(client, [BaseModelPath(name=served_name, model_path=model_path)])
         self._adapters = adapters
 
-    @property
-    def lora_requests(self) -> dict[str, LoRARequest]:
-        """The registered adapters as vLLM names them (read at each request: the registry changes)."""
-        return {
-            rec.name: LoRARequest(lora_name=rec.name, lora_int_id=rec.int_id, lora_path=rec.path)
-            for rec in self._adapters.registry.all()
-        }
+    # vLLM types it a dict; its serving code only reads it (dlora's admin routes do the writing).
+    @property  # type: ignore[override]
+    def lora_requests(self) -> Mapping[str, LoRARequest]:
+        """The registered adapters as vLLM names them: a view read at each lookup (the registry
+        changes), one adapter at a time (a request looks up one of perhaps thousands)."""
+        return AdapterRequests(self._adapters.registry)
 
     @lora_requests.setter
     def lora_requests(self, _value: dict[str, LoRARequest]) -> None:

@@ -250,3 +250,24 @@ def test_the_servers_chat_template_and_tool_parser_are_vllms_options(tiny_model,
     assert tokens.tokens == want
     assert isinstance(chat, ChatCompletionResponse), chat
     assert chat.choices[0].message.content == "".join(f"<{t}>" for t in reference_tokens("a0", tuple(want), 3))
+
+
+def test_the_adapter_map_vllm_reads_is_a_view_of_the_registry(tiny_model, tmp_path):
+    """vLLM looks adapters up by name in `lora_requests`: one lookup each, and an adapter
+    unregistered or registered later is seen at once."""
+
+    async def go():
+        async with serving(tiny_model, tmp_path) as (completion, _):
+            requests = completion.models.lora_requests
+            registry = completion.models._adapters.registry
+            seen = ("a1" in requests, "nobody" in requests, list(requests), len(requests))
+            a1 = requests["a1"]
+            with pytest.raises(KeyError):
+                requests["nobody"]
+            registry.remove("a1")
+            return seen, a1, "a1" in requests, len(requests)
+
+    (has_a1, has_nobody, names, count), a1, still, after = run(go())
+    assert (has_a1, has_nobody, names, count) == (True, False, ["a0", "a1", "a2"], 3)
+    assert (a1.lora_name, a1.lora_int_id) == ("a1", 2)
+    assert (still, after) == (False, 2)

@@ -81,6 +81,9 @@ class ModelConfig:
         )
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras: int = 4  # adapters in one batch (device slots)
@@ -107,9 +110,28 @@ class EngineConfig:
     # them again is a swap (~1-2 ms on one core) instead of a reload (0.1-1 s with SmolLM2-135M).
     # One adapter on all seven projections of SmolLM2-135M in bf16 is 212 MB: 1024 keeps four.
     merged_cache_mib: float = 1024
+    # vLLM's structured-output engine (--structured-outputs-config.backend): auto, xgrammar,
+    # guidance, outlines or lm-format-enforcer
+    structured_outputs_backend: str = "auto"
+    # JSON outputs with no whitespace between tokens (--structured-outputs-config.disable_any_whitespace):
+    # a model that was not trained for JSON may otherwise emit whitespace until max_tokens
+    structured_outputs_disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         _check_kinds(self, "engine")
+        _check(
+            self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+            "engine.structured_outputs_backend",
+            self.structured_outputs_backend,
+            f"must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}",
+        )
+        _check(
+            not self.structured_outputs_disable_any_whitespace
+            or self.structured_outputs_backend in ("xgrammar", "guidance"),
+            "engine.structured_outputs_disable_any_whitespace",
+            self.structured_outputs_disable_any_whitespace,
+            "needs engine.structured_outputs_backend xgrammar or guidance (vLLM's rule)",
+        )
         _check(self.merged_cache_mib >= 0, "engine.merged_cache_mib", self.merged_cache_mib, "must be >= 0")
         _check(self.max_loras >= 1, "engine.max_loras", self.max_loras, "must be >= 1")
         _check(

@@ -81,8 +81,20 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
             "kv_cache_space_gib": 1,
             "max_num_seqs": 32,
             "num_kv_blocks": TINY_KV_BLOCKS,
+            # JSON outputs without free whitespace: the tiny model, never trained for JSON, would
+            # otherwise emit whitespace until max_tokens instead of a value that parses
+            "structured_outputs_backend": "xgrammar",
+            "structured_outputs_disable_any_whitespace": True,
         },
-        "server": {"port": port, "state_dir": str(state_dir), "adapter_roots": [str(model.base.parent)]},
+        "server": {
+            "port": port,
+            "state_dir": str(state_dir),
+            "adapter_roots": [str(model.base.parent)],
+            # vLLM answers tools with tool_choice named, required or auto only with these set; this
+            # parser leaves named and required calls to a JSON schema (others use their own tags)
+            "tool_call_parser": "pythonic",
+            "enable_auto_tool_choice": True,
+        },
         "adapters": [
             {"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},
             {"name": "a1", "path": str(model.adapters["a1"])},

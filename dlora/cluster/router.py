@@ -176,7 +176,11 @@ class RequestState:
         # came, and this leg's prompt holds generated tokens too.
         prompt_logprobs = s.prompt_logprobs if n == 0 else None
         sampling = dataclasses.replace(
-            s, max_tokens=s.max_tokens - n, min_tokens=max(0, s.min_tokens - n), prompt_logprobs=prompt_logprobs
+            s,
+            max_tokens=s.max_tokens - n,
+            min_tokens=max(0, s.min_tokens - n),
+            prompt_logprobs=prompt_logprobs,
+            replay_tokens=n,  # a structured output's grammar resumes after them
         )
         return dataclasses.replace(
             self.request,

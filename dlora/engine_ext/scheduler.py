@@ -67,7 +67,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 from dlora import env
-from dlora.engine_ext import prefix_states
+from dlora.engine_ext import grammar_replay, prefix_states
 from dlora.engine_ext.inband import CMDS_ATTR, MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.engine_ext.kv_quotas import EngineKvQuotas
 from dlora.engine_ext.prefix_states import MIXED, UNMERGED, PrefixStates, State
@@ -346,6 +346,14 @@ class DloraScheduler(Scheduler):
         finished = super().finish_requests(request_ids, finished_status)
         self._dlora_queue_waits.end((r.request_id for r in finished), time.perf_counter())
         return finished
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        compiling = request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        ready = super()._handle_blocked_waiting_request(request)
+        if ready and compiling and not grammar_replay.replay(self.structured_output_manager, request):
+            self.grammar_compile_error_reqs.add(request.request_id)  # vLLM ends it with an error
+            return False
+        return ready
 
     def _free_request(self, request: Request, *args, **kwargs):
         # Every finished request passes here (stopped, capped or aborted); finish_requests sees

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -37,6 +38,10 @@ WORKER_EXTENSION = "dlora.engine_ext.worker.DloraWorkerExtension"
 SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
+# `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core with the request): how
+# many of a continuation's last prompt tokens its grammar must accept before it samples
+# (engine_ext/grammar_replay.py).
+GRAMMAR_REPLAY_KEY = "dlora_grammar_replay"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
 # How long an abort that came before its request's stream waits for that stream. Ray runs an async
 # actor's calls concurrently, so a migration's abort can overtake the generate call it follows by
@@ -55,6 +60,8 @@ def build_engine_args(cfg: DloraConfig, model_path: str):
 
 def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
     """vLLM's engine arguments for a replica (also what the in-process test engines start from)."""
+    from vllm.config import StructuredOutputsConfig
+
     e = cfg.engine
     return dict(
         model=model_path,
@@ -63,6 +70,13 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         seed=cfg.model.seed,
         # Read by the API process's frontend for its sampling defaults (vLLM's server does the same).
         generation_config=cfg.model.generation_config,
+        structured_outputs_config=StructuredOutputsConfig(
+            backend=e.structured_outputs_backend,  # type: ignore[arg-type]  # one of vLLM's: config.py checks
+            disable_any_whitespace=e.structured_outputs_disable_any_whitespace,
+            # A reasoning model's structured output constrains only the answer after its thinking:
+            # the engine's grammar must know where thinking ends (vLLM's server passes it the same way).
+            reasoning_parser=cfg.server.reasoning_parser or "",
+        ),
         enable_lora=True,
         max_loras=e.max_loras,
         max_lora_rank=e.max_lora_rank,
@@ -86,8 +100,10 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
 
 
 def to_sampling_params(s: SamplingSpec):
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+    structured = None if s.structured_outputs is None else StructuredOutputsParams(**json.loads(s.structured_outputs))
+    replay = structured is not None and s.replay_tokens > 0
     return SamplingParams(
         n=1,
         max_tokens=s.max_tokens,
@@ -110,6 +126,8 @@ def to_sampling_params(s: SamplingSpec):
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids),
         bad_words=list(s.bad_words) or None,
+        structured_outputs=structured,
+        extra_args={GRAMMAR_REPLAY_KEY: s.replay_tokens} if replay else None,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -54,6 +54,12 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    # vLLM's structured output (`StructuredOutputsParams`' set fields, e.g. {"json": schema}) as a
+    # JSON object; None: free text. A continuation resumes it where the earlier legs left it.
+    structured_outputs: str | None = None
+    # How many of the prompt's last tokens this request generated on earlier legs (a moved
+    # request's continuation): its structured output's grammar replays them before it samples.
+    replay_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from dlora.server.auth import authorized
 from dlora.server.errors import APIError, error_body, error_response
 from dlora.server.validation import check_body
 
-INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None}
-RESPONSE_ID_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}  # vLLM's
+INFERENCE_PATHS = {"/v1/completions": "prompt", "/v1/chat/completions": None, "/v1/responses": None}
+RESPONSE_ID_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-", "/v1/responses": "resp_"}
 PRIORITY_HEADER = b"x-vllm-priority"  # vLLM's: overrides the body's `priority`
 UPLOAD_PATH = "/v1/files"  # batch input files: their own size limit (batch.max_file_mib)
 UPLOAD_OVERHEAD_BYTES = 64 * 1024  # a multipart body's headers and boundaries around the file

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dlora.adapters.registry_store import RegistryPersistError
 from dlora.config import ServerConfig
-from dlora.server import admission, errors, routes_admin, routes_batch, routes_models, vllm_frontend
+from dlora.server import admission, errors, routes_admin, routes_batch, vllm_frontend
 from dlora.server.drain import Drain, DrainMiddleware
 from dlora.server.state import ServerState
 
@@ -57,7 +57,6 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
         # The registry undid the change, so the adapter set is what it was before this call.
         return errors.error_response(500, f"{exc}; the change was not applied")
 
-    app.include_router(routes_models.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_batch.router)
     vllm_frontend.install(app)

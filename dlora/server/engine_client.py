@@ -10,17 +10,18 @@ instead of a local engine core, doing for each request what vLLM's `AsyncLLM` do
   FINAL_ONLY (one output holding every leg's whole completion, by index) or CUMULATIVE;
 - every output carries the request's prompt ids (vLLM counts prompt usage once per request from them).
 
-Values are checked by vLLM's own `SamplingParams.verify` against the model, then by dlora's rules
-for what the engines carry. Prompt logprobs come from a request's first leg. What a replica cannot
-carry yet (structured outputs) is refused with vLLM's own validation error naming the field, which
-vLLM's server answers as a 400: never silently ignored. dlora's own refusals (an adapter that cannot
-be served) become the vLLM error of the same status.
+Values are checked by vLLM's own `SamplingParams.verify` against the model (structured outputs'
+schemas and grammars included), then by dlora's rules for what the engines carry. Prompt logprobs
+come from a request's first leg. What a replica cannot carry yet is refused with vLLM's own
+validation error naming the field, which vLLM's server answers as a 400: never silently ignored.
+dlora's own refusals (an adapter that cannot be served) become the vLLM error of the same status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from vllm.logprobs import Logprob
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers.inputs.preprocess import extract_prompt_components
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.input_processor import InputProcessor
 
 from dlora.adapters.lifecycle import ref_of
@@ -46,7 +47,6 @@ from dlora.server.validation import check_sampling, check_seed
 
 # SamplingParams fields a replica does not receive yet: their values when unset.
 NOT_CARRIED: dict[str, Any] = {
-    "structured_outputs": None,
     "logprob_token_ids": None,
     "thinking_token_budget": None,
     "repetition_detection": None,
@@ -92,6 +92,7 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
         logit_bias=tuple((int(t), float(b)) for t, b in (params.logit_bias or {}).items()),
         allowed_token_ids=None if params.allowed_token_ids is None else tuple(params.allowed_token_ids),
         bad_words=tuple(params.bad_words or ()),
+        structured_outputs=structured_json(params.structured_outputs),
     )
     try:
         check_sampling(spec, vocab_size)
@@ -100,6 +101,15 @@ def spec_of(params: SamplingParams, vocab_size: int) -> SamplingSpec:
     except APIError as e:
         raise vllm_error(e) from None
     return spec
+
+
+def structured_json(structured: StructuredOutputsParams | None) -> str | None:
+    """The constraint and options a request set, as the JSON object a replica rebuilds them from
+    (the backend vLLM picked is left out: each engine picks its own, as for any request it gets)."""
+    if structured is None:
+        return None
+    fields = (f for f in dataclasses.fields(structured) if f.init)
+    return json.dumps({f.name: getattr(structured, f.name) for f in fields if getattr(structured, f.name) != f.default})
 
 
 def check_prompt(ids: list[int], vocab_size: int) -> None:

@@ -94,12 +94,38 @@ def add_vllm_flags(g) -> None:
     g.add_argument("--enable-auto-tool-choice", dest="server.enable_auto_tool_choice", action=flag)
     g.add_argument("--reasoning-parser", dest="server.reasoning_parser")
     g.add_argument(
+        "--structured-outputs-config",
+        dest="structured_outputs_config",
+        metavar="JSON",
+        help='{"backend": ..., "disable_any_whitespace": ...}; or each key as --structured-outputs-config.KEY',
+    )
+    g.add_argument(
+        "--structured-outputs-config.backend",
+        dest="engine.structured_outputs_backend",
+        choices=config_mod.STRUCTURED_OUTPUTS_BACKENDS,
+    )
+    g.add_argument(
+        "--structured-outputs-config.disable_any_whitespace",
+        dest="engine.structured_outputs_disable_any_whitespace",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        metavar="true|false",
+    )
+    g.add_argument(
         "--log-level",
         dest="server.log_level",
         type=str.lower,  # vLLM writes them in capitals
         choices=config_mod.LOG_LEVELS,
         help="log level (default info); debug also logs the traceback of a failed start",
     )
+
+
+def true_or_false(value: str) -> bool:
+    """A boolean as vLLM's dotted config flags take it."""
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"
 
 
 # vLLM's --dtype names that dlora's model.dtype spells otherwise.
@@ -148,6 +174,7 @@ def vllm_form_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = getattr(args, "api_keys", None)
     if keys:
         out["server.api_key"] = tuple(keys)
+    out.update(structured_outputs_overrides(getattr(args, "structured_outputs_config", None)))
     tp = getattr(args, "tensor_parallel_size", None)
     if tp is not None and tp != 1:
         raise config_mod.ConfigError(
@@ -155,6 +182,32 @@ def vllm_form_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "serve on more devices with more replicas (--num-replicas)"
         )
     return out
+
+
+# vLLM's --structured-outputs-config keys dlora takes, and the config keys they set.
+STRUCTURED_OUTPUTS_KEYS = {
+    "backend": "engine.structured_outputs_backend",
+    "disable_any_whitespace": "engine.structured_outputs_disable_any_whitespace",
+}
+
+
+def structured_outputs_overrides(text: str | None) -> dict[str, Any]:
+    """Config values from vLLM's JSON form of --structured-outputs-config."""
+    if text is None:
+        return {}
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise config_mod.ConfigError(f"--structured-outputs-config {text!r}: not a JSON object")
+    unknown = sorted(set(fields) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise config_mod.ConfigError(
+            f"--structured-outputs-config: dlora does not take {', '.join(unknown)} "
+            f"(it takes {', '.join(STRUCTURED_OUTPUTS_KEYS)})"
+        )
+    return {STRUCTURED_OUTPUTS_KEYS[k]: v for k, v in fields.items()}
 
 
 def model_path(positional: str | None, flag: str | None) -> str | None:

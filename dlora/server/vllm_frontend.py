@@ -8,7 +8,11 @@ defaults, validation and response and stream shapes are vLLM's, not a re-typed c
 
 - `/v1/completions` and `/v1/chat/completions` (vLLM's `OpenAIServingCompletion` and
   `OpenAIServingChat`, and their route functions); batch lines go through the same objects;
-- `/tokenize` and `/detokenize` (vLLM's `ServingTokenization`).
+- `/v1/responses` (vLLM's `OpenAIServingResponses`), with vLLM's default of storing nothing: a
+  `store: true` request is answered and not kept, and GET /v1/responses/{id} (and its cancel) find
+  no response (vLLM's 404);
+- `/tokenize` and `/detokenize` (vLLM's `ServingTokenization`);
+- `/v1/models` (vLLM's `OpenAIServingModels` listing): the base model, then every registered adapter.
 
 What dlora changes, by subclassing:
 - the model check: a name is served when it is the base model or an adapter dlora has registered or
@@ -17,6 +21,11 @@ What dlora changes, by subclassing:
   answers every failure but a 400 as a 404.
 - a chat template that renders for longer than `server.template_timeout_s` is the client's 400
   (vLLM's renderer raises a bare TimeoutError).
+- a Responses request's `request_id` is the server's, not the body's: the router keys requests by
+  it, and one client must not name another's (the same reason X-Request-Id is replaced).
+- a Responses prompt is tokenized as a chat prompt is (no special tokens added to the rendered
+  template): vLLM 0.32 adds them, so a template that writes its own BOS starts with two, and the
+  same conversation would get another prompt than through /v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -25,14 +34,14 @@ import asyncio
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.protocol import EngineClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -41,12 +50,14 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry, OpenAIServingModels
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMError
 from vllm.lora.request import LoRARequest
-from vllm.renderers import renderer_from_config
+from vllm.renderers import TokenizeParams, renderer_from_config
 from vllm.renderers.chat_utils import load_chat_template
 from vllm.renderers.online_renderer import OnlineRenderer
 
@@ -145,6 +156,15 @@ class _DloraModelCheck:
         return await cast(DloraServingModels, self.models).check_model(request.model)
 
 
+def render_timed_out(param: str) -> ErrorResponse:
+    """The 400 for a chat template that rendered past the limit: a (trusted) request template or a
+    pathological conversation, the client's doing either way."""
+    limit = float(os.environ[RENDER_TIMEOUT_ENV])
+    return create_error_response(
+        f"chat template rendering took longer than {limit:g} s", param=param, status_code=HTTPStatus.BAD_REQUEST
+    )
+
+
 class DloraCompletion(_DloraModelCheck, OpenAIServingCompletion):
     """vLLM's /v1/completions serving, with dlora's model check."""
 
@@ -156,13 +176,40 @@ class DloraChat(_DloraModelCheck, OpenAIServingChat):
         try:
             return await super().render_chat_request(request)
         except TimeoutError:
-            # A (trusted) request template or a pathological conversation: the client's doing.
-            limit = float(os.environ[RENDER_TIMEOUT_ENV])
-            return create_error_response(
-                f"chat template rendering took longer than {limit:g} s",
-                param="messages",
-                status_code=HTTPStatus.BAD_REQUEST,
-            )
+            return render_timed_out("messages")
+
+
+class ChatTokenizedResponsesRequest(ResponsesRequest):
+    """A Responses request whose rendered conversation is tokenized as vLLM tokenizes a chat's:
+    the chat template writes every special token itself."""
+
+    def build_tok_params(self, model_config: ModelConfig) -> TokenizeParams:
+        return replace(super().build_tok_params(model_config), add_special_tokens=False)
+
+    @classmethod
+    def of(cls, request: ResponsesRequest) -> ChatTokenizedResponsesRequest:
+        """The same (validated) request, fields and extra fields as they are."""
+        fields = {**request.__dict__, **(request.__pydantic_extra__ or {})}
+        return cls.model_construct(_fields_set=set(request.model_fields_set), **fields)
+
+
+class DloraResponses(_DloraModelCheck, OpenAIServingResponses):
+    """vLLM's /v1/responses serving, with dlora's model check, request ids, chat tokenization and
+    template time bound."""
+
+    async def _render_resolved_response_inputs(self, *args: Any, **kwargs: Any):
+        try:
+            return await super()._render_resolved_response_inputs(*args, **kwargs)
+        except TimeoutError:
+            return render_timed_out("input")
+
+    async def create_responses(self, request: ResponsesRequest, raw_request: Request | None = None):
+        # vLLM names the engine request (and the response) after the body's `request_id`; the router
+        # keys requests by it, so a client's own id could collide with another client's request. The
+        # server's id instead (admission put it in X-Request-Id, and answers with it).
+        chat_tokenized = ChatTokenizedResponsesRequest.of(request)
+        chat_tokenized.request_id = f"resp_{self._base_request_id(raw_request)}"
+        return await super().create_responses(chat_tokenized, raw_request)
 
 
 class DloraTokenization(_DloraModelCheck, ServingTokenization):
@@ -174,8 +221,10 @@ class Frontend:
     """vLLM's serving objects over one server's router and adapters."""
 
     client: RouterEngineClient
+    models: DloraServingModels
     completion: DloraCompletion
     chat: DloraChat
+    responses: DloraResponses
     tokenization: DloraTokenization
 
     async def answer(self, url: str, body: dict, request_id: str, priority: int) -> dict:
@@ -246,8 +295,18 @@ def build(state: ServerState) -> Frontend:
     chat = DloraChat(
         client, models, RESPONSE_ROLE, online_renderer=online, request_logger=None, **chat_options, **parsers
     )
+    # What vLLM's server builds it from: chat's flags, less the request templates it has no field for.
+    responses = DloraResponses(
+        client,
+        models,
+        online,
+        request_logger=None,
+        chat_template=chat_options["chat_template"],
+        chat_template_content_format=CONTENT_FORMAT,
+        **parsers,
+    )
     tokenization = DloraTokenization(models, online, **chat_options)
-    return Frontend(client, completion, chat, tokenization)
+    return Frontend(client, models, completion, chat, responses, tokenization)
 
 
 def install(app: FastAPI) -> None:
@@ -255,6 +314,8 @@ def install(app: FastAPI) -> None:
     the server state exists."""
     from vllm.entrypoints.openai.chat_completion.api_router import create_chat_completion
     from vllm.entrypoints.openai.completion.api_router import create_completion
+    from vllm.entrypoints.openai.models.api_router import show_available_models
+    from vllm.entrypoints.openai.responses.api_router import cancel_responses, create_responses, retrieve_responses
     from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
     from vllm.entrypoints.serve.utils.api_utils import validate_json_request
 
@@ -267,6 +328,13 @@ def install(app: FastAPI) -> None:
     inference = [Depends(require_api_key), Depends(validate_json_request)]
     app.add_api_route("/v1/completions", create_completion, methods=["POST"], dependencies=inference)
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], dependencies=inference)
+    app.add_api_route("/v1/responses", create_responses, methods=["POST"], dependencies=inference)
+    # vLLM's routes for stored responses, under the key like every /v1 route: with nothing stored
+    # they answer vLLM's 404 for any id.
+    keyed = [Depends(require_api_key)]
+    app.add_api_route("/v1/responses/{response_id}", retrieve_responses, methods=["GET"], dependencies=keyed)
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_responses, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/v1/models", show_available_models, methods=["GET"], dependencies=keyed)
     app.include_router(tokenize_router)
 
 
@@ -274,6 +342,8 @@ def start(app: FastAPI, state: ServerState) -> None:
     """Hand vLLM's routes the serving objects they look up on `app.state`."""
     frontend = state.frontend
     assert frontend is not None, "build_state builds the frontend"
+    app.state.openai_serving_models = frontend.models
     app.state.openai_serving_completion = frontend.completion
     app.state.openai_serving_chat = frontend.chat
+    app.state.openai_serving_responses = frontend.responses
     app.state.serving_tokenization = frontend.tokenization

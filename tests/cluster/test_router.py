@@ -750,11 +750,20 @@ def test_a_continuation_carries_the_sampling_but_not_the_prompts_logprobs():
     from dlora.cluster.router import RequestState
 
     spec = SamplingSpec(
-        max_tokens=10, min_tokens=4, prompt_logprobs=1, logit_bias=((3, 2.0),), allowed_token_ids=(3, 4), seed=5
+        max_tokens=10,
+        min_tokens=4,
+        prompt_logprobs=1,
+        logit_bias=((3, 2.0),),
+        allowed_token_ids=(3, 4),
+        seed=5,
+        structured_outputs='{"regex": "[ab]+"}',
     )
     state = RequestState(GenerateRequest("r", (1, 2), spec), arrival=0.0)
-    assert state.continuation().sampling.prompt_logprobs == 1  # moved before its first output
+    first = state.continuation().sampling  # moved before its first output
+    assert first.prompt_logprobs == 1 and first.replay_tokens == 0
     state.generated.extend([3, 4, 3])
     nxt = state.continuation()
     assert nxt.prompt_token_ids == (1, 2, 3, 4, 3)
-    assert nxt.sampling == dataclasses.replace(spec, max_tokens=7, min_tokens=1, prompt_logprobs=None)
+    # the grammar resumes after the 3 generated tokens, however many moves it took
+    want = dataclasses.replace(spec, max_tokens=7, min_tokens=1, prompt_logprobs=None, replay_tokens=3)
+    assert nxt.sampling == want

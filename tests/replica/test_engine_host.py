@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import time
 
 import pytest
@@ -19,6 +21,7 @@ from dlora.replica import engine as engine_mod
 from dlora.replica.engine import EngineHost
 from dlora.replica.messages import GenerateRequest, SamplingSpec
 from dlora.replica.ray_replica import replica_runtime_env
+from tests.structured import ORDER
 
 MAX_TOKENS = 64
 
@@ -292,3 +295,30 @@ def test_a_repeated_abort_that_fails_ends_quietly():
 
     assert asyncio.run(go()) == 1
     assert h.engine.calls == 2 and not h._retries
+
+
+@pytest.mark.engine
+def test_a_moved_structured_output_resumes_its_grammar_where_it_stopped(host):
+    """A request moved after k tokens continues on `prompt + those k tokens`: its grammar replays
+    them and the rest equals the undisturbed run's; without the replay the grammar would start over
+    (a second opening brace)."""
+    h, loop = host
+    prompt = tuple(range(5, 40))
+    spec = SamplingSpec(max_tokens=40, temperature=0.0, structured_outputs=json.dumps({"json": ORDER}))
+
+    async def run(req: GenerateRequest) -> tuple[list[int], str]:
+        deltas = [d async for d in h.generate(req)]
+        return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+    def moved_after(ids: list[int], k: int, replay: int) -> tuple[list[int], str]:
+        leg = dataclasses.replace(spec, max_tokens=spec.max_tokens - k, replay_tokens=replay)
+        return loop.run_until_complete(run(GenerateRequest(f"moved-{k}-{replay}", prompt + tuple(ids[:k]), leg)))
+
+    whole, text = loop.run_until_complete(run(GenerateRequest("whole", prompt, spec)))
+    assert text.startswith("{") and len(whole) > 6
+    for k in (1, 5):
+        rest, rest_text = moved_after(whole, k, replay=k)
+        assert rest == whole[k:]
+        assert not rest_text.lstrip().startswith("{")
+    restarted, restarted_text = moved_after(whole, 5, replay=0)
+    assert restarted_text.startswith("{") and restarted != whole[5:]

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests import harness
+from tests.structured import NAMED, answer_of, json_chat, json_completion, tool_chat
 
 MAX_TOKENS = 10
 PROMPTS = {"tiny-base": "def main(", "a0": "import os\nimport sys\n", "a1": "class Foo:\n    def", "a2": "for i in"}
@@ -91,6 +92,23 @@ def test_a_chat_batch_equals_hf_peft(tiny_server, oracle):
         prompt_ids = chat_ids(oracle, line["body"]["messages"][0]["content"])
         assert o["response"]["body"]["prompt_token_ids"] == prompt_ids
         assert choice["token_ids"] == oracle.greedy(adapter_of(line["body"]["model"]), prompt_ids, MAX_TOKENS)
+
+
+def test_structured_output_lines_equal_the_same_requests_online(tiny_server):
+    """JSON-schema and forced tool-call lines: each answer parses, fits its schema, and equals what
+    the same request gets online (the batch runs them together, the online ones one at a time)."""
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0)
+    completions = [json_completion("a0", PROMPTS["a0"]), json_completion("tiny-base", PROMPTS["tiny-base"])]
+    chats = [json_chat("a2"), tool_chat("a1", NAMED)]
+    for endpoint, bodies in (("/v1/completions", completions), ("/v1/chat/completions", chats)):
+        lines = [{"custom_id": f"s{i}", "method": "POST", "url": endpoint, "body": b} for i, b in enumerate(bodies)]
+        batch, out, errors = run_batch(client, lines, endpoint)
+        assert batch.request_counts.completed == len(lines) and not errors
+        for o, body in zip(out, bodies):
+            offline = o["response"]["body"]
+            online = client.post(endpoint.removeprefix("/v1"), body=body, cast_to=object)
+            assert answer_of(endpoint, offline) == answer_of(endpoint, online), body["model"]
+            assert offline["usage"] == online["usage"]
 
 
 # One `dlora batch run` (an in-process cluster of its own) serves both CLI tests below: the lines of

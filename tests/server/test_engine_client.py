@@ -113,15 +113,15 @@ def test_a_stream_of_two_choices_finishes_each_and_counts_the_prompt_once(tiny_m
 
 
 @pytest.mark.parametrize(
-    "field, value",
+    "field, fields",
     [
-        ("structured_outputs", {"choice": ["yes", "no"]}),
+        ("logprob_token_ids", {"logprob_token_ids": [1, 2], "logprobs": 1}),
     ],
 )
-def test_a_field_replicas_cannot_carry_yet_is_a_400_naming_it(tiny_model, tmp_path, field, value):
+def test_a_field_replicas_cannot_carry_yet_is_a_400_naming_it(tiny_model, tmp_path, field, fields):
     async def go():
         async with serving(tiny_model, tmp_path) as (completion, _):
-            req = CompletionRequest(model="tiny-base", prompt=PROMPT, max_tokens=2, **{field: value})
+            req = CompletionRequest(model="tiny-base", prompt=PROMPT, max_tokens=2, **fields)
             return await answered(completion.create_completion(req))
 
     resp = run(go())

@@ -46,12 +46,43 @@ def test_the_last_legs_seed_must_fit_int64():
     assert spec_of(SamplingParams(max_tokens=4, seed=2**63 - 2, n=2), VOCAB).seed == 2**63 - 2
 
 
-def test_structured_outputs_are_refused_naming_the_field():
+def test_a_field_replicas_cannot_carry_is_refused_naming_it():
+    with pytest.raises(VLLMValidationError) as e:
+        spec_of(SamplingParams(max_tokens=4, logprob_token_ids=[1, 2]), VOCAB)
+    assert e.value.parameter == "logprob_token_ids"
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"choice": ["yes", "no"]},
+        {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}, "disable_any_whitespace": True},
+        {"regex": "[a-c]+"},
+        {"grammar": 'root ::= "x" | "y"'},
+        {"json_object": True},
+    ],
+)
+def test_structured_outputs_reach_the_replica_as_vllm_built_them(constraint):
     from vllm.sampling_params import StructuredOutputsParams
 
-    with pytest.raises(VLLMValidationError) as e:
-        spec_of(SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"])), VOCAB)
-    assert e.value.parameter == "structured_outputs"
+    from dlora.replica.engine import to_sampling_params
+
+    built = StructuredOutputsParams(**constraint)
+    built._backend = "xgrammar"  # what vLLM's check in the API process sets; each engine picks its own
+    spec = spec_of(SamplingParams(max_tokens=4, structured_outputs=built), VOCAB)
+    assert json.loads(spec.structured_outputs) == constraint
+    on_replica = to_sampling_params(spec).structured_outputs
+    assert on_replica == StructuredOutputsParams(**constraint) and on_replica._backend is None
+    assert spec_of(SamplingParams(max_tokens=4), VOCAB).structured_outputs is None
+
+
+def test_a_continuation_replays_its_generated_tokens_into_the_grammar_only_with_one():
+    from dlora.replica.engine import GRAMMAR_REPLAY_KEY, to_sampling_params
+
+    structured = SamplingSpec(max_tokens=4, structured_outputs='{"regex": "a+"}', replay_tokens=3)
+    assert to_sampling_params(structured).extra_args == {GRAMMAR_REPLAY_KEY: 3}
+    assert to_sampling_params(SamplingSpec(max_tokens=4, replay_tokens=3)).extra_args is None
+    assert to_sampling_params(SamplingSpec(max_tokens=4, structured_outputs='{"regex": "a+"}')).extra_args is None
 
 
 def test_logit_bias_allowed_ids_and_bad_words_reach_the_replicas_spec():

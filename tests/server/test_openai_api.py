@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import ADMIN_TOKEN
+
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
 MAX_TOKENS = 12
 
@@ -225,12 +227,21 @@ def test_priority_is_vllms_request_field(tiny_server, oracle):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
 
 
-def test_models_lists_base_and_adapters(tiny_server):
-    data = httpx.get(f"{tiny_server.url}/v1/models").json()["data"]
-    by_id = {m["id"]: m for m in data}
-    assert by_id["tiny-base"]["parent"] is None
-    assert {"a0", "a1", "a2"} <= set(by_id)
-    assert all(by_id[a]["parent"] == "tiny-base" for a in ("a0", "a1", "a2"))
+def test_models_lists_base_and_adapters(tiny_server, tiny_model):
+    """vLLM's model list: the base model's card, then one card per registered adapter, as vLLM lists
+    its --lora-modules (the parent the base model, the root the adapter's registered path)."""
+    listing = httpx.get(f"{tiny_server.url}/v1/models", timeout=30).json()
+    assert listing["object"] == "list"
+    base, *adapters = listing["data"]
+    assert (base["id"], base["parent"], base["root"]) == ("tiny-base", None, str(tiny_model.base))
+    assert base["max_model_len"] == 512  # harness.tiny_config's
+    registered = httpx.get(
+        f"{tiny_server.url}/v1/adapters", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+    ).json()["data"]
+    assert {"a0", "a1", "a2"} <= {a["name"] for a in registered}
+    assert [(m["id"], m["root"]) for m in adapters] == [(a["name"], a["path"]) for a in registered]
+    assert all(m["parent"] == "tiny-base" for m in adapters)
+    assert all(m["object"] == "model" and m["owned_by"] == "vllm" for m in listing["data"])
 
 
 def test_openai_client(tiny_server):

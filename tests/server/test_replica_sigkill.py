@@ -1,7 +1,8 @@
 """A replica's process SIGKILLed in the middle of several streams on the shared two-replica server
 (tests/conftest.py): every stream completes with exactly the tokens of an undisturbed run (the
-router resubmits the lost ones), and the test ends once the rebuilt replica serves again, so the
-server's later users find it as it was."""
+router resubmits the lost ones; a structured output's grammar resumes where it stopped, so its
+JSON still parses), and the test ends once the rebuilt replica serves again, so the server's later
+users find it as it was."""
 
 from __future__ import annotations
 
@@ -13,14 +14,26 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from tests import harness
+from tests.structured import LONG_ORDER, json_completion
 
 pytestmark = pytest.mark.engine  # the shared two-replica `dlora serve` process
 
 MAX_TOKENS = 400  # long enough that no stream ends before every stream is under way
-JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
+TEXT_JOBS = [(m, p) for m in ("tiny-base", "a0", "a1", "a2") for p in ("def main(", "for i in range(")]
+# JSON-schema answers of a few hundred tokens that end by themselves (finish_reason "stop")
+JSON_JOBS = [("a1", "import os"), ("tiny-base", "import os")]
+JSON_MAX_TOKENS = 500  # within the 512-token context
+JOBS = TEXT_JOBS + JSON_JOBS
+
+
+def body_of(model: str, prompt: str) -> dict:
+    if (model, prompt) in JSON_JOBS:
+        return json_completion(model, prompt, LONG_ORDER, JSON_MAX_TOKENS)
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
 def _children() -> dict[int, list[int]]:
@@ -54,17 +67,11 @@ def replica_pids(server_pid: int) -> list[int]:
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, progress: dict) -> list[int]:
-    """The streamed token ids (return_token_ids), checked to end with one finish and [DONE]."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-    }
+    """The streamed token ids (return_token_ids), checked to end with one finish and [DONE]: at
+    max_tokens for free text, at the end of its JSON value (which fits its schema) for a JSON job."""
+    body = body_of(model, prompt) | {"return_token_ids": True, "stream": True}
     ids: list[int] = []
+    text: list[str] = []
     events: list[str] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -76,8 +83,15 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, p
                 chunk = json.loads(events[-1])
                 assert "error" not in chunk, chunk
                 ids.extend(chunk["choices"][0]["token_ids"])
+                text.append(chunk["choices"][0]["text"])
                 progress[(model, prompt)] = len(ids)
-    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    finish = json.loads(events[-2])["choices"][0]["finish_reason"]
+    assert events[-1] == "[DONE]"
+    if (model, prompt) in JSON_JOBS:
+        assert finish == "stop", len(ids)
+        jsonschema.validate(json.loads("".join(text)), LONG_ORDER)
+    else:
+        assert finish == "length" and len(ids) == MAX_TOKENS
     return ids
 
 
@@ -125,7 +139,6 @@ def test_sigkilled_replica_process_loses_no_token(two_replica_server):
     before = resubmissions(url)
     t0 = time.monotonic()
     disturbed = asyncio.run(run(kill=True))
-    assert all(len(ids) == MAX_TOKENS for ids in disturbed)
     for (model, prompt), got, want in zip(JOBS, disturbed, reference):
         assert got == want, (model, prompt)  # no token lost, repeated or changed
     # the kill did hit streams, which moved to the other replica

@@ -74,6 +74,22 @@ def main_stderr(capsys, *argv: str) -> tuple[int, str]:
         (["--reasoning-parser", "deepseek_r1"], "server.reasoning_parser", "deepseek_r1"),
         (["--log-level", "debug"], "server.log_level", "debug"),
         (["--log-level", "DEBUG"], "server.log_level", "debug"),
+        (["--structured-outputs-config.backend", "guidance"], "engine.structured_outputs_backend", "guidance"),
+        (
+            ["--structured-outputs-config.backend", "xgrammar", "--structured-outputs-config.disable_any_whitespace"],
+            "engine.structured_outputs_disable_any_whitespace",
+            True,
+        ),
+        (
+            ["--structured-outputs-config.backend=xgrammar", "--structured-outputs-config.disable_any_whitespace=true"],
+            "engine.structured_outputs_disable_any_whitespace",
+            True,
+        ),
+        (
+            ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
+            "engine.structured_outputs_disable_any_whitespace",
+            True,
+        ),
     ],
 )
 def test_each_vllm_flag_sets_its_config_key(argv, key, value):
@@ -171,6 +187,15 @@ def test_a_lora_base_model_name_may_name_the_model_as_given_when_no_served_name_
         ),
         (["--lora-modules", "=/a"], "--lora-modules '=/a': name and path must be non-empty strings"),
         (["--max-lora-rank", "7"], "engine.max_lora_rank=7"),
+        (
+            ["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}'],
+            "--structured-outputs-config: dlora does not take enable_in_reasoning",
+        ),
+        (["--structured-outputs-config", "[1]"], "--structured-outputs-config '[1]': not a JSON object"),
+        (
+            ["--structured-outputs-config.disable_any_whitespace"],
+            "engine.structured_outputs_disable_any_whitespace=True",
+        ),
     ],
 )
 def test_refused_values_are_one_line_exit_2(capsys, argv, message):
@@ -234,7 +259,8 @@ def test_every_vllm_flag_dlora_takes_is_one_of_vllms():
     group = next(g for g in serve._action_groups if g.title == "vLLM's flags")
     taken = {option for action in group._group_actions for option in action.option_strings}
     assert "--lora-modules" in taken and "--no-enable-prefix-caching" in taken
-    assert taken - serve_cmd.vllm_serve_flags() == set()
+    # vLLM's parser also takes one key of a config flag as --flag.key
+    assert {flag.split(".")[0] for flag in taken} - serve_cmd.vllm_serve_flags() == set()
 
 
 def test_no_vllm_flag_dlora_refuses_is_taken_as_an_abbreviation_of_a_dlora_flag():

@@ -180,7 +180,7 @@ class RequestState:
             max_tokens=s.max_tokens - n,
             min_tokens=max(0, s.min_tokens - n),
             prompt_logprobs=prompt_logprobs,
-            replay_tokens=n,  # a structured output's grammar resumes after them
+            generated_before=n,  # its grammar resumes after them; its penalties count them
         )
         return dataclasses.replace(
             self.request,

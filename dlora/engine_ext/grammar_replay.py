@@ -4,7 +4,7 @@ dlora moves a request by sending `prompt + generated` to another engine (migrati
 after a replica loss). For free text that is the whole state; a structured output also has a
 grammar state, which a fresh engine would start at the grammar's beginning, constraining the next
 token as if nothing had been generated. The continuation carries how many of its prompt's last
-tokens were generated (`SamplingParams.extra_args[GRAMMAR_REPLAY_KEY]`); once the engine's grammar
+tokens were generated (`SamplingParams.extra_args[GENERATED_BEFORE_KEY]`); once the engine's grammar
 for it is compiled, those tokens are fed to it, as vLLM feeds each sampled token after a step.
 
 Runs in the EngineCore process, called from `DloraScheduler._handle_blocked_waiting_request`.
@@ -16,23 +16,16 @@ import logging
 
 from vllm.v1.request import Request
 
-from dlora.replica.engine import GRAMMAR_REPLAY_KEY
+from dlora.engine_ext.continuation_penalties import earlier_legs_tokens
 
 log = logging.getLogger(__name__)
-
-
-def replay_count(request: Request) -> int:
-    """How many of the request's last prompt tokens its grammar has yet to accept."""
-    params = request.sampling_params
-    extra = params.extra_args if params is not None else None
-    return int((extra or {}).get(GRAMMAR_REPLAY_KEY, 0))
 
 
 def replay(structured_output_manager, request: Request) -> bool:
     """Advance the request's compiled grammar over the tokens its earlier legs generated; False
     when the grammar refuses them (the request then ends in an error, as one whose grammar did not
     compile: its output so far could not have come from this grammar)."""
-    n = replay_count(request)
+    n = earlier_legs_tokens(request.sampling_params) if request.sampling_params is not None else 0
     if n <= 0 or not request.use_structured_output:
         return True
     tokens = list(request.prompt_token_ids[-n:]) if request.prompt_token_ids else []

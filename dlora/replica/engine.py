@@ -38,10 +38,12 @@ WORKER_EXTENSION = "dlora.engine_ext.worker.DloraWorkerExtension"
 SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
-# `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core with the request): how
-# many of a continuation's last prompt tokens its grammar must accept before it samples
-# (engine_ext/grammar_replay.py).
-GRAMMAR_REPLAY_KEY = "dlora_grammar_replay"
+# `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core and model runner with
+# the request): how many of a continuation's last prompt tokens its earlier legs generated, which
+# its grammar replays (engine_ext/grammar_replay.py) and its penalties count as output
+# (engine_ext/continuation_penalties.py).
+GENERATED_BEFORE_KEY = "dlora_generated_before"
+CONTINUATION_PENALTIES = "dlora.engine_ext.continuation_penalties:ContinuationPenalties"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
 # How long an abort that came before its request's stream waits for that stream. Ray runs an async
 # actor's calls concurrently, so a migration's abort can overtake the generate call it follows by
@@ -91,6 +93,7 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         scheduling_policy="priority",
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
+        logits_processors=[CONTINUATION_PENALTIES],
         scheduler_cls=SCHEDULER,
         # The scheduler switches weights in-band and must see each step's result before planning
         # the next one (CPU forces this anyway; see engine_ext/scheduler.py for GPU).
@@ -103,7 +106,6 @@ def to_sampling_params(s: SamplingSpec):
     from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     structured = None if s.structured_outputs is None else StructuredOutputsParams(**json.loads(s.structured_outputs))
-    replay = structured is not None and s.replay_tokens > 0
     return SamplingParams(
         n=1,
         max_tokens=s.max_tokens,
@@ -127,7 +129,7 @@ def to_sampling_params(s: SamplingSpec):
         allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids),
         bad_words=list(s.bad_words) or None,
         structured_outputs=structured,
-        extra_args={GRAMMAR_REPLAY_KEY: s.replay_tokens} if replay else None,
+        extra_args={GENERATED_BEFORE_KEY: s.generated_before} if s.generated_before else None,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -58,8 +58,9 @@ class SamplingSpec:
     # JSON object; None: free text. A continuation resumes it where the earlier legs left it.
     structured_outputs: str | None = None
     # How many of the prompt's last tokens this request generated on earlier legs (a moved
-    # request's continuation): its structured output's grammar replays them before it samples.
-    replay_tokens: int = 0
+    # request's continuation): its structured output's grammar replays them before it samples, and
+    # its presence and frequency penalties count them as generated.
+    generated_before: int = 0
 
 
 @dataclass(frozen=True)

@@ -760,10 +760,10 @@ def test_a_continuation_carries_the_sampling_but_not_the_prompts_logprobs():
     )
     state = RequestState(GenerateRequest("r", (1, 2), spec), arrival=0.0)
     first = state.continuation().sampling  # moved before its first output
-    assert first.prompt_logprobs == 1 and first.replay_tokens == 0
+    assert first.prompt_logprobs == 1 and first.generated_before == 0
     state.generated.extend([3, 4, 3])
     nxt = state.continuation()
     assert nxt.prompt_token_ids == (1, 2, 3, 4, 3)
     # the grammar resumes after the 3 generated tokens, however many moves it took
-    want = dataclasses.replace(spec, max_tokens=7, min_tokens=1, prompt_logprobs=None, replay_tokens=3)
+    want = dataclasses.replace(spec, max_tokens=7, min_tokens=1, prompt_logprobs=None, generated_before=3)
     assert nxt.sampling == want

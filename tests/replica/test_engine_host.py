@@ -311,7 +311,7 @@ def test_a_moved_structured_output_resumes_its_grammar_where_it_stopped(host):
         return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
     def moved_after(ids: list[int], k: int, replay: int) -> tuple[list[int], str]:
-        leg = dataclasses.replace(spec, max_tokens=spec.max_tokens - k, replay_tokens=replay)
+        leg = dataclasses.replace(spec, max_tokens=spec.max_tokens - k, generated_before=replay)
         return loop.run_until_complete(run(GenerateRequest(f"moved-{k}-{replay}", prompt + tuple(ids[:k]), leg)))
 
     whole, text = loop.run_until_complete(run(GenerateRequest("whole", prompt, spec)))
@@ -322,3 +322,24 @@ def test_a_moved_structured_output_resumes_its_grammar_where_it_stopped(host):
         assert not rest_text.lstrip().startswith("{")
     restarted, restarted_text = moved_after(whole, 5, replay=0)
     assert restarted_text.startswith("{") and restarted != whole[5:]
+
+
+@pytest.mark.engine
+def test_a_moved_requests_penalties_count_the_tokens_of_its_earlier_legs(host):
+    """Presence and frequency penalties over the whole output: the continuation of a request moved
+    after k tokens (which has them in its prompt) goes on as the unmoved request does; counted as
+    prompt, they would not be penalised and the rest would differ."""
+    h, loop = host
+    prompt, k = tuple(range(5, 40)), 30
+    spec = SamplingSpec(max_tokens=60, temperature=0.0, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)
+
+    async def run(req: GenerateRequest) -> list[int]:
+        return [t for d in [d async for d in h.generate(req)] for t in d.token_ids]
+
+    def moved(ids: list[int], generated_before: int) -> list[int]:
+        leg = dataclasses.replace(spec, max_tokens=spec.max_tokens - k, generated_before=generated_before)
+        return loop.run_until_complete(run(GenerateRequest(f"pen-{generated_before}", prompt + tuple(ids[:k]), leg)))
+
+    whole = loop.run_until_complete(run(GenerateRequest("pen-whole", prompt, spec)))
+    assert moved(whole, k) == whole[k:]
+    assert moved(whole, 0) != whole[k:]

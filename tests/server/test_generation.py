@@ -76,12 +76,12 @@ def test_structured_outputs_reach_the_replica_as_vllm_built_them(constraint):
     assert spec_of(SamplingParams(max_tokens=4), VOCAB).structured_outputs is None
 
 
-def test_a_continuation_replays_its_generated_tokens_into_the_grammar_only_with_one():
-    from dlora.replica.engine import GRAMMAR_REPLAY_KEY, to_sampling_params
+def test_a_continuation_tells_its_engine_how_many_prompt_tokens_it_generated_before():
+    from dlora.replica.engine import GENERATED_BEFORE_KEY, to_sampling_params
 
-    structured = SamplingSpec(max_tokens=4, structured_outputs='{"regex": "a+"}', replay_tokens=3)
-    assert to_sampling_params(structured).extra_args == {GRAMMAR_REPLAY_KEY: 3}
-    assert to_sampling_params(SamplingSpec(max_tokens=4, replay_tokens=3)).extra_args is None
+    structured = SamplingSpec(max_tokens=4, structured_outputs='{"regex": "a+"}', generated_before=3)
+    assert to_sampling_params(structured).extra_args == {GENERATED_BEFORE_KEY: 3}
+    assert to_sampling_params(SamplingSpec(max_tokens=4, generated_before=3)).extra_args == {GENERATED_BEFORE_KEY: 3}
     assert to_sampling_params(SamplingSpec(max_tokens=4, structured_outputs='{"regex": "a+"}')).extra_args is None
 
 

@@ -170,7 +170,7 @@ def _convert_logprobs(token_ids: list[int], logprobs, k: int) -> list[TokenLogpr
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)
         chosen = position[tid]
         top = tuple((t, lp.logprob, lp.decoded_token or "") for t, lp in ranked if lp.rank and lp.rank <= k)
-        out.append(TokenLogprob(tid, chosen.logprob, chosen.decoded_token or "", top))
+        out.append(TokenLogprob(tid, chosen.logprob, chosen.decoded_token or "", top, chosen.rank))
     return out
 
 

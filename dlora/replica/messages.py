@@ -84,6 +84,7 @@ class TokenLogprob:
     token: str
     # (token_id, logprob, token) of the top alternatives, best first
     top: tuple[tuple[int, float, str], ...] = ()
+    rank: int | None = None  # the token's rank among all tokens (1 = the most likely), as vLLM gives it
 
 
 @dataclass

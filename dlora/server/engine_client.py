@@ -142,16 +142,16 @@ def _finite(logprob: float) -> float:
 
 
 def vllm_logprobs(logprobs: list[TokenLogprob]) -> list[dict[int, Logprob]]:
-    """dlora's per-token logprobs in vLLM's shape: the sampled token first, then the top
-    alternatives by rank (the sampled token's own rank is known only when it is among them)."""
+    """dlora's per-token logprobs in vLLM's shape: the sampled (or prompt) token first, with its
+    rank, then the top alternatives by rank."""
     out = []
     for lp in logprobs:
-        step = {lp.token_id: Logprob(_finite(lp.logprob), None, lp.token)}
-        for rank, (token_id, logprob, token) in enumerate(lp.top, start=1):
-            if token_id == lp.token_id:
-                step[token_id] = Logprob(_finite(lp.logprob), rank, lp.token)
-            else:
-                step[token_id] = Logprob(_finite(logprob), rank, token)
+        ranks = {token_id: rank for rank, (token_id, _, _) in enumerate(lp.top, start=1)}
+        rank = lp.rank if lp.rank is not None else ranks.get(lp.token_id)
+        step = {lp.token_id: Logprob(_finite(lp.logprob), rank, lp.token)}
+        for token_id, logprob, token in lp.top:
+            if token_id != lp.token_id:
+                step[token_id] = Logprob(_finite(logprob), ranks[token_id], token)
         out.append(step)
     return out
 

@@ -105,3 +105,12 @@ def test_non_finite_logprobs_are_floored_as_vllm_does():
         {4: (-1.0, None)},
     ]
     json.dumps([[lp.logprob for lp in step.values()] for step in out], allow_nan=False)
+
+
+def test_each_tokens_rank_is_vllms_whether_or_not_it_is_among_the_top():
+    lps = [
+        TokenLogprob(9, -4.0, "z", ((2, -0.1, "b"), (3, -0.5, "c")), rank=17),
+        TokenLogprob(3, -0.5, "c", ((2, -0.1, "b"), (3, -0.5, "c"))),
+    ]
+    out = vllm_logprobs(lps)
+    assert [{t: lp.rank for t, lp in step.items()} for step in out] == [{9: 17, 2: 1, 3: 2}, {3: 2, 2: 1}]

@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlora.batch.lines import parse_lines
+    from dlora.batch.execute import line_rules
+    from dlora.batch.reading import read_batch_file
     from dlora.cli import UsageError
     from dlora.server.serve_cmd import check_before_start, load_config
 
@@ -47,16 +48,21 @@ def run(args: argparse.Namespace) -> int:
     if args.input_file and args.input and args.input_file != args.input:
         raise UsageError(f"two input files: {args.input!r} and -i {args.input_file!r}")
     try:
-        text = Path(source).read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        Path(source).open("rb").close()
+    except OSError as e:
         raise UsageError(f"cannot read the input file {source!r}: {e}") from None
     out_path = Path(args.output_file)
     if not out_path.parent.is_dir():
         raise UsageError(f"-o {args.output_file!r}: its directory does not exist")
-    parsed = parse_lines(text, None)
+    cfg = check_before_start(load_config(args))
+    # Each line is held to its route's rules, as the server holds a batch's (no limit on their number,
+    # as vLLM's run-batch has none).
+    try:
+        parsed = read_batch_file(Path(source), None, None, line_rules(cfg.server))
+    except OSError as e:
+        raise UsageError(f"cannot read the input file {source!r}: {e}") from None
     if not parsed:
         raise UsageError(f"{source!r} has no requests")
-    cfg = check_before_start(load_config(args))
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     outputs, timing = asyncio.run(_run(cfg, parsed, not args.no_progress))
     from dlora.batch.durable import write_atomic

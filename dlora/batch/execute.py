@@ -1,7 +1,8 @@
 """How one batch line runs in this server: through the same handlers as the online routes.
 
-A line is validated as its route's request body, checked against the same limits (the fan-out
-of prompts x n, the client-priority policy), and answered by the same code that builds the
+A line is held to its route's rules as the file is read (`line_rules`: the body-size cap, the
+values and client priority dlora admits, the fan-out of prompts x n, vLLM's request model), so the
+planner sees only lines the route would take. It is answered by the same code that builds the
 route's non-streamed response, at the batch's engine priority. Whatever fails is that line's
 error, shaped as the route would have answered it.
 """
@@ -11,25 +12,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from dlora.adapters.registry import AdapterNotFoundError
+from dlora.batch.admit import route_refusal
 from dlora.batch.files import FileStore
 from dlora.batch.gate import BatchGate
-from dlora.batch.lines import BatchLine, LineError, error_output, ok_output
+from dlora.batch.lines import BatchLine, LineError, error_output, line_request_id, ok_output
 from dlora.batch.planned import LinePlan, line_plan
 from dlora.batch.predict import Work, works_of
+from dlora.batch.reading import LineRules
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import held_jobs, planning_lengths
+from dlora.config import ServerConfig
 from dlora.scheduling.config import einsum_merged_cost
-from dlora.server.admission import fanout_of_data
-from dlora.server.errors import APIError, as_api_error, error_body, invalid_body
-from dlora.server.validation import check_body
+from dlora.server.errors import APIError, as_api_error, error_body
 from dlora.slo.isolated import mean_params
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,13 @@ UNAVAILABLE_RETRY_MAX_S = 15.0
 async def execute_line(state, line: BatchLine, priority: int) -> dict:
     """The line's output line (a success or its error). While the cluster answers 503 and a replica
     may still come back, the line waits and runs again; the batch's cancel or expiry ends the wait."""
-    rid = f"batch_req-{uuid.uuid4().hex}"
+    rid = line_request_id()
     wait_s = UNAVAILABLE_RETRY_FIRST_S
     while True:
         try:
             return ok_output(line.custom_id, rid, await _answer(state, line, rid, priority))
         except ValidationError as e:
-            err = invalid_body(e)
+            err = serving_error(e, rid)
         except Exception as e:
             err = as_api_error(e, rid)
         if err.status != 503 or not state.router.may_serve_soon():
@@ -57,17 +58,29 @@ async def execute_line(state, line: BatchLine, priority: int) -> dict:
         await asyncio.sleep(wait_s)
         wait_s = min(2 * wait_s, UNAVAILABLE_RETRY_MAX_S)
     body = error_body(err.status, err.message, err.param)
-    failure = LineError(line.line, line.custom_id, body["error"]["type"], err.message, err.status)
-    return error_output(failure, rid, body)
+    failure = LineError(line.line, line.custom_id, body["error"]["type"], err.message, err.status, body)
+    return error_output(failure, rid)
+
+
+def serving_error(exc: ValidationError, rid: str) -> APIError:
+    """The body passed its request model as the file was read, so this was raised within vLLM's
+    serving (rendering a message's parts): the answer vLLM's server gives, as to any ValueError.
+    (Imported here: the frontend's module imports the server's state, which imports the batches.)"""
+    from dlora.server.vllm_frontend import error_of
+
+    error = error_of(exc, rid).error
+    return APIError(error.code, error.message, error.param)
 
 
 async def _answer(state, line: BatchLine, rid: str, priority: int) -> dict:
-    too_wide = fanout_of_data(line.url, line.body).too_wide(state.cfg.server.max_choices_per_request)
-    if too_wide is not None:
-        raise APIError(400, *too_wide)
-    # The rules an HTTP request meets in admission (the client's priority is checked, then replaced).
-    check_body(line.body, None, state.cfg.server)
+    # The line met its route's admission as the file was read (`line_rules`); the client's priority
+    # was checked there, and is replaced here.
     return await state.frontend.answer(line.url, line.body, rid, priority)
+
+
+def line_rules(server: ServerConfig) -> LineRules:
+    """What every line of a batch meets before it is planned: what its route admits."""
+    return LineRules(server.max_body_bytes, lambda line: route_refusal(line, server))
 
 
 def online_in_flight(router, batch_priority: int) -> int:
@@ -214,6 +227,7 @@ def server_batches(state) -> BatchService:
         lambda line: execute_line(state, line, cfg.batch.priority),
         batch_gate(state),
         batch_planner(state),
+        line_rules(cfg.server),
     )
     service.on_line = lambda outcome: state.metrics.batch_requests.labels(outcome).inc()
     return service

@@ -147,7 +147,8 @@ def works_of(
     url: str, body: dict, count_tokens: Callable[[str], int], base_model: str, max_model_len: int
 ) -> list[Work]:
     """The engine requests one batch line makes (its prompts x n), with prompt sizes counted from
-    the text (a chat's template adds a few tokens per message, counted as 4)."""
+    the text (a chat's template adds a few tokens per message, counted as 4). The line is one its
+    route admits (dlora/batch/admit.py): n and the prompts are within the fan-out cap."""
     if url == "/v1/completions":
         prompt = body.get("prompt", "")
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -172,5 +173,8 @@ def _text(message: dict) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        # vLLM's request model leaves parts to the renderer: a part's text may not be text yet (the
+        # line then fails when it runs, with its route's error)
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return "".join(t for t in texts if isinstance(t, str))
     return ""

@@ -1,8 +1,11 @@
 """The batches of one server: create, run, cancel, expire, and resume after a restart.
 
-Each active batch is one asyncio task. It reads its input file, turns every line into a request
-or that line's error, and runs the requests through the shared `BatchGate` (batch work yields to
-online work) in the order its plan gives (dlora/batch/planned.py), journaling each finished line.
+Each active batch is one asyncio task. It reads its input file as it streams from disk, in a
+worker thread (dlora/batch/reading.py), turning every line into a request or that line's error: a
+line its route would refuse (`LineRules`: the body-size cap, dlora's admission checks, vLLM's
+request model) is that line's error before anything is planned. It runs the requests through the
+shared `BatchGate` (batch work yields to online work) in the order its plan gives
+(dlora/batch/planned.py), journaling finished lines in groups (dlora/batch/journal.py).
 When every line is done (or the batch is cancelled or its window runs out) it writes the output
 file (successful lines, in input order) and the error file (failed lines, and the lines an
 expired batch never ran), and ends. Statuses are OpenAI's: validating -> in_progress ->
@@ -21,8 +24,11 @@ from collections.abc import Callable
 
 from dlora.batch.files import FileNotFound, FileStore
 from dlora.batch.gate import BatchGate
-from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error, parse_lines
+from dlora.batch.journal import Journal
+from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error
+from dlora.batch.metadata import checked_metadata
 from dlora.batch.planned import BatchPlanner, run_batch
+from dlora.batch.reading import LineRules, TooManyRequests, read_batch_file
 from dlora.batch.runner import Execute
 from dlora.batch.store import ACTIVE, ENDED, BatchRecord, BatchStore
 from dlora.config import BatchConfig
@@ -32,7 +38,6 @@ log = logging.getLogger(__name__)
 
 WINDOW = re.compile(r"([1-9][0-9]{0,3})h")  # OpenAI's "24h"; any whole number of hours up to 9999
 SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
-MAX_METADATA = 16
 
 
 class BatchService:
@@ -44,8 +49,10 @@ class BatchService:
         execute: Execute,
         gate: BatchGate,
         planner: BatchPlanner | None = None,
+        rules: LineRules | None = None,
     ):
         self.cfg = cfg
+        self.rules = rules or LineRules()
         self.files = files
         self.store = store
         self.execute = execute
@@ -81,7 +88,7 @@ class BatchService:
         if window is None:
             why = f"completion_window {completion_window!r} must be a number of hours such as '24h'"
             raise APIError(400, why, "completion_window")
-        tags = _checked_metadata(metadata)
+        tags = checked_metadata(metadata)
         try:
             source = self.files.get(input_file_id)
         except FileNotFound:
@@ -148,20 +155,17 @@ class BatchService:
 
     async def _validate(self, record: BatchRecord) -> list[BatchLine | LineError] | None:
         try:
-            text = (await asyncio.to_thread(self.files.read, record.input_file_id)).decode()
-        except FileNotFound:
+            path = self.files.content_path(record.input_file_id)
+            limit = self.cfg.max_requests
+            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, self.rules)
+        except (FileNotFound, FileNotFoundError):
             self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
             return None
-        except UnicodeDecodeError:
-            self._fail(record, "invalid_file", "the input file is not UTF-8 text")
+        except TooManyRequests as e:
+            self._fail(record, "too_many_requests", str(e))
             return None
-        parsed = await asyncio.to_thread(parse_lines, text, record.endpoint)
         if not parsed:
             self._fail(record, "empty_file", "the input file has no requests")
-            return None
-        if len(parsed) > self.cfg.max_requests:
-            why = f"the input file has {len(parsed)} requests; at most {self.cfg.max_requests} (batch.max_requests)"
-            self._fail(record, "too_many_requests", why)
             return None
         record.request_counts.total = len(parsed)
         if record.status == "validating":
@@ -172,22 +176,26 @@ class BatchService:
     async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> tuple[str, dict[int, dict]]:
         """Run every line not yet journaled; the status the batch ends with, and every finished
         line's output by line number (the journal's content). The counts follow each line."""
-        done = self.store.results(record.id)
+        done = await asyncio.to_thread(self.store.results, record.id)
         self._recount(record, done)
-        for item in parsed:
-            if isinstance(item, LineError) and item.line not in done:
-                self._finish_line(record, done, item.line, error_output(item))
-        todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
-        cancelled = self._cancel[record.id]
+        journal = Journal(lambda group: self.store.append_results(record.id, group))
+        try:
+            for item in parsed:
+                if isinstance(item, LineError) and item.line not in done:
+                    self._finish_line(record, done, journal, item.line, error_output(item))
+            todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
+            cancelled = self._cancel[record.id]
 
-        def stopping() -> bool:
-            return cancelled.is_set() or self._expired(record)
+            def stopping() -> bool:
+                return cancelled.is_set() or self._expired(record)
 
-        def finished(line: BatchLine, output: dict) -> None:
-            self._finish_line(record, done, line.line, output)
+            def finished(line: BatchLine, output: dict) -> None:
+                self._finish_line(record, done, journal, line.line, output)
 
-        save = lambda: self.store.save(record)  # noqa: E731
-        await run_batch(todo, self.execute, self.gate, self.planner, finished, stopping, save, SAVE_EVERY_S)
+            save = lambda: self.store.save(record)  # noqa: E731
+            await run_batch(todo, self.execute, self.gate, self.planner, finished, stopping, save, SAVE_EVERY_S)
+        finally:
+            await journal.close()
         if cancelled.is_set():
             return "cancelled", done
         return ("expired" if len(done) < len(parsed) else "completed"), done
@@ -195,8 +203,10 @@ class BatchService:
     def _expired(self, record: BatchRecord) -> bool:
         return time.time() >= record.expires_at
 
-    def _finish_line(self, record: BatchRecord, done: dict[int, dict], line: int, output: dict) -> None:
-        self.store.append_result(record.id, line, output)
+    def _finish_line(
+        self, record: BatchRecord, done: dict[int, dict], journal: Journal, line: int, output: dict
+    ) -> None:
+        journal.add(line, output)
         done[line] = output
         outcome = "failed" if is_error(output) else "completed"
         if outcome == "failed":
@@ -236,23 +246,14 @@ class BatchService:
         log.info("batch %s %s: %s", record.id, ending, record.request_counts)
 
     async def _write_file(self, record: BatchRecord, kind: str, lines: list[dict]) -> str:
-        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        made = await asyncio.to_thread(self.files.create, content, f"{record.id}_{kind}.jsonl", "batch_output")
+        def write():  # encoding a large file takes a while: off the event loop too
+            content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            return self.files.create(content, f"{record.id}_{kind}.jsonl", "batch_output")
+
+        made = await asyncio.to_thread(write)
         return made.id
 
     def _fail(self, record: BatchRecord, code: str, message: str) -> None:
         record.errors = [{"code": code, "message": message, "param": None, "line": None}]
         record.enter("failed")
         self.store.save(record)
-
-
-def _checked_metadata(metadata: object) -> dict[str, str] | None:
-    """OpenAI's rule: up to 16 string pairs, keys up to 64 characters, values up to 512."""
-    if metadata is None:
-        return None
-    if isinstance(metadata, dict) and len(metadata) <= MAX_METADATA:
-        pairs = list(metadata.items())
-        if all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in pairs):
-            return dict(pairs)
-    why = "metadata must map at most 16 strings of up to 64 characters to strings of up to 512"
-    raise APIError(400, why, "metadata")

@@ -2,13 +2,17 @@
 
 Per batch, a directory `<id>/` with `batch.json` (OpenAI's batch object as last saved) and
 `results.jsonl`, a journal with one entry per finished line (its line number and its output
-line), appended and flushed as each line finishes. On restart the journal says which lines are
-done; a torn last entry (a crash mid-write) is ignored and that line runs again.
+line), appended in groups, each flushed to disk (dlora/batch/journal.py). On restart the journal
+says which lines are done; a torn last entry (a crash mid-write) is ignored and that line runs again.
+A stored record that cannot be shown (metadata OpenAI would not take, written by an older server;
+a damaged file) is shown without its metadata, or not at all, and logged: one record never breaks
+the listing of every batch.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -17,6 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dlora.batch.durable import read_json, write_json
+from dlora.batch.metadata import metadata_problem
+
+log = logging.getLogger(__name__)
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -112,15 +119,24 @@ class BatchStore:
         found = []
         for entry in self.root.iterdir() if self.root.is_dir() else ():
             try:
-                found.append(self.get(entry.name))
-            except (BatchNotFound, TypeError, KeyError):
+                record = self.get(entry.name)
+            except BatchNotFound:
                 continue
+            except (TypeError, KeyError, ValueError) as e:
+                log.warning("batch %s: its stored record is damaged (%s); not listed", entry.name, type(e).__name__)
+                continue
+            if showable(record):
+                found.append(record)
         return sorted(found, key=lambda r: (-r.created_at, r.id))
 
     def append_result(self, batch_id: str, line: int, output: dict) -> None:
-        path = self.root / batch_id / "results.jsonl"
-        with open(path, "a") as f:
-            f.write(json.dumps({"line": line, "output": output}) + "\n")
+        self.append_results(batch_id, [(line, output)])
+
+    def append_results(self, batch_id: str, entries: list[tuple[int, dict]]) -> None:
+        """Journal finished lines: one write, one fsync."""
+        text = "".join(json.dumps({"line": line, "output": output}) + "\n" for line, output in entries)
+        with open(self.root / batch_id / "results.jsonl", "a") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
 
@@ -130,10 +146,26 @@ class BatchStore:
         path = self.root / batch_id / "results.jsonl"
         if not path.is_file():
             return done
-        for raw in path.read_text().splitlines():
+        for raw in path.read_text().split("\n"):
             try:
                 entry = json.loads(raw)
                 done[int(entry["line"])] = entry["output"]
             except (ValueError, KeyError, TypeError):
                 continue  # a torn entry: that line runs again
         return done
+
+
+def showable(record: BatchRecord) -> bool:
+    """Whether the record can be shown, once metadata OpenAI would not take is dropped (logged)."""
+    problem = metadata_problem(record.metadata)
+    if problem is not None:
+        log.warning("batch %r: its stored metadata is not valid (%s); shown without it", record.id, problem)
+        record.metadata = None
+    try:
+        json.dumps(record.to_openai(), ensure_ascii=False).encode()
+        if not (isinstance(record.created_at, int) and isinstance(record.expires_at, int)):
+            raise TypeError("created_at and expires_at must be whole seconds")
+    except (TypeError, ValueError) as e:
+        log.warning("batch %r: its stored record cannot be shown (%s); not listed", record.id, type(e).__name__)
+        return False
+    return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
@@ -26,7 +25,8 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
-    metadata: Any = None
+    # OpenAI's type; its limits (16 pairs, lengths, valid Unicode) are checked when the batch is made
+    metadata: dict[str, str] | None = None
 
 
 def _batches(request: Request) -> BatchService:

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from dlora.batch.store import BatchRecord, BatchStore
 from dlora.config import from_dict
 from dlora.server.app import _refresh_gauges, attach, create_app
 from dlora.server.state import build_state
@@ -248,31 +249,51 @@ def test_an_expired_batch_reports_the_lines_it_never_ran(tiny_model, tmp_path):
 
 
 def test_a_restart_resumes_the_batch_without_redoing_finished_lines(tiny_model, tmp_path):
+    """Hostile lines among them are their own errors, once, across the restart; a record an older
+    server stored with metadata no response can carry does not break the listing."""
     lines = [request_line(f"r{i}", "a0", f"prompt {i}", max_tokens=20) for i in range(12)]
+    hostile = [
+        request_line("surrogate", "a0", "\ud800"),  # escaped in the file's JSON, as a client must send it
+        request_line("huge-n", "a0", "x", n=10**19),
+    ]
     state_dir = tmp_path / "state"
 
     async def first_run() -> tuple[str, int]:
         async with toy_server(tiny_model, state_dir, step_s=0.02, max_in_flight=2) as (client, state, _):
-            batch = await submit(client, lines)
+            batch = await submit(client, hostile[:1] + lines[:6] + hostile[1:] + lines[6:])
             while (await client.batches.retrieve(batch.id)).request_counts.completed < 4:
                 await asyncio.sleep(0.02)
         # the server stopped here, mid-batch
         return batch.id, len(state.batches.store.results(batch.id))
 
-    async def second_run(batch_id: str, finished_before: int):
+    def plant_poisoned_record() -> str:
+        old = BatchRecord.new(CMPL, "file-" + "0" * 24, "24h", 86400, {"k": "\ud800"})
+        old.enter("completed")
+        BatchStore(state_dir / "batches").save(old)
+        return old.id
+
+    async def second_run(batch_id: str, finished_before: int, poisoned_id: str):
         async with toy_server(tiny_model, state_dir, step_s=0.002) as (client, _, replica):
             done = await until(client, batch_id, ("completed",))
-            assert done.request_counts.completed == 12
-            assert replica.requests_seen == 12 - finished_before
+            assert (done.request_counts.completed, done.request_counts.failed) == (12, 2)
+            assert replica.requests_seen == 12 - (finished_before - 2)
             out = await file_lines(client, done.output_file_id)
             assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(12)]
             for o, line in zip(out, lines):
                 online = await client.completions.create(**line["body"])
                 assert o["response"]["body"]["choices"][0]["text"] == online.choices[0].text
+            errors = await file_lines(client, done.error_file_id)
+            assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [
+                ("surrogate", 400),
+                ("huge-n", 400),
+            ]
+            listed = {b.id: b for b in (await client.batches.list()).data}
+            assert listed.keys() == {batch_id, poisoned_id} and listed[poisoned_id].metadata is None
 
     batch_id, finished_before = asyncio.run(first_run())
-    assert 4 <= finished_before < 12
-    asyncio.run(second_run(batch_id, finished_before))
+    assert 4 + 2 <= finished_before < 12 + 2
+    poisoned_id = plant_poisoned_record()
+    asyncio.run(second_run(batch_id, finished_before, poisoned_id))
 
 
 def test_lines_wait_out_a_cluster_with_no_replica_up_and_then_finish(tiny_model, tmp_path):

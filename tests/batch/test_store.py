@@ -3,6 +3,8 @@ not ours never become paths."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dlora.batch.files import FileNotFound, FileStore, clean_filename
@@ -53,3 +55,24 @@ def test_filenames_are_shown_without_paths_or_control_characters():
     assert clean_filename("a\x1b[31mb.jsonl") == "a[31mb.jsonl"
     assert clean_filename(None) == "upload.jsonl"
     assert len(clean_filename("x" * 1000)) == 255
+
+
+def test_a_stored_record_with_metadata_openai_would_refuse_is_listed_without_it(tmp_path, caplog):
+    """A record an older server saved (a lone surrogate in metadata cannot be encoded in any
+    response) must not break the listing of every batch."""
+    store = BatchStore(tmp_path)
+    good = BatchRecord.new("/v1/completions", "file-" + "0" * 24, "24h", 86400, {"job": "eval"})
+    poisoned = BatchRecord.new("/v1/completions", "file-" + "1" * 24, "24h", 86400, {"k": "\ud800"})
+    damaged = BatchRecord.new("/v1/completions", "file-" + "2" * 24, "24h", 86400, None)
+    damaged.endpoint = "/v1/\udc00"  # a field no response can carry: not listed at all
+    for record in (good, poisoned, damaged):
+        store.save(record)
+    (tmp_path / ("batch_" + "f" * 32)).mkdir()
+    (tmp_path / ("batch_" + "f" * 32) / "batch.json").write_text('{"id": 1, "unknown": 2}')
+    listed = {r.id: r for r in store.all()}
+    assert listed.keys() == {good.id, poisoned.id}
+    assert listed[good.id].metadata == {"job": "eval"} and listed[poisoned.id].metadata is None
+    for record in listed.values():
+        json.dumps(record.to_openai(), ensure_ascii=False).encode()
+    logged = caplog.text
+    assert "stored metadata is not valid" in logged and "cannot be shown" in logged and "damaged" in logged

@@ -84,6 +84,21 @@ def mixed_adapter_workload(args):
     return generate_workload(spec)
 
 
+def workload_record(args) -> dict:
+    """What `mixed_adapter_workload` sends, as a result records it."""
+    return {
+        "num_prompts": args.num_prompts,
+        "num_adapters": args.num_adapters,
+        "rank": args.rank,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": "inf",
+        "popularity": "distinct (round-robin)",
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 def run_once(url: str, requests) -> dict:
     r = run_benchmark(
         url,
@@ -172,17 +187,7 @@ def main() -> int:
         **provenance("bench.vs_vllm_server.run"),
         "vllm_command": shlex.join(vllm_command(args, base, adapters, ports["vllm"])),
         "dlora_config": dlora_config(args, base, adapters, ports["dlora"], work / "state"),
-        "workload": {
-            "num_prompts": args.num_prompts,
-            "num_adapters": args.num_adapters,
-            "rank": args.rank,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "request_rate": "inf",
-            "popularity": "distinct (round-robin)",
-            "ignore_eos": True,
-            "stream": True,
-        },
+        "workload": workload_record(args),
         "reps": args.reps,
         "runs": runs,
         "median": median,

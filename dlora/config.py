@@ -201,7 +201,8 @@ def _api_keys(value: Any) -> tuple[str, ...]:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Bearer token for the admin endpoints; None means they are open (DLORA_ADMIN_TOKEN overrides).
+    # Bearer token for the admin endpoints; None: they take the API key, or are open without one
+    # (DLORA_ADMIN_TOKEN overrides).
     admin_token: str | None = None
     # Adapter paths given to the admin API must resolve under one of these directories.
     adapter_roots: tuple[str, ...] = ()
@@ -215,7 +216,7 @@ class ServerConfig:
     # Where the adapter registry is persisted so registrations survive a restart.
     state_dir: str = "~/.cache/dlora/state"
     log_level: str = "info"
-    # Bearer tokens clients may send on the inference routes, any one of them (vLLM's --api-key); YAML
+    # Bearer tokens every /v1 route needs, any one of them (vLLM's --api-key); YAML
     # gives one key or a list; empty = open. DLORA_API_KEY (one key) overrides. Separate from admin_token.
     api_key: tuple[str, ...] = ()
     # A request's own `chat_template` (in chat_template_kwargs or the body) is a Jinja program run by
@@ -233,6 +234,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # Seconds one request's chat-template rendering + tokenisation may take (off the event loop).
     template_timeout_s: float = 5.0
+    # /v1/models shows each card's path as vLLM does (`root`: the model's and adapters' directories);
+    # off, `root` is the card's name, so clients learn nothing of the server's file layout.
+    show_model_paths: bool = False
     # Client `priority` is honoured only when this is on; else a non-zero priority is refused (400),
     # as vLLM does when its scheduling policy is not `priority`.
     allow_client_priority: bool = False

@@ -31,6 +31,7 @@ from dlora.adapters.validate import (
     check_files,
     inspect_adapter,
     is_under_roots,
+    unreadable_as_invalid,
 )
 from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
 from dlora.cluster.router import Router
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class AdapterForbiddenError(PermissionError):
-    pass
+    """An adapter path outside `server.adapter_roots`; the message names neither the path nor the roots."""
 
 
 class AdapterBusyError(RuntimeError):
@@ -71,6 +72,11 @@ RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last requ
 
 def ref_of(rec: AdapterRecord) -> AdapterRef:
     return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version, size_bytes=rec.size_bytes)
+
+
+def described(e: BaseException) -> str:
+    """An adapter refusal for the server log: with what the client's message leaves out."""
+    return e.described() if isinstance(e, AdapterValidationError) else str(e)
 
 
 def _recent(memory: OrderedDict[str, float], name: str, for_s: float) -> bool:
@@ -181,7 +187,7 @@ class AdapterManager:
         except (AdapterValidationError, AdapterForbiddenError) as e:
             _remember(self._failed_at, name)
             self.on_resolve("refused")
-            log.warning("adapter %s was found but refused: %s", name, e)
+            log.warning("adapter %s was found but refused: %s", name, described(e))
             raise AdapterResolveError(name) from None
         except (AdapterSourceError, OSError, RegistryPersistError) as e:
             _remember(self._unreachable_at, name)
@@ -229,7 +235,8 @@ class AdapterManager:
         if not name or name == self.base_model_name:
             raise AdapterValidationError(f"adapter name {name!r} is empty or clashes with the base model's name")
         if check_roots and self.roots and not is_under_roots(path, self.roots):
-            raise AdapterForbiddenError(f"adapter path {path!r} is outside the allowed roots {list(self.roots)}")
+            log.warning("adapter %s refused: %r is outside the adapter roots %s", name, path, list(self.roots))
+            raise AdapterForbiddenError("lora_path is outside the allowed adapter roots")
         async with self._lock:
             roots = self.roots if check_roots and self.roots else None
             if inplace and name in self.registry:
@@ -258,7 +265,8 @@ class AdapterManager:
             raise AdapterValidationError(str(e)) from None
         except Exception as e:
             await self.router.unload_everywhere(rec.int_id)
-            raise AdapterValidationError(f"the engine refused the adapter: {e}") from None
+            # The engine's words may name files, processes or actors: the server log has them.
+            raise AdapterValidationError("the engine refused the adapter", str(e)) from None
         try:
             committed = self.registry.commit(rec)
         except BaseException:
@@ -313,24 +321,31 @@ class AdapterManager:
         first and validated itself, so a file changed mid-way cannot slip through), an existing
         snapshot after verifying its hashes, or, with no writable state dir, the source itself."""
         src = Path(path)
-        check_files(src, roots)
+        with unreadable_as_invalid(src):  # the client's path: one the OS cannot look up is the client's 400
+            check_files(src, roots)
         root = self.snapshot_root
         if root is not None and snapshot.is_snapshot_path(src, root):
             try:
                 digest = snapshot.verify(src)
             except SnapshotError as e:
-                raise AdapterValidationError(f"{e}; register the adapter again from its source") from None
+                raise AdapterValidationError(
+                    "the adapter's stored copy is missing, unreadable or changed; register the adapter again from "
+                    "its source",
+                    str(e),
+                ) from None
             info = inspect_adapter(src, self.base, self.max_rank)
             return info, Snapshot.of(Path(info.path), digest)
         if root is None or not self._writable(root):
             return inspect_adapter(src, self.base, self.max_rank, roots), None
         for f in snapshot.SNAPSHOT_FILES:
             if not (src / f).is_file():
-                raise AdapterValidationError(f"{f} not found in {src}")
+                raise AdapterValidationError(f"{f} not found in the adapter directory", f"{str(src)!r}")
         try:
             staged, digest = snapshot.stage(src, root)  # the source is read once, into the copy
         except OSError as e:
-            raise AdapterValidationError(f"cannot copy the adapter's files: {e}") from None
+            raise AdapterValidationError(
+                f"cannot copy the adapter's files: {e.strerror or 'I/O error'}", str(e)
+            ) from None
         try:
             info = inspect_adapter(staged, self.base, self.max_rank)
         except BaseException:
@@ -388,7 +403,7 @@ class AdapterManager:
             try:
                 await self.register(spec.name, spec.path, spec.pinned, source="config", check_roots=False, slo=spec.slo)
             except (AdapterValidationError, AdapterExistsError) as e:
-                problems.append(f"config adapter {spec.name}: {e}")
+                problems.append(f"config adapter {spec.name}: {described(e)}")
         for rec in persisted:
             if rec.name in self.registry:
                 continue
@@ -397,7 +412,7 @@ class AdapterManager:
                     rec.name, rec.path, rec.pinned, source="api", check_roots=False, version=rec.version, slo=rec.slo
                 )
             except (AdapterValidationError, AdapterExistsError) as e:
-                problems.append(f"persisted adapter {rec.name}: {e}")
+                problems.append(f"persisted adapter {rec.name}: {described(e)}")
         self._prune_snapshots()
         return problems
 

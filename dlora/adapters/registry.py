@@ -197,7 +197,7 @@ class AdapterRegistry:
         try:
             self._file.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RegistryPersistError(f"cannot save the adapter registry to {self._file}: {e}") from e
+            raise store.persist_error(self._file, e) from e
         store.write(self._file, data)
 
 

@@ -18,7 +18,13 @@ log = logging.getLogger(__name__)
 
 
 class RegistryPersistError(OSError):
-    """Writing the registry file failed; the change that needed it was not applied."""
+    """Writing the registry file failed; the change that needed it was not applied. The message
+    (answered to the admin call) names the OS's reason, not the file: `persist_error` logs that."""
+
+
+def persist_error(path: Path, e: OSError) -> RegistryPersistError:
+    log.error("cannot save the adapter registry to %s: %s", path, e)
+    return RegistryPersistError(f"cannot save the adapter registry: {e.strerror or type(e).__name__}")
 
 
 class CorruptRegistryFile(ValueError):
@@ -89,7 +95,7 @@ def write(path: Path, data: dict) -> None:
     except OSError as e:
         if tmp is not None:
             _discard(tmp)
-        raise RegistryPersistError(f"cannot save the adapter registry to {path}: {e}") from e
+        raise persist_error(path, e) from e
 
 
 def _discard(name: str) -> None:

@@ -7,15 +7,16 @@ tensor header and checked them against the base model's shapes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -34,7 +35,16 @@ _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight
 
 
 class AdapterValidationError(ValueError):
-    """The adapter cannot be served; the message says why."""
+    """The adapter cannot be served. The message says why in words a client may see: it names no
+    server path and quotes no error text that could; `detail` carries that for the server log."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+    def described(self) -> str:
+        """The message and its detail, for the server log."""
+        return f"{self}: {self.detail}" if self.detail else str(self)
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ class AdapterInfo:
 def _read_config(d: Path) -> dict:
     f = d / CONFIG_FILE
     if not f.is_file():
-        raise AdapterValidationError(f"{CONFIG_FILE} not found in {d}")
+        raise AdapterValidationError(f"{CONFIG_FILE} not found in the adapter directory", f"{str(d)!r}")
     try:
         cfg = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -135,8 +145,12 @@ def _check_tensors(weights: Path, rank: int, base: BaseModelShapes) -> tuple[str
                     raise AdapterValidationError(f"tensor {key!r} holds NaN or infinite values")
     except AdapterValidationError:
         raise
-    except Exception as e:  # safetensors raises several unrelated types for a corrupt file
+    except SafetensorError as e:  # the format's own words about the file's bytes
         raise AdapterValidationError(f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    except Exception as e:  # other types (an OSError naming the file, torch's errors) stay in the log
+        raise AdapterValidationError(
+            f"{WEIGHTS_FILE} is not a readable safetensors file", f"{type(e).__name__}: {e}"
+        ) from None
     if not seen:
         raise AdapterValidationError(f"{WEIGHTS_FILE} holds no LoRA tensors")
     for (layer, module), parts in seen.items():
@@ -171,15 +185,18 @@ def check_files(path: str | Path, roots: tuple[str, ...] | None = None) -> None:
     leaves them: a directory under a root may hold symlinks to files anywhere."""
     d = Path(path)
     if not d.is_dir():
-        raise AdapterValidationError(f"adapter path {str(d)!r} is not a directory")
+        raise AdapterValidationError("lora_path is not a directory", f"{str(d)!r}")
     if roots and not is_under_roots(d, roots):
-        raise AdapterValidationError(f"adapter path {str(d)!r} resolves outside the adapter roots {list(roots)}")
+        raise AdapterValidationError(
+            "lora_path resolves outside the adapter roots", f"{str(d)!r} resolves to {os.path.realpath(d)!r}"
+        )
     for top, dirs, files in os.walk(d):  # symlinked directories are listed, not followed
         for entry in (*dirs, *files):
             p = Path(top) / entry
             if roots and not is_under_roots(p, roots):
                 raise AdapterValidationError(
-                    f"{p.relative_to(d)} resolves to {os.path.realpath(p)!r}, outside the adapter roots {list(roots)}"
+                    f"{p.relative_to(d)} resolves outside the adapter roots",
+                    f"{p.relative_to(d)} resolves to {os.path.realpath(p)!r}, outside {list(roots)}",
                 )
             if entry.lower().endswith(PICKLE_SUFFIXES):
                 raise AdapterValidationError(
@@ -195,22 +212,41 @@ def inspect_adapter(
     """Read and check an adapter directory; raise AdapterValidationError naming the first problem.
     With `roots`, every file must also resolve under one of them (`check_files`)."""
     d = Path(path)
-    check_files(d, roots)
-    rank, alpha = _check_config(_read_config(d), max_rank)
-    weights = d / WEIGHTS_FILE
-    if not weights.is_file():
-        raise AdapterValidationError(f"{WEIGHTS_FILE} not found in {d}")
-    targets = _check_tensors(weights, rank, base)
-    return AdapterInfo(
-        path=str(d.resolve()),
-        rank=rank,
-        alpha=alpha,
-        target_modules=targets,
-        size_bytes=weights.stat().st_size,
-    )
+    with unreadable_as_invalid(d):
+        check_files(d, roots)
+        rank, alpha = _check_config(_read_config(d), max_rank)
+        weights = d / WEIGHTS_FILE
+        if not weights.is_file():
+            raise AdapterValidationError(f"{WEIGHTS_FILE} not found in the adapter directory", f"{str(d)!r}")
+        targets = _check_tensors(weights, rank, base)
+        return AdapterInfo(
+            path=str(d.resolve()),
+            rank=rank,
+            alpha=alpha,
+            target_modules=targets,
+            size_bytes=weights.stat().st_size,
+        )
+
+
+@contextlib.contextmanager
+def unreadable_as_invalid(path: Path) -> Iterator[None]:
+    """An adapter path the OS refuses to look up or read (a name too long, a NUL, no permission, a
+    file vanishing mid-check) is an invalid adapter, not a server error; the OS's words (which name
+    the path) go to the log only."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        if isinstance(e, AdapterValidationError):
+            raise
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "it cannot be looked up"
+        raise AdapterValidationError(f"lora_path cannot be read: {reason}", f"{str(path)!r}: {e}") from None
 
 
 def is_under_roots(path: str | Path, roots: tuple[str, ...]) -> bool:
-    """True when `path` resolves (symlinks followed) inside one of `roots`."""
-    real = Path(os.path.realpath(path))
+    """True when `path` resolves (symlinks followed) inside one of `roots`; False for a path the OS
+    cannot resolve at all (a NUL in it)."""
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        return False
     return any(real.is_relative_to(Path(os.path.realpath(r))) for r in roots)

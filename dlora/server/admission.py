@@ -1,9 +1,8 @@
 """Admission control: what the server refuses before any work starts, and how.
 
 A pure ASGI middleware (Starlette's BaseHTTPMiddleware buffers and breaks streaming) in front of
-every route. In order:
-  * an inference request or a file upload without the API key (when `server.api_key` is set) -> 401, before its
-    body is read;
+every route, behind the credential check (dlora/server/auth.py: a request without the key its path
+needs is a 401 before any of this). In order:
   * a body over `server.max_body_bytes` (a file upload: `batch.max_file_mib`) -> 413 (the declared
     Content-Length, else bytes counted as they arrive, for chunked bodies; nothing more is read);
   * an inference request whose JSON breaks dlora's rules (a value the engines cannot carry: a lone
@@ -32,7 +31,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dlora.cluster.errors import ClusterError
-from dlora.server.auth import authorized
+from dlora.server import routes_admin
+from dlora.server.auth import AuthMiddleware
 from dlora.server.errors import APIError, error_body, error_response
 from dlora.server.validation import check_body
 
@@ -121,10 +121,6 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         limits = state.cfg.server
-        guarded = scope["path"] in INFERENCE_PATHS or scope["path"] == UPLOAD_PATH
-        if guarded and not authorized(_header(scope, b"authorization"), state.cfg.api_key):
-            await self._refuse(state, scope, send, "unauthorized", 401, "Unauthorized")
-            return
         max_bytes, limit_key = limits.max_body_bytes, "server.max_body_bytes"
         if scope["path"] == UPLOAD_PATH:
             max_bytes, limit_key = state.cfg.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_mib"
@@ -268,10 +264,12 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 def install(app) -> None:
-    """Put admission control in front of every route (outside the routes' exception handlers), and
-    answer the cluster's typed failures (no replica, deadline passed, resubmission limit) with their
-    status when a route lets one through."""
+    """Put the credential check, then admission control, in front of every route (outside the
+    routes' exception handlers; the middleware added last is the outer one), and answer the
+    cluster's typed failures (no replica, deadline passed, resubmission limit) with their status
+    when a route lets one through."""
     app.add_middleware(AdmissionMiddleware)
+    app.add_middleware(AuthMiddleware, is_admin_path=routes_admin.is_admin_path)
 
     async def cluster_error(_, exc: ClusterError):
         return error_response(exc.http_status, str(exc))

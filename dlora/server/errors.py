@@ -33,11 +33,12 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -104,7 +105,7 @@ def invalid_body(exc: ValidationError) -> APIError:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

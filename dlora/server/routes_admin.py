@@ -1,9 +1,12 @@
-"""Admin API, bearer-token protected: load, unload and list adapters (vLLM-compatible bodies, plus
-each adapter's SLO); list replicas and drain one (with `cluster.autoscale`)."""
+"""Admin API: load, unload and list adapters (vLLM-compatible bodies, plus each adapter's SLO); list
+replicas and drain one (with `cluster.autoscale`). Guarded by the admin token, else the API key
+(dlora/server/auth.py). A refusal names the field and the reason, never a server path or an
+engine's error text: those go to the server log under the request id the refusal quotes."""
 
 from __future__ import annotations
 
-import hmac
+import logging
+import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
@@ -15,28 +18,65 @@ from dlora.adapters.lifecycle import (
     AdapterNotFoundError,
     AdapterValidationError,
 )
+from dlora.server.auth import ADMIN_UNAUTHORIZED, UNAUTHORIZED, Unauthorized, admin_keys, authorized
 from dlora.server.errors import APIError
 from dlora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+from dlora.server.validation import check_values
 from dlora.slo.config import parse_adapter_slo
 from dlora.slo.listing import listing_json, slo_json
 
+log = logging.getLogger(__name__)
+
+# Linux's PATH_MAX: a longer lora_path cannot name a file, and would be refused by the OS mid-check.
+MAX_LORA_PATH_CHARS = 4096
+
 
 def require_admin(request: Request) -> None:
-    token = request.app.state.dlora.cfg.admin_token
-    if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise APIError(401, "missing or invalid admin token (Authorization: Bearer <token>)")
+    """The middleware's check again at the route, so the guard holds whatever mounts it."""
+    cfg = request.app.state.dlora.cfg
+    if not authorized(request.headers.get("authorization", ""), admin_keys(cfg)):
+        raise Unauthorized(ADMIN_UNAUTHORIZED if cfg.admin_token else UNAUTHORIZED)
 
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
 
+def is_admin_path(path: str) -> bool:
+    """Whether `path` is one of this router's routes (the credential check runs before routing)."""
+    return any(route.path_regex.match(path) for route in router.routes)  # type: ignore[attr-defined]
+
+
+def check_load_body(body: LoadAdapterRequest) -> None:
+    """Values the file system and the SLO arithmetic can take, each refused naming its field (an
+    SLO's problems all as `slo`, its message naming the key, as parse_adapter_slo's): valid Unicode,
+    finite numbers within int64 (dlora.server.validation), and a lora_path the OS can look up."""
+    check_values({"lora_path": body.lora_path})
+    try:
+        check_values({"slo": body.slo})
+    except APIError as e:
+        raise APIError(400, e.message, "slo") from None
+    if "\x00" in body.lora_path:
+        raise APIError(400, "lora_path: must not contain a NUL character", "lora_path")
+    if len(body.lora_path) > MAX_LORA_PATH_CHARS:
+        raise APIError(400, f"lora_path: longer than {MAX_LORA_PATH_CHARS} characters", "lora_path")
+
+
+def refused(name: str, e: AdapterValidationError) -> APIError:
+    """The 400 for an adapter that failed validation. What only the server may see (paths, an
+    engine's or a library's error text) is logged under a request id that the answer quotes."""
+    if e.detail is None:
+        return APIError(400, f"invalid adapter {name!r}: {e}", "lora_path")
+    request_id = uuid.uuid4().hex
+    log.warning("load request %s: adapter %s refused: %s (%s)", request_id, name, e, e.detail)
+    return APIError(
+        400, f"invalid adapter {name!r}: {e} (request id {request_id}; the server log has the details)", "lora_path"
+    )
+
+
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
     state = request.app.state.dlora
+    check_load_body(body)
     try:
         slo = parse_adapter_slo(body.slo)
     except ValueError as e:
@@ -55,7 +95,7 @@ async def load_lora_adapter(body: LoadAdapterRequest, request: Request):
     except AdapterForbiddenError as e:
         raise APIError(403, str(e), "lora_path") from e
     except AdapterValidationError as e:
-        raise APIError(400, f"invalid adapter {body.lora_name!r}: {e}", "lora_path") from e
+        raise refused(body.lora_name, e) from None
     state.metrics.adapters_registered.set(len(state.adapters.registry))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

@@ -6,13 +6,13 @@ import contextlib
 from collections.abc import Iterator
 
 from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
-from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
 from dlora.batch.files import UPLOAD_PURPOSES, FileNotFound
 from dlora.batch.service import BatchService
 from dlora.server.auth import require_api_key
 from dlora.server.errors import APIError
+from dlora.server.file_response import FileContent
 
 # The API key (when set) guards these as it guards inference: batches run inference.
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -66,7 +66,7 @@ async def get_file(request: Request, file_id: str):
 async def file_content(request: Request, file_id: str):
     with _file_404(file_id):
         path = _batches(request).files.content_path(file_id)
-    return FileResponse(path, media_type="application/jsonl")
+    return FileContent(path, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")

@@ -53,7 +53,7 @@ from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry, OpenAISe
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from vllm.entrypoints.serve import create_error_response
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelList
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMError
 from vllm.lora.request import LoRARequest
@@ -112,11 +112,28 @@ class AdapterRequests(Mapping[str, LoRARequest]):
 
 class DloraServingModels(OpenAIServingModels):
     """vLLM's model registry over dlora's: the base model, then every adapter dlora serves. Loading
-    and unloading stay dlora's (its admin routes): vLLM's are not mounted."""
+    and unloading stay dlora's (its admin routes): vLLM's are not mounted. A card's `root` is where
+    vLLM puts the model's or adapter's path; unless `show_paths` (`server.show_model_paths`), it
+    is the card's own name, so no client learns the server's file layout."""
 
-    def __init__(self, client: EngineClient, model_path: str, served_name: str, adapters: AdapterManager):
+    def __init__(
+        self,
+        client: EngineClient,
+        model_path: str,
+        served_name: str,
+        adapters: AdapterManager,
+        show_paths: bool = False,
+    ):
         super().__init__(client, [BaseModelPath(name=served_name, model_path=model_path)])
         self._adapters = adapters
+        self._show_paths = show_paths
+
+    async def show_available_models(self) -> ModelList:
+        listing = await super().show_available_models()
+        if not self._show_paths:
+            for card in listing.data:
+                card.root = card.id
+        return listing
 
     # vLLM types it a dict; its serving code only reads it (dlora's admin routes do the writing).
     @property  # type: ignore[override]
@@ -290,7 +307,9 @@ def build(state: ServerState) -> Frontend:
     )
     online = OnlineRenderer(vllm_config.model_config, renderer, request_logger=None, **chat_options, **parsers)
     client = RouterEngineClient(state, vllm_config, renderer)
-    models = DloraServingModels(client, state.model_path, state.base_model_name, state.adapters)
+    models = DloraServingModels(
+        client, state.model_path, state.base_model_name, state.adapters, show_paths=server.show_model_paths
+    )
     completion = DloraCompletion(client, models, online_renderer=online, request_logger=None)
     chat = DloraChat(
         client, models, RESPONSE_ROLE, online_renderer=online, request_logger=None, **chat_options, **parsers

@@ -105,7 +105,8 @@ def test_symlinked_weights_outside_the_roots_are_refused(micro, adapter, tmp_pat
     os.symlink(outside / "w.safetensors", weights)
     with pytest.raises(AdapterValidationError, match="outside the adapter roots") as e:
         inspect_adapter(adapter, shapes(micro), max_rank=8, roots=(root,))
-    assert "adapter_model.safetensors resolves to" in str(e.value)
+    assert "resolves to" not in str(e.value)  # the real path is for the server log only
+    assert "adapter_model.safetensors resolves to" in e.value.described()
     # Without roots (a config adapter) the same directory is a valid adapter.
     assert inspect_adapter(adapter, shapes(micro), max_rank=8).rank == 4
 
@@ -113,8 +114,9 @@ def test_symlinked_weights_outside_the_roots_are_refused(micro, adapter, tmp_pat
 def test_a_directory_link_out_of_the_roots_is_refused(adapter):
     root = str(adapter.parent)
     os.symlink("/etc", adapter / "extra")  # a directory link: listed, not followed, still refused
-    with pytest.raises(AdapterValidationError, match="extra resolves to '/etc'"):
+    with pytest.raises(AdapterValidationError, match="extra resolves outside the adapter roots") as e:
         check_files(adapter, (root,))
+    assert "extra resolves to '/etc'" in e.value.described()
 
 
 def test_symlinks_that_stay_inside_the_roots_are_fine(micro, adapter):

@@ -82,7 +82,7 @@ def test_hostile_adapter_is_400_with_reason_and_harms_nobody(server, tiny_model,
     shutil.copytree(tiny_model.adapters["a3"], bad)
     if breakage == "symlink_escape":
         _symlink_escape(bad, tmp_path / "outside")
-        reason = "adapter_model.safetensors resolves to"
+        reason = "adapter_model.safetensors resolves outside the adapter roots"
     else:
         mutate, reason = BREAKAGES[breakage]
         mutate(bad)

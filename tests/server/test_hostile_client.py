@@ -1,6 +1,8 @@
 """A client sending what a well-behaved one never would, against a server with an API key: every bad
 value is a 400 (401, 404) in OpenAI's shape naming the field, streamed or not, never a 500, a 200
-stream ending in an error, or a traceback; and the server still answers afterwards.
+stream ending in an error, or a traceback; and the server still answers afterwards. The same for the
+admin routes (which take the API key when no admin token is set) and a file download's Range
+header, whose refusals name no server path either; nor does /v1/models.
 
 Every check here happens before a request reaches a replica, so the server runs over toy replicas
 (tests/toy_serve.py: the real app, config and tokenizer, no engine). The same kinds of bad request
@@ -214,3 +216,115 @@ def test_good_requests_still_answer_after_hostile_ones(server):
         chunk_id = json.loads(lines[0][len("data: ") :])["id"]
         assert s.headers["x-request-id"] == chunk_id
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+
+
+# Every /v1 route needs the key, as in vLLM; without an admin token, the admin routes take the key.
+ADMIN_PATHS = [
+    ("GET", "/v1/adapters"),
+    ("GET", "/v1/replicas"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+    ("POST", "/v1/replicas/0/drain"),
+]
+
+
+def request(url: str, method: str, path: str, content: bytes | None = None, headers: dict | None = None):
+    return httpx.request(
+        method,
+        f"{url}{path}",
+        content=content,
+        timeout=60,
+        headers={"content-type": "application/json"} | (AUTH if headers is None else headers),
+    )
+
+
+def test_without_an_admin_token_the_admin_routes_need_the_api_key(server):
+    for method, path in ADMIN_PATHS:
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+            # A malformed body is never read without the key: 401, not 400.
+            assert_error(request(server.url, method, path, b'{"lora_name": ', headers), 401, None)
+    assert_error(request(server.url, "POST", "/v1/batches", b"{", {}), 401, None)
+    assert_error(request(server.url, "POST", "/v1/batches", b'{"input_file_id": 5}', {}), 401, None)
+    assert_error(request(server.url, "GET", "/v1/no-such-route", None, {}), 401, None)
+    assert request(server.url, "GET", "/v1/adapters").json()["data"]
+    assert request(server.url, "GET", "/v1/replicas").json()["data"][0]["state"] == "serving"
+    assert_error(request(server.url, "POST", "/v1/batches", b"{"), 400, None)  # with the key: the body's turn
+
+
+def test_models_show_no_server_path(server, tiny_model):
+    r = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    cards = r.json()["data"]
+    assert {"tiny-base", "a0", "a1", "a2"} <= {c["id"] for c in cards}
+    assert all(c["root"] == c["id"] for c in cards), cards
+    assert str(tiny_model.base.parent) not in r.text and "/" not in "".join(c["root"] for c in cards)
+
+
+def load_body(lora_path: str = "@ROOT@/a3", slo: object = None) -> dict:
+    body: dict = {"lora_name": "hostile", "lora_path": lora_path}
+    return body if slo is None else body | {"slo": slo}
+
+
+# (body, literal replacements, status, param): each a client's own doing, none a 500.
+ADMIN_CASES = {
+    "slo_ttft_10_pow_400": (load_body(slo={"ttft_s": "@HUGE@", "tpot_s": 1}), {"@HUGE@": "1" + "0" * 400}, 400, "slo"),
+    "slo_tpot_1e400": (load_body(slo={"ttft_s": 1, "tpot_s": "@BIG@"}), {"@BIG@": "1e400"}, 400, "slo"),
+    "slo_nan": (load_body(slo={"ttft_s": "@NAN@", "tpot_s": 1}), {"@NAN@": "NaN"}, 400, "slo"),
+    "slo_surrogate_key": (load_body(slo={"\ud800": 1, "ttft_s": 1, "tpot_s": 1}), {}, 400, "slo"),
+    "slo_surrogate_value": (load_body(slo={"ttft_s": "\udfff", "tpot_s": 1}), {}, 400, "slo"),
+    "lora_path_nul": (load_body("@ROOT@/a\u0000b"), {}, 400, "lora_path"),
+    "lora_path_5000_chars": (load_body("@ROOT@/" + "a/" * 2500), {}, 400, "lora_path"),
+    "lora_path_name_too_long": (load_body("@ROOT@/" + "a" * 3000), {}, 400, "lora_path"),
+    "lora_path_surrogate": (load_body("@ROOT@/\ud800"), {}, 400, "lora_path"),
+    "lora_path_outside_roots": (load_body("/etc"), {}, 403, "lora_path"),
+    "lora_path_missing": (load_body("@ROOT@/no-such-adapter"), {}, 400, "lora_path"),
+    "lora_path_not_an_adapter": (load_body("@ROOT@/base"), {}, 400, "lora_path"),
+}
+
+
+@pytest.mark.parametrize("name", ADMIN_CASES)
+def test_admin_refusals_name_the_field_and_no_server_path(server, tiny_model, name):
+    body, replace, status, param = ADMIN_CASES[name]
+    root = str(tiny_model.base.parent)  # the toy server's adapter root
+    content = raw_body(body, replace).replace(b"@ROOT@", root.encode())
+    r = post(server.url, "/v1/load_lora_adapter", content)
+    err = assert_error(r, status, param)
+    assert root not in r.text and "/" not in err["message"], err
+    if name == "lora_path_outside_roots":
+        assert err["message"] == "lora_path is outside the allowed adapter roots"
+    elif param == "slo":
+        assert err["message"].startswith("slo"), err
+    assert "hostile" not in {a["name"] for a in request(server.url, "GET", "/v1/adapters").json()["data"]}
+
+
+@pytest.fixture
+def stored_file(server):
+    content = b'{"custom_id": "1"}\n' * 4
+    r = httpx.post(
+        f"{server.url}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, headers=AUTH
+    )
+    assert r.status_code == 200, r.text
+    yield f"/v1/files/{r.json()['id']}/content", content
+    httpx.delete(f"{server.url}/v1/files/{r.json()['id']}", headers=AUTH, timeout=30)
+
+
+RANGES = {
+    "not_a_number": ("bytes=abc", 400),
+    "end_before_start": ("bytes=9-2", 400),
+    "not_bytes": ("items=0-1", 400),
+    "no_equals": ("bytes", 400),
+    "past_the_end": ("bytes=10000-", 416),
+    "5000_digits": ("bytes=" + "9" * 5000 + "-", 400),  # an integer Python will not read: no range at all
+}
+
+
+@pytest.mark.parametrize("range_header, status", RANGES.values(), ids=RANGES.keys())
+def test_a_bad_range_header_is_an_openai_error(server, stored_file, range_header, status):
+    path, content = stored_file
+    r = request(server.url, "GET", path, None, AUTH | {"Range": range_header})
+    err = assert_error(r, status, "range")
+    assert "/" not in err["message"], err
+    if status == 416:
+        assert r.headers["content-range"] == f"bytes */{len(content)}"
+    ranged = request(server.url, "GET", path, None, AUTH | {"Range": "bytes=2-5"})
+    assert ranged.status_code == 206 and ranged.content == content[2:6]

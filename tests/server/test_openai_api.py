@@ -229,17 +229,19 @@ def test_priority_is_vllms_request_field(tiny_server, oracle):
 
 def test_models_lists_base_and_adapters(tiny_server, tiny_model):
     """vLLM's model list: the base model's card, then one card per registered adapter, as vLLM lists
-    its --lora-modules (the parent the base model, the root the adapter's registered path)."""
+    its --lora-modules (the parent the base model), but with no server path: without
+    server.show_model_paths, a card's root is its own name where vLLM gives the path."""
     listing = httpx.get(f"{tiny_server.url}/v1/models", timeout=30).json()
     assert listing["object"] == "list"
     base, *adapters = listing["data"]
-    assert (base["id"], base["parent"], base["root"]) == ("tiny-base", None, str(tiny_model.base))
+    assert (base["id"], base["parent"], base["root"]) == ("tiny-base", None, "tiny-base")
     assert base["max_model_len"] == 512  # harness.tiny_config's
     registered = httpx.get(
         f"{tiny_server.url}/v1/adapters", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
     ).json()["data"]
     assert {"a0", "a1", "a2"} <= {a["name"] for a in registered}
-    assert [(m["id"], m["root"]) for m in adapters] == [(a["name"], a["path"]) for a in registered]
+    assert [(m["id"], m["root"]) for m in adapters] == [(a["name"], a["name"]) for a in registered]
+    assert str(tiny_model.base.parent) not in json.dumps(listing)
     assert all(m["parent"] == "tiny-base" for m in adapters)
     assert all(m["object"] == "model" and m["owned_by"] == "vllm" for m in listing["data"])
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from dlora.config import from_dict
-from dlora.server.app import _refresh_gauges, attach, create_app
-from dlora.server.state import build_state
+from dlora.server.app import _refresh_gauges
 from dlora.sim.toy_replica import ToyReplica
 from tests import harness
+from tests.asgi_app import app_over
 
 # The autoscaler's own decisions stay out of the way: one heartbeat an hour.
 AUTOSCALE = {"min_replicas": 1, "max_replicas": 3, "heartbeat_s": 3600}
@@ -30,19 +30,9 @@ async def toy_cluster(tiny_model, state_dir, autoscale: dict | None = AUTOSCALE)
         raw["cluster"]["autoscale"] = autoscale
     cfg = from_dict(raw)
     replicas = [ToyReplica(i, step_s=0.01, max_running=2) for i in range(2)]
-    state = await build_state(cfg, replicas=replicas, make_replica=lambda rid: ToyReplica(rid, step_s=0.01))
-
-    async def make_state():
-        return state
-
-    app = create_app(make_state)
-    attach(app, state)  # what the lifespan does; ASGITransport does not run it
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dlora", timeout=60)
-    try:
-        yield http, state
-    finally:
-        await state.close()
-        await http.aclose()
+    make_replica = lambda rid: ToyReplica(rid, step_s=0.01)  # noqa: E731
+    async with app_over(cfg, replicas, timeout_s=60, make_replica=make_replica) as served:
+        yield served
 
 
 async def completion(http: httpx.AsyncClient, model: str, prompt: str) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests import harness
+
 pytestmark = pytest.mark.engine  # a `dlora serve` process (over toy replicas)
 
 PROMPT = "def main():\n    return 1"
@@ -71,12 +73,13 @@ def test_an_adapter_registered_after_start_is_known_at_once(server, tiny_model):
     """The registry is read at each request, not copied at start."""
     assert post(server, "/tokenize", {"model": "late", "prompt": "x"}).status_code == 404
     body = {"lora_name": "late", "lora_path": str(tiny_model.adapters["a3"])}  # a3: not in the config
-    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60)
+    admin = {"Authorization": f"Bearer {harness.TOY_API_KEY}"}  # no admin token: the API key guards /v1
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=admin, timeout=60)
     assert r.status_code == 200, r.text
     try:
         assert post(server, "/tokenize", {"model": "late", "prompt": "x"}).status_code == 200
     finally:
-        httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+        httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin, timeout=60)
 
 
 @pytest.mark.parametrize(

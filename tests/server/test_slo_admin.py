@@ -59,7 +59,7 @@ def load(client, name: str, path, **extra):
     [
         ({"ttft_s": -1, "tpot_s": 0.05}, "slo.ttft_s=-1: must be a finite number of seconds > 0"),
         ({"ttft_s": 0.5, "tpot_s": 0}, "slo.tpot_s=0: must be a finite number of seconds > 0"),
-        ({"ttft_s": math.nan, "tpot_s": 0.05}, "slo.ttft_s=nan"),
+        ({"ttft_s": math.nan, "tpot_s": 0.05}, "slo.ttft_s: must be a finite number, got nan"),
         ({"ttft_s": "fast", "tpot_s": 0.05}, "slo.ttft_s='fast'"),
         ({"ttft_s": 0.5, "tpot_s": None}, "slo.tpot_s=None"),
         ({"ttft_s": 0.5}, "slo.tpot_s: missing"),

@@ -180,7 +180,7 @@ class RequestState:
             max_tokens=s.max_tokens - n,
             min_tokens=max(0, s.min_tokens - n),
             prompt_logprobs=prompt_logprobs,
-            generated_before=n,  # its grammar resumes after them; its penalties count them
+            generated_before=n,  # its grammar resumes after them; penalties and bad words see them
         )
         return dataclasses.replace(
             self.request,

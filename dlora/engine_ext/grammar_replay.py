@@ -16,7 +16,7 @@ import logging
 
 from vllm.v1.request import Request
 
-from dlora.engine_ext.continuation_penalties import earlier_legs_tokens
+from dlora.engine_ext.continuation_logits import earlier_legs_tokens
 
 log = logging.getLogger(__name__)
 

@@ -40,10 +40,10 @@ SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
 BATCHING_CONFIG_KEY = "dlora_batching"
 # `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core and model runner with
 # the request): how many of a continuation's last prompt tokens its earlier legs generated, which
-# its grammar replays (engine_ext/grammar_replay.py) and its penalties count as output
-# (engine_ext/continuation_penalties.py).
+# its grammar replays (engine_ext/grammar_replay.py) and its penalties and bad words count as output
+# (engine_ext/continuation_logits.py).
 GENERATED_BEFORE_KEY = "dlora_generated_before"
-CONTINUATION_PENALTIES = "dlora.engine_ext.continuation_penalties:ContinuationPenalties"
+CONTINUATION_LOGITS = "dlora.engine_ext.continuation_logits:ContinuationLogits"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
 # How long an abort that came before its request's stream waits for that stream. Ray runs an async
 # actor's calls concurrently, so a migration's abort can overtake the generate call it follows by
@@ -93,7 +93,7 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         scheduling_policy="priority",
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
-        logits_processors=[CONTINUATION_PENALTIES],
+        logits_processors=[CONTINUATION_LOGITS],
         scheduler_cls=SCHEDULER,
         # The scheduler switches weights in-band and must see each step's result before planning
         # the next one (CPU forces this anyway; see engine_ext/scheduler.py for GPU).

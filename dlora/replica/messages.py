@@ -50,7 +50,7 @@ class SamplingSpec:
     include_stop_str_in_output: bool = False
     # vLLM's logit processing: added to a token's logit before sampling; the only tokens that may be
     # sampled (None: any); words never to generate. Each holds on every leg of a moved request (a
-    # bad word split across two legs is not seen whole by either).
+    # bad word begun before a move too: engine_ext/continuation_logits.py).
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
@@ -59,7 +59,7 @@ class SamplingSpec:
     structured_outputs: str | None = None
     # How many of the prompt's last tokens this request generated on earlier legs (a moved
     # request's continuation): its structured output's grammar replays them before it samples, and
-    # its presence and frequency penalties count them as generated.
+    # its presence and frequency penalties and bad words count them as generated.
     generated_before: int = 0
 
 

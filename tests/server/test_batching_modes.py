@@ -6,6 +6,8 @@ by a merge or unmerge), and `dlora` with thresholds and credits set to switch of
 (harness.SWITCH_OFTEN), on vLLM's LoRA ops (only the merged adapter runs while merged) and as
 `dlora-mixed` on the einsum backend (the others run in the same steps, compensated: the shared
 `einsum_server`). The switching configs are for testing only; the defaults switch far less.
+The two switching servers of this module also answer the representative API requests as vLLM's own
+server does (tests/server/test_vllm_parity.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import shutil
 import httpx
 import pytest
 
-from tests import harness
+from tests import harness, vllm_reference
+from tests.server.test_vllm_parity import KINDS, REPRESENTATIVE, answers_as_vllm
 
 ADAPTERS = ("a0", "a1", "a2")
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def", "for i in range("]
@@ -254,3 +257,15 @@ def test_batching_collector_renders_the_engine_state():
         assert line in text, line
     m.batching.update("0", None)  # replica down: its series disappear
     assert "dlora_batching_mode{" not in m.render().decode()
+
+
+@pytest.fixture(scope="module")
+def vllm_answers(tiny_model) -> dict[str, dict]:
+    """vLLM's answers (tests/vllm_reference.py: the run's one capture, shared through its cache)."""
+    return vllm_reference.answers(tiny_model, [kind.call for kind in KINDS])
+
+
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_a_switching_replica_answers_as_vllm(vllm_answers, switching_server, name):
+    """`merged` changes models at every step, so each request here runs across merges and unmerges."""
+    answers_as_vllm(switching_server[1], vllm_answers, name)

@@ -2,19 +2,24 @@
 
 One dlora server on the shipped default config (configs/default.yaml: SmolLM2-135M-Instruct, the
 demo adapters, two replicas). The same seeded mixed-adapter workload (the base model and every
-demo adapter, Poisson arrivals at a fixed rate, streamed, `ignore_eos`) runs several times,
-alternating "alone" and "attack" reps; during an attack rep a second client at the same time sends:
+demo adapter, Poisson arrivals at a fixed rate, streamed, `ignore_eos`) runs several times, in
+three modes taken in a rotating order: "alone"; "attack", where a second client at the same time sends:
 
   * bad values (the kinds vLLM's own server refuses: empty stop strings, min_tokens > max_tokens,
     out-of-vocabulary stop ids, overflowing penalties, seeds >= 2**64, lone surrogates),
   * request-supplied chat templates (a prompt rewrite and a nested-loop template),
   * oversized fan-outs (3,000 token-id prompts x n=16) and oversized bodies,
-  * slow streams: streams whose reader takes one chunk a second.
+  * slow streams: streams whose reader takes one chunk a second;
+
+and "batch_attack", where the second client goes through the Batch API instead
+(bench/under_attack/batch_attacker.py): 100,000 junk batch lines, a batch of fan-outs at the
+per-request cap (real work behind the good traffic), a small upload every 0.2 s, and polls.
 
 A poller reads /health every 0.25 s in every rep. Reported per mode: good traffic's TTFT p50/p99
 pooled over the reps' requests (with a bootstrap interval of the p99 ratio), /health latency p99
 (median of reps), the API process's CPU and the machine's busy share (where the time went), and
-what the attacker got back (status counts: any 5xx is a failure of the server, not of the attacker).
+what the attacker got back (status counts: any 5xx is a failure of the server, not of the attacker)
+and, for the batch attacker, how each of its batches ended.
 
 Run from the repository root:  .venv/bin/python -m bench.under_attack.run
 """
@@ -34,14 +39,32 @@ from pathlib import Path
 
 import httpx
 
+from bench.under_attack.batch_attacker import Limits, batch_attacker_process
 from dlora.bench import servers
 from dlora.bench.provenance import provenance
 from dlora.bench.runner import run_benchmark
 from dlora.bench.server_configs import shipped_server_config
 from dlora.bench.workload import WorkloadSpec, generate_workload
+from dlora.config import BatchConfig, ServerConfig
 
 HERE = Path(__file__).resolve().parent
 ADAPTERS = ("upper", "json", "pirate")
+MODES = ("alone", "attack", "batch_attack")
+
+
+def modes_arg(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct modes of {', '.join(MODES)}")
+    return [m for m in MODES if m in modes]
+
+
+def rep_order(modes: list[str], rep: int) -> list[str]:
+    """Rep r starts at mode r (mod the number of modes): each mode comes first, middle and last
+    equally often, so none always follows another's leftovers."""
+    k = rep % len(modes)
+    return modes[k:] + modes[:k]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=1.5, help="good requests per second")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--reps", type=int, default=3, help="reps per mode (alternating alone/attack)")
+    p.add_argument("--reps", type=int, default=3, help="reps per mode (the modes in a rotating order)")
+    p.add_argument(
+        "--modes",
+        type=modes_arg,
+        default=list(MODES),
+        help=f"comma-separated modes to run, of {','.join(MODES)} (default: all)",
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument(
         "--attacker-nice",
@@ -155,7 +184,7 @@ def attacker_process(url: str, model: str, stop, out, nice: int) -> None:
     statuses: Counter = Counter()
     leaks: list[str] = []
     asyncio.run(attack(url, model, stop, statuses, leaks))
-    out.put((dict(statuses), leaks))
+    out.put({"statuses": dict(statuses), "leaks": leaks})
 
 
 # ---- the /health poller --------------------------------------------------------------------------------
@@ -198,22 +227,41 @@ def percentile(values: list[float], q: float) -> float:
 # ---- one rep ---------------------------------------------------------------------------------------
 
 
-def one_rep(
-    url: str, model: str, requests, rate: float, with_attack: bool, nice: int = 19, server_pid: int | None = None
-) -> dict:
-    statuses: Counter = Counter()
-    leaks: list[str] = []
-    health: list[float] = []
+def start_attacker(ctx, mode: str, url: str, models: list[str], limits: Limits, stop, out, nice: int):
+    """The attacking client of `mode` in its own process (None for "alone")."""
+    if mode == "attack":
+        return ctx.Process(target=attacker_process, args=(url, models[0], stop, out, nice))
+    if mode == "batch_attack":
+        return ctx.Process(target=batch_attacker_process, args=(url, models, limits, stop, out, nice))
+    return None
 
+
+def one_rep(
+    url: str,
+    models: list[str],
+    requests,
+    rate: float,
+    mode: str,
+    limits: Limits,
+    nice: int = 19,
+    server_pid: int | None = None,
+) -> dict:
+    """One run of the good workload in `mode`. `models`: the served base model, then the adapters."""
+    health: list[float] = []
+    got: dict = {"statuses": {}, "leaks": []}
     ctx = multiprocessing.get_context("spawn")
     attack_stop, attack_out = ctx.Event(), ctx.Queue()
+    # Taken when good traffic ends: the batch attacker's clean-up after it is no part of the rep.
+    ended: dict = {}
+
+    def snapshot() -> tuple[float, tuple[float, float], float]:
+        return (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
 
     async def main() -> dict:
         stop = asyncio.Event()
         side = [asyncio.create_task(poll_health(url, stop, health))]
-        attacker = None
-        if with_attack:
-            attacker = ctx.Process(target=attacker_process, args=(url, model, attack_stop, attack_out, nice))
+        attacker = start_attacker(ctx, mode, url, models, limits, attack_stop, attack_out, nice)
+        if attacker is not None:
             attacker.start()
             await asyncio.sleep(3.0)  # the attack is under way before good traffic starts
         try:
@@ -228,23 +276,22 @@ def one_rep(
                 print_result=False,
             )
         finally:
+            ended["at"] = snapshot()
             stop.set()
             await asyncio.gather(*side, return_exceptions=True)
             if attacker is not None:
                 attack_stop.set()
-                got_statuses, got_leaks = await asyncio.to_thread(attack_out.get, True, 180)
-                statuses.update(got_statuses)
-                leaks.extend(got_leaks)
+                got.update(await asyncio.to_thread(attack_out.get, True, 900))
                 attacker.join(30)
         return result
 
-    api_cpu0, (busy0, total0), t0 = (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
+    api_cpu0, (busy0, total0), t0 = snapshot()
     result = asyncio.run(main())
-    api_cpu1, (busy1, total1), t1 = (process_cpu_s(server_pid) if server_pid else 0.0), machine_busy_s(), time.time()
+    api_cpu1, (busy1, total1), t1 = ended["at"]
     health_sorted = sorted(health)
-    return {
-        "mode": "attack" if with_attack else "alone",
-        "attacker_nice": nice if with_attack else None,
+    rep = {
+        "mode": mode,
+        "attacker_nice": nice if mode != "alone" else None,
         "completed": result["completed"],
         "failed": result["failed"],
         "ttft_p50_ms": result["median_ttft_ms"],
@@ -259,30 +306,40 @@ def one_rep(
         "health_p99_s": health_sorted[int(0.99 * (len(health_sorted) - 1))] if health_sorted else None,
         "health_max_s": max(health) if health else None,
         "health_polls": len(health),
-        "attack_statuses": dict(sorted(statuses.items())),
-        "attack_5xx_or_leaks": leaks[:20],
+        "attack_statuses": dict(sorted(got["statuses"].items())),
+        "attack_5xx_or_leaks": got["leaks"][:20],
+        "attack_5xx_or_leaks_total": len(got["leaks"]),
     }
+    if mode == "batch_attack":
+        rep["batch_attack_batches"] = got.get("batches", [])
+        rep["batch_attack_notes"] = got.get("notes", [])
+        rep["batch_attack_small_uploads_before_429"] = got.get("small_uploads_before_429")
+    return rep
 
 
 def pooled(reps: list[dict], mode: str) -> list[float]:
     return [t for r in reps if r["mode"] == mode for t in r["ttfts_ms"]]
 
 
-def bootstrap_ratio(reps: list[dict], q: float, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """90% interval of pooled p(q) attack / alone, resampling requests with replacement: how much of
+def bootstrap_ratio(
+    reps: list[dict], q: float, mode: str = "attack", draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """90% interval of pooled p(q) `mode` / alone, resampling requests with replacement: how much of
     the ratio is the sampling of a tail, not the attack."""
     import random
 
     rng = random.Random(seed)
-    alone, attack = pooled(reps, "alone"), pooled(reps, "attack")
+    alone, attacked = pooled(reps, "alone"), pooled(reps, mode)
     ratios = sorted(
-        percentile(rng.choices(attack, k=len(attack)), q) / percentile(rng.choices(alone, k=len(alone)), q)
+        percentile(rng.choices(attacked, k=len(attacked)), q) / percentile(rng.choices(alone, k=len(alone)), q)
         for _ in range(draws)
     )
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
 
 
 def summarise(reps: list[dict]) -> dict:
+    modes = [m for m in MODES if any(r["mode"] == m for r in reps)]
+
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in reps if r["mode"] == mode)
 
@@ -294,21 +351,43 @@ def summarise(reps: list[dict]) -> dict:
             r["wall_s"] for r in reps if r["mode"] == mode
         )
 
-    return {
-        # Pooled over every rep's requests: a p99 of one rep's requests is close to its maximum.
-        "good_ttft_p99_ratio": pooled_p("attack", 99) / pooled_p("alone", 99),
-        "good_ttft_p99_ratio_90ci": bootstrap_ratio(reps, 99),
-        "good_ttft_p50_ratio": pooled_p("attack", 50) / pooled_p("alone", 50),
-        "good_ttft_p99_ms": {m: pooled_p(m, 99) for m in ("alone", "attack")},
-        "good_ttft_p50_ms": {m: pooled_p(m, 50) for m in ("alone", "attack")},
-        "good_ttft_p99_ratio_of_rep_medians": med("attack", "ttft_p99_ms") / med("alone", "ttft_p99_ms"),
-        "api_process_cpu_share": {m: cpu_share(m) for m in ("alone", "attack")},
-        "machine_busy_fraction": {m: med(m, "machine_busy_fraction") for m in ("alone", "attack")},
-        "health_p99_s": max(med("alone", "health_p99_s"), med("attack", "health_p99_s")),
+    summary: dict = {"targets": {}}
+    if "alone" in modes and "attack" in modes:
+        summary |= {
+            # Pooled over every rep's requests: a p99 of one rep's requests is close to its maximum.
+            "good_ttft_p99_ratio": pooled_p("attack", 99) / pooled_p("alone", 99),
+            "good_ttft_p99_ratio_90ci": bootstrap_ratio(reps, 99),
+            "good_ttft_p50_ratio": pooled_p("attack", 50) / pooled_p("alone", 50),
+            "good_ttft_p99_ratio_of_rep_medians": med("attack", "ttft_p99_ms") / med("alone", "ttft_p99_ms"),
+            "health_p99_s": max(med("alone", "health_p99_s"), med("attack", "health_p99_s")),
+            "attack_5xx_or_leaks": sum(len(r["attack_5xx_or_leaks"]) for r in reps if r["mode"] == "attack"),
+        }
+        summary["targets"] |= {"good_ttft_p99_ratio": "<= 1.5", "health_p99_s": "<= 1"}
+    if "alone" in modes and "batch_attack" in modes:
+        batch_reps = [r for r in reps if r["mode"] == "batch_attack"]
+        summary |= {
+            "good_ttft_p99_ratio_batch": pooled_p("batch_attack", 99) / pooled_p("alone", 99),
+            "good_ttft_p99_ratio_batch_90ci": bootstrap_ratio(reps, 99, "batch_attack"),
+            "good_ttft_p50_ratio_batch": pooled_p("batch_attack", 50) / pooled_p("alone", 50),
+            "health_p99_s_batch": med("batch_attack", "health_p99_s"),
+            "good_failed_batch": sum(r["failed"] for r in batch_reps),
+            "batch_attack_5xx_or_leaks": sum(r["attack_5xx_or_leaks_total"] for r in batch_reps),
+            # what broke the Batch API's promises: a junk batch not `completed` with every line an error, ...
+            "batch_attack_notes": [n for r in batch_reps for n in r["batch_attack_notes"]],
+        }
+        summary["targets"] |= {"good_ttft_p99_ratio_batch": "<= 1.5", "health_p99_s_batch": "<= 1"}
+    summary |= {
+        "good_ttft_p99_ms": {m: pooled_p(m, 99) for m in modes},
+        "good_ttft_p50_ms": {m: pooled_p(m, 50) for m in modes},
+        "api_process_cpu_share": {m: cpu_share(m) for m in modes},
+        "machine_busy_fraction": {m: med(m, "machine_busy_fraction") for m in modes},
         "good_failed": sum(r["failed"] for r in reps),
-        "attack_5xx_or_leaks": sum(len(r["attack_5xx_or_leaks"]) for r in reps),
-        "targets": {"good_ttft_p99_ratio": "<= 1.5", "health_p99_s": "<= 1"},
     }
+    summary["targets"] = summary.pop("targets")  # last, as before
+    return summary
+
+
+COLOURS = {"alone": "tab:blue", "attack": "tab:red", "batch_attack": "tab:purple"}
 
 
 def plot(result: dict, png: Path) -> None:
@@ -317,7 +396,8 @@ def plot(result: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reps, colours = result["reps"], {"alone": "tab:blue", "attack": "tab:red"}
+    reps = result["reps"]
+    colours = {m: c for m, c in COLOURS.items() if any(r["mode"] == m for r in reps)}
     fig, (cdf, health) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, colour in colours.items():
         ttfts = sorted(pooled(reps, mode))
@@ -329,23 +409,54 @@ def plot(result: dict, png: Path) -> None:
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("good traffic TTFT, pooled over reps")
     cdf.legend()
+    width = len(colours) + 1
     for k, mode in enumerate(colours):
         for j, key in enumerate(("health_p99_s", "health_max_s")):
             vals = [r[key] for r in reps if r["mode"] == mode]
-            x = j * 3 + k
+            x = j * width + k
             health.bar(x, statistics.median(vals), color=colours[mode], label=mode if j == 0 else None)
             health.scatter([x] * len(vals), vals, color="black", s=10, zorder=3)
-    health.set_xticks([0.5, 3.5], ["p99", "max"])
+    centre = (len(colours) - 1) / 2
+    health.set_xticks([centre, width + centre], ["p99", "max"])
     health.set_title("/health latency (s), per rep and median")
     health.legend()
-    s = result["summary"]
-    lo, hi = s["good_ttft_p99_ratio_90ci"]
-    fig.suptitle(
-        f"under attack: good TTFT p99 ratio {s['good_ttft_p99_ratio']:.2f} (90% CI {lo:.2f}-{hi:.2f}), "
-        f"/health p99 {s['health_p99_s']:.3f} s"
-    )
+    fig.suptitle(_headline(result["summary"]))
     fig.tight_layout()
     fig.savefig(png, dpi=110)
+
+
+def _headline(s: dict) -> str:
+    parts = []
+    for name, suffix in (("attack", ""), ("batch attack", "_batch")):
+        if f"good_ttft_p99_ratio{suffix}" in s:
+            lo, hi = s[f"good_ttft_p99_ratio{suffix}_90ci"]
+            parts.append(
+                f"{name}: good TTFT p99 ratio {s[f'good_ttft_p99_ratio{suffix}']:.2f} (90% CI {lo:.2f}-{hi:.2f}), "
+                f"/health p99 {s[f'health_p99_s{suffix}']:.3f} s"
+            )
+    return "\n".join(parts) or "good traffic alone"
+
+
+def batch_limits(cfg: dict) -> Limits:
+    """The limits the batch attacker sizes its files by, as the server will apply them."""
+    return Limits(
+        max_requests=(cfg.get("batch") or {}).get("max_requests", BatchConfig.max_requests),
+        max_choices=cfg["server"].get("max_choices_per_request", ServerConfig.max_choices_per_request),
+    )
+
+
+def print_rep(rep: int, r: dict) -> None:
+    line = (
+        f"rep {rep} {r['mode']:12s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
+        f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
+        f"API CPU {r['api_process_cpu_s'] / r['wall_s']:.0%} of a core, "
+        f"machine busy {r['machine_busy_fraction']:.0%}, "
+        f"attacker 5xx/leaks {r['attack_5xx_or_leaks_total']}"
+    )
+    if r["mode"] == "batch_attack":
+        ends = ", ".join(f"{b['kind']} {b.get('status')}" for b in r["batch_attack_batches"])
+        line += f", batches: {ends or 'none'}, notes {len(r['batch_attack_notes'])}"
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -361,34 +472,31 @@ def main(argv: list[str] | None = None) -> None:
         seed=0,
     )
     with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
-        proc = servers.start_dlora(shipped_server_config(args.port, f"{tmp}/state"), Path(tmp), "server")
+        cfg = shipped_server_config(args.port, f"{tmp}/state")
+        limits = batch_limits(cfg)
+        proc = servers.start_dlora(cfg, Path(tmp), "server")
         try:
             servers.wait_healthy(url, proc, Path(tmp) / "server.log")
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            models = [model, *ADAPTERS]
             requests = generate_workload(spec)  # adapter "" = the base model
-            one_rep(url, model, requests[:8], args.request_rate, with_attack=False)  # warm-up
+            one_rep(url, models, requests[:8], args.request_rate, "alone", limits)  # warm-up
             reps = []
             for rep in range(args.reps):
-                for mode in ("alone", "attack") if rep % 2 == 0 else ("attack", "alone"):
+                for mode in rep_order(args.modes, rep):
                     r = one_rep(
                         url,
-                        model,
+                        models,
                         requests,
                         args.request_rate,
-                        with_attack=mode == "attack",
+                        mode,
+                        limits,
                         nice=args.attacker_nice,
                         server_pid=proc.pid,
                     )
                     r["rep"] = rep
                     reps.append(r)
-                    print(
-                        f"rep {rep} {mode:6s}: TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
-                        f"/health p99 {r['health_p99_s']:.3f} s, failed {r['failed']}, "
-                        f"API CPU {r['api_process_cpu_s'] / r['wall_s']:.0%} of a core, "
-                        f"machine busy {r['machine_busy_fraction']:.0%}, "
-                        f"attacker 5xx/leaks {len(r['attack_5xx_or_leaks'])}",
-                        flush=True,
-                    )
+                    print_rep(rep, r)
         finally:
             servers.stop(proc)
     result = {
@@ -404,6 +512,8 @@ def main(argv: list[str] | None = None) -> None:
             "ignore_eos": True,
             "stream": True,
         },
+        "modes": args.modes,
+        "batch_limits": {"max_requests": limits.max_requests, "max_choices_per_request": limits.max_choices},
         "reps": reps,
         "summary": summarise(reps),
     }

@@ -2,7 +2,8 @@
 
 An HTTP request meets, in order: dlora's admission (dlora/server/admission.py: its values and
 client priority by `check_body`, then the fan-out cap of prompts x n), then vLLM's request model
-(`CompletionRequest` / `ChatCompletionRequest`). A line meets the same, in the same order, and
+(`CompletionRequest` / `ChatCompletionRequest`). A line meets the same, in the same order (and a
+fan-out past `server.max_pending_requests`, which online is a 429 however idle the server), and
 is refused with the same status and error body; the body-size cap is applied as the file is read
 (dlora/batch/reading.py). A refused line is that line's error and never reaches the planner,
 which reads a line's prompts and `n` to predict its work.
@@ -17,7 +18,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from dlora.batch.lines import BatchLine, LineError
 from dlora.batch.reading import refusal_of
 from dlora.config import ServerConfig
-from dlora.server.admission import fanout_of_data
+from dlora.server.admission import fanout_of_data, overloaded
 from dlora.server.errors import APIError, invalid_body
 from dlora.server.validation import check_body
 
@@ -31,9 +32,12 @@ def route_refusal(line: BatchLine, server: ServerConfig) -> LineError | None:
     """The error the line's route would answer before any work starts; None when it admits it."""
     try:
         check_body(line.body, None, server)
-        too_wide = fanout_of_data(line.url, line.body).too_wide(server.max_choices_per_request)
+        fanout = fanout_of_data(line.url, line.body)
+        too_wide = fanout.too_wide(server.max_choices_per_request)
         if too_wide is not None:
             raise APIError(400, *too_wide)
+        if fanout.choices > server.max_pending_requests:  # online, this is a 429 however idle the server
+            raise APIError(429, overloaded(server.max_pending_requests, fanout.choices))
         REQUEST_MODELS[line.url].model_validate(line.body)
     except APIError as e:
         return refusal_of(line.line, line.custom_id, e.status, e.message, e.param)

@@ -3,7 +3,9 @@
 The input is vLLM's `run-batch` format (OpenAI's batch lines; each line may name /v1/completions or
 /v1/chat/completions), and so is the output: one line per input line, in input order, successes
 and errors alike. The cluster is the one `dlora serve` would start from the same config; batch
-lines run through the same handlers as the online routes.
+lines run through the same handlers as the online routes. With no online requests to make room for,
+the lines in flight are bounded by the engines' places alone (batch.max_in_flight, else
+engine.max_num_seqs per replica); `server.max_pending_requests` does not apply to them.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
 
         execute = lambda line: execute_line(state, line, cfg.batch.priority)  # noqa: E731
         planner = batch_planner(state, {line.line: ws for line, ws in zip(lines, eta.works)})
-        ran = await run_batch(lines, execute, batch_gate(state), planner, done, on_tick=tick, tick_s=PLAN_EVERY_S)
+        # No online requests here: the lines' places bound the work, not server.max_pending_requests.
+        gate = batch_gate(state, beside_online=False)
+        ran = await run_batch(lines, execute, gate, planner, done, on_tick=tick, tick_s=PLAN_EVERY_S)
         bar.close()
         timing = f"took {time.monotonic() - started:.1f} s (predicted at start: {first:.1f} s)"
         if ran.summary():

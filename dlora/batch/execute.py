@@ -23,6 +23,7 @@ from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine, LineError, error_output, line_request_id, ok_output
 from dlora.batch.planned import LinePlan, line_plan
 from dlora.batch.predict import Work, works_of
+from dlora.batch.prompt_sizes import PromptSizes
 from dlora.batch.reading import LineRules
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
@@ -88,24 +89,36 @@ def online_in_flight(router, batch_priority: int) -> int:
     return sum(1 for st in router.requests.values() if st.request.priority < batch_priority)
 
 
-def batch_gate(state) -> BatchGate:
+def batch_gate(state, beside_online: bool = True) -> BatchGate:
     """As many batch lines at once as the engines hold (batch.max_in_flight, else max_num_seqs per
-    serving replica), less the online requests in flight."""
+    serving replica), less the online requests in flight. `beside_online`: the lines' completions
+    also count against server.max_pending_requests beside the online ones admitted, batch work
+    holding at most half of it; off (`dlora batch run`, which takes no online requests), they are
+    bounded by the lines' places alone."""
     cfg = state.cfg
 
     def limit() -> int:
         return cfg.batch.max_in_flight or cfg.engine.max_num_seqs * max(1, len(state.router.healthy_ids()))
 
-    return BatchGate(limit, lambda: online_in_flight(state.router, cfg.batch.priority))
+    def online() -> int:
+        return online_in_flight(state.router, cfg.batch.priority)
+
+    if not beside_online:
+        return BatchGate(limit, online)
+    gate = BatchGate(limit, online, lambda: cfg.server.max_pending_requests, lambda: state.admitted.count)
+    state.metrics.batch_choices_in_flight.set_function(lambda: gate.choices_in_flight)
+    return gate
 
 
 def line_works(state, lines: Sequence[BatchLine]) -> list[list[Work]]:
-    """The engine requests each line makes, with prompt sizes from the server's tokenizer."""
+    """The engine requests each line makes, with prompt sizes from the server's tokenizer (a
+    sample counted exactly, the rest estimated: dlora/batch/prompt_sizes.py)."""
     tokenizer, cfg = state.tokenizer, state.cfg
 
-    def count(text: str) -> int:
+    def tokenize(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    count = PromptSizes(tokenize).count
     return [works_of(line.url, line.body, count, state.base_model_name, cfg.model.max_model_len) for line in lines]
 
 

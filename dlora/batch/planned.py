@@ -36,7 +36,7 @@ from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
 from dlora.batch.plan import Job, Plan, choose_plan, job_work, simulate_s
 from dlora.batch.predict import Work, sample_lengths
-from dlora.batch.runner import Execute, run_lines
+from dlora.batch.runner import Execute, line_choices, run_lines
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import preferred_replica
 
@@ -222,25 +222,27 @@ class _Run:
         running: set[asyncio.Task] = set()
         while seg.lines and not self.stop():
             await room.acquire()
-            if not await self.gate.acquire(self.stop):
+            line = seg.lines[0] if seg.lines else None
+            choices = 1 if line is None else line_choices(line)
+            if not await self.gate.acquire(self.stop, choices):
                 room.release()
                 break
-            if not seg.lines:  # taken by another replica or a new plan while this one waited
-                self.gate.release()
+            if not seg.lines or seg.lines[0] is not line:  # taken by another replica or a new plan meanwhile
+                self.gate.release(choices)
                 room.release()
-                break
-            task = asyncio.create_task(self.one(seg.lines.popleft(), rid, room))
+                continue
+            task = asyncio.create_task(self.one(seg.lines.popleft(), choices, rid, room))
             running.add(task)
             self.lines.add(task)
         await asyncio.gather(*running)
 
-    async def one(self, line: BatchLine, rid: int, room: asyncio.Semaphore) -> None:
+    async def one(self, line: BatchLine, choices: int, rid: int, room: asyncio.Semaphore) -> None:
         if rid != ANY_REPLICA:
             preferred_replica.set(rid)  # this task's own context: the router takes its requests to rid
         try:
             output = await self.execute(line)
         finally:
-            self.gate.release()
+            self.gate.release(choices)
             room.release()
         self.on_done(line, output)
 

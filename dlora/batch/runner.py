@@ -8,8 +8,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
+from dlora.server.admission import fanout_of_data
 
 Execute = Callable[[BatchLine], Awaitable[dict]]
+
+
+def line_choices(line: BatchLine) -> int:
+    """The completions (engine requests) a line makes, prompts x n, as online admission counts them."""
+    return fanout_of_data(line.url, line.body).choices
 
 
 async def run_lines(
@@ -27,19 +33,20 @@ async def run_lines(
     `tick_s` while lines run."""
     running: set[asyncio.Task] = set()
 
-    async def one(line: BatchLine) -> None:
+    async def one(line: BatchLine, choices: int) -> None:
         try:
             output = await execute(line)
         finally:
-            gate.release()
+            gate.release(choices)
         on_done(line, output)
 
     last_tick = time.monotonic()
     try:
         for line in lines:
-            if not await gate.acquire(stop):
+            choices = line_choices(line)
+            if not await gate.acquire(stop, choices):
                 break
-            running.add(asyncio.create_task(one(line)))
+            running.add(asyncio.create_task(one(line, choices)))
             running = {t for t in running if not t.done()}
             if time.monotonic() - last_tick >= tick_s:
                 last_tick = time.monotonic()

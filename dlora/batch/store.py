@@ -4,6 +4,7 @@ Per batch, a directory `<id>/` with `batch.json` (OpenAI's batch object as last 
 `results.jsonl`, a journal with one entry per finished line (its line number and its output
 line), appended in groups, each flushed to disk (dlora/batch/journal.py). On restart the journal
 says which lines are done; a torn last entry (a crash mid-write) is ignored and that line runs again.
+Deleting a batch removes its directory; its output and error files are files of their own.
 A stored record that cannot be shown (metadata OpenAI would not take, written by an older server;
 a damaged file) is shown without its metadata, or not at all, and logged: one record never breaks
 the listing of every batch.
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -57,9 +59,12 @@ class BatchRecord:
     errors: list[dict] = field(default_factory=list)  # why the batch failed as a whole
     # when it entered each status: in_progress_at, finalizing_at, completed_at, failed_at, ...
     times: dict[str, int] = field(default_factory=dict)
+    owner: str = ""  # dlora/server/owners.py; records stored before owners belong to ""
 
     @staticmethod
-    def new(endpoint: str, input_file_id: str, window: str, window_s: int, metadata: dict | None) -> BatchRecord:
+    def new(
+        endpoint: str, input_file_id: str, window: str, window_s: int, metadata: dict | None, owner: str = ""
+    ) -> BatchRecord:
         now = int(time.time())
         return BatchRecord(
             id=f"batch_{uuid.uuid4().hex}",
@@ -69,11 +74,20 @@ class BatchRecord:
             created_at=now,
             expires_at=now + window_s,
             metadata=metadata,
+            owner=owner,
         )
 
     def enter(self, status: str) -> None:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
+
+    @property
+    def ended_at(self) -> int | None:
+        """When an ended batch ended (its creation, if a damaged record lost that); None while active."""
+        if self.status not in ENDED:
+            return None
+        stamp = self.times.get(f"{self.status}_at")
+        return stamp if isinstance(stamp, int) else self.created_at
 
     def to_openai(self) -> dict:
         stamps = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
@@ -112,6 +126,8 @@ class BatchStore:
         data = read_json(self.root / batch_id / "batch.json") if BATCH_ID.fullmatch(batch_id) else None
         if data is None:
             raise BatchNotFound(batch_id)
+        if data.get("id") != batch_id:  # deleting it by its id would remove another batch's directory
+            raise ValueError("the record's id is not its directory's")
         return BatchRecord.from_dict(data)
 
     def all(self) -> list[BatchRecord]:
@@ -128,6 +144,15 @@ class BatchStore:
             if showable(record):
                 found.append(record)
         return sorted(found, key=lambda r: (-r.created_at, r.id))
+
+    def delete(self, batch_id: str) -> None:
+        """Remove the batch's record and journal."""
+        if not BATCH_ID.fullmatch(batch_id):
+            raise BatchNotFound(batch_id)
+        try:
+            shutil.rmtree(self.root / batch_id)
+        except FileNotFoundError:
+            pass
 
     def append_result(self, batch_id: str, line: int, output: dict) -> None:
         self.append_results(batch_id, [(line, output)])
@@ -162,6 +187,8 @@ def showable(record: BatchRecord) -> bool:
         log.warning("batch %r: its stored metadata is not valid (%s); shown without it", record.id, problem)
         record.metadata = None
     try:
+        if not (isinstance(record.owner, str) and isinstance(record.times, dict)):  # filtered by; read by to_openai
+            raise TypeError("owner must be a string, times a mapping")
         json.dumps(record.to_openai(), ensure_ascii=False).encode()
         if not (isinstance(record.created_at, int) and isinstance(record.expires_at, int)):
             raise TypeError("created_at and expires_at must be whole seconds")

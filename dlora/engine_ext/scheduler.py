@@ -105,7 +105,7 @@ def without_mixing(config: BatchingConfig) -> BatchingConfig:
     return dataclasses.replace(config, mixed_merged=False)
 
 
-def _view(r: Request) -> RequestView:
+def _view(r: Request, client_priority: int) -> RequestView:
     return RequestView(
         req_id=r.request_id,
         adapter=_adapter(r),
@@ -115,6 +115,7 @@ def _view(r: Request) -> RequestView:
         num_output_tokens=r.num_output_tokens,
         running=r.status == RequestStatus.RUNNING,
         max_tokens=r.max_tokens,
+        priority=client_priority,
     )
 
 
@@ -337,8 +338,8 @@ class DloraScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         self._dlora_kv_quotas.arrived(request)
-        if self._dlora_service_order:
-            self._dlora_client_priority[request.request_id] = request.priority
+        # Kept as given: with a service order the request's own priority becomes its place.
+        self._dlora_client_priority[request.request_id] = request.priority
         super().add_request(request)
         self._dlora_queue_waits.queued(request.request_id, time.perf_counter())
 
@@ -381,7 +382,8 @@ class DloraScheduler(Scheduler):
 
     def _dlora_plan(self, requests: list[Request]) -> _Plan:
         by_id = {r.request_id: r for r in requests}
-        views = [_view(r) for r in requests]
+        client = self._dlora_client_priority
+        views = [_view(r, client.get(r.request_id, r.priority)) for r in requests]
         now = time.time()  # the clock of vLLM's arrival_time
         decision = self.batching_policy.decide(views, now, self._dlora_max_batch)
         try:

@@ -143,7 +143,7 @@ class DLoRAPolicy(BatchingPolicy):
             stats[adapter] = LengthStats.of(own) if len(own) >= MIN_LENGTH_SAMPLES else default
 
         def key(r: RequestView) -> tuple:
-            return seallm_key(r.arrival_time, r.num_output_tokens, stats[r.adapter], r.req_id)
+            return (r.priority, *seallm_key(r.arrival_time, r.num_output_tokens, stats[r.adapter], r.req_id))
 
         return key
 

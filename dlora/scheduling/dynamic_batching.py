@@ -71,8 +71,10 @@ from typing import Any
 from dlora.scheduling.types import AdapterKey, Mode, RequestView
 
 
-def fcfs_key(r: RequestView) -> tuple[float, str]:
-    return (r.arrival_time, r.req_id)
+def fcfs_key(r: RequestView) -> tuple[int, float, str]:
+    """First come, first served within a priority: batch work (a larger priority) waits for every
+    online request, however long it has queued."""
+    return (r.priority, r.arrival_time, r.req_id)
 
 
 @dataclass(frozen=True, slots=True)

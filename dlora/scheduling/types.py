@@ -48,6 +48,9 @@ class RequestView:
     num_output_tokens: int
     running: bool  # admitted by the engine (holds KV); False while waiting
     max_tokens: int | None = None  # its output cap (None: unknown)
+    # The engine priority its client (or the server, for batch work) gave it: lower is served first,
+    # before arrival order (vLLM's priority scheduling); 0 for every online request by default.
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,11 @@ needs is a 401 before any of this). In order:
     `server.max_pending_requests` -> 429 with `Retry-After`: the whole request is refused up front,
     so a request never runs half of its choices.
 An admitted inference request gets an id of the server's making (`with_request_id`). The completions
-of an admitted request count as in flight until its response has been sent
-(a stream included). Why here and not in the routes: the fan-out is known from the raw JSON, so a
-request of 48,000 completions is refused before it is validated, tokenised or turned into jobs.
+of an admitted request count as in flight (`ServerState.admitted`) until its response has been sent
+(a stream included). Batch lines count theirs at the batch gate (dlora/batch/gate.py), in the room
+online leaves; online admission counts online completions only, so batch work never causes a 429.
+Why here and not in the routes: the fan-out is known from the raw JSON, so a request of 48,000
+completions is refused before it is validated, tokenised or turned into jobs.
 Refusals are OpenAI-shaped JSON (dlora/server/errors.py) and counted in /metrics.
 """
 
@@ -90,9 +92,18 @@ def _prompts(prompt) -> int:
     return len(prompt)
 
 
+def overloaded(limit: int, choices: int) -> str:
+    """The 429's message when `choices` more completions would pass `server.max_pending_requests`."""
+    return (
+        f"the server is at its limit of {limit} completions in flight (server.max_pending_requests) and this "
+        f"request asks for {choices}; retry later"
+    )
+
+
 @dataclass
 class InFlight:
-    """Completions admitted and not yet answered, across every request."""
+    """Online completions admitted and not yet answered, across every request (one per server, on
+    its state: the batch gate reads it too)."""
 
     count: int = 0
 
@@ -113,7 +124,6 @@ class BodyTooLarge(Exception):
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.in_flight = InFlight()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = getattr(scope["app"].state, "dlora", None) if scope["type"] == "http" else None
@@ -150,26 +160,25 @@ class AdmissionMiddleware:
         if too_wide is not None:
             await self._refuse(state, scope, send, "fanout", 400, *too_wide)
             return
-        if not self.in_flight.take(fanout.choices, limits.max_pending_requests):
+        in_flight: InFlight = state.admitted
+        if not in_flight.take(fanout.choices, limits.max_pending_requests):
             await self._refuse(
                 state,
                 scope,
                 send,
                 "overloaded",
                 429,
-                f"the server is at its limit of {limits.max_pending_requests} completions in flight "
-                f"(server.max_pending_requests) and this request asks for {fanout.choices}; "
-                "retry later",
+                overloaded(limits.max_pending_requests, fanout.choices),
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
             return
-        _set_in_flight(state, self.in_flight.count)
+        _set_in_flight(state, in_flight.count)
         scope, send = with_request_id(scope, send)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight.release(fanout.choices)
-            _set_in_flight(state, self.in_flight.count)
+            in_flight.release(fanout.choices)
+            _set_in_flight(state, in_flight.count)
 
     @staticmethod
     async def _refuse(

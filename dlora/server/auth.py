@@ -1,7 +1,8 @@
 """Who may call what, as vLLM's --api-key has it: with `server.api_key` set, every path under /v1
 needs one of its keys (`Authorization: Bearer <key>`); the admin routes need `server.admin_token`
-when one is set, else the API key. Paths outside /v1 (/health, /metrics, /version, /tokenize,
-/detokenize) stay open, as in vLLM.
+when one is set, else the API key; /v1/files and /v1/batches take the admin token as well as the
+keys (each key sees its own objects, the admin all: dlora/server/owners.py). Paths outside /v1
+(/health, /metrics, /version, /tokenize, /detokenize) stay open, as in vLLM.
 
 A pure ASGI middleware checks this before anything else reads the request (its body included), so a
 caller without the credential learns nothing about what the server would make of its request: not
@@ -24,6 +25,7 @@ from dlora.server.errors import APIError, error_body
 log = logging.getLogger(__name__)
 
 GUARDED_PREFIX = "/v1"  # vLLM's AuthenticationMiddleware guards every path under it
+OWNED_PREFIXES = ("/v1/files", "/v1/batches")  # objects with an owner: the admin token reaches them too
 UNAUTHORIZED = "Unauthorized"  # vLLM's message
 ADMIN_UNAUTHORIZED = "missing or invalid admin token (Authorization: Bearer <token>)"
 
@@ -59,12 +61,26 @@ def admin_keys(cfg) -> tuple[str, ...]:
     return (cfg.admin_token,) if cfg.admin_token else cfg.api_key
 
 
+def is_owned_path(path: str) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in OWNED_PREFIXES)
+
+
+def owned_keys(cfg) -> tuple[str, ...]:
+    """The credentials /v1/files and /v1/batches take: the API keys and the admin token; none
+    while no API key is set (open, as inference is)."""
+    if not cfg.api_key:
+        return ()
+    return cfg.api_key + ((cfg.admin_token,) if cfg.admin_token else ())
+
+
 def required(path: str, cfg, is_admin_path: Callable[[str], bool]) -> tuple[tuple[str, ...], str]:
     """The keys a request to `path` must carry (empty: none) and the 401's message without one."""
     if not path.startswith(GUARDED_PREFIX):
         return (), UNAUTHORIZED
     if is_admin_path(path):
         return admin_keys(cfg), ADMIN_UNAUTHORIZED if cfg.admin_token else UNAUTHORIZED
+    if is_owned_path(path):
+        return owned_keys(cfg), UNAUTHORIZED
     return cfg.api_key, UNAUTHORIZED
 
 
@@ -88,7 +104,7 @@ def admin_exposure(cfg) -> str | None:
 
 
 async def require_api_key(request: Request) -> None:
-    """FastAPI dependency of the inference and batch routes: the middleware's check again at the
+    """FastAPI dependency of the inference routes: the middleware's check again at the
     route, so the guard holds whatever mounts it."""
     if not authorized(request.headers.get("authorization", ""), request.app.state.dlora.cfg.api_key):
         raise Unauthorized()

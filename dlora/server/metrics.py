@@ -162,6 +162,12 @@ class Metrics:
             "dlora_batch_requests", "Finished batch requests (lines), by outcome", ["outcome"], registry=r
         )
         self.batch_in_flight = Gauge("dlora_batch_in_flight", "Batch requests in the engines now", registry=r)
+        self.batch_choices_in_flight = Gauge(
+            "dlora_batch_choices_in_flight",
+            "Completions (engine requests) of the batch requests in the engines now; at most half of "
+            "server.max_pending_requests, or one line's when it alone is wider",
+            registry=r,
+        )
         self._replica_labels: set[str] = set()  # replicas with gauges, so a removed one's are dropped
         # Counts the router keeps (resubmissions, migrations, restarts), read at scrape time.
         self.cluster = ClusterCollector()

@@ -23,6 +23,7 @@ from dlora.cluster.host_cache import MIB
 from dlora.cluster.router import Replica, Router, RouterConfig
 from dlora.config import DloraConfig
 from dlora.replica.messages import AdapterRef
+from dlora.server.admission import InFlight
 from dlora.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class ServerState:
     # vLLM's serving classes over this state (set by build_state: the routes and batch lines use it).
     frontend: Frontend | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # Online completions admitted and not yet answered: admission counts them against
+    # server.max_pending_requests, and the batch gate fits batch work in the room they leave.
+    admitted: InFlight = field(default_factory=InFlight)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     def start_background(self) -> None:

@@ -6,6 +6,8 @@ starves (the bound of Alg. 3 holds for the order as for merges)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dlora.scheduling import BatchingConfig, Mode
@@ -90,3 +92,18 @@ def test_the_merged_batch_takes_its_adapters_requests_in_service_order():
 def test_an_unknown_order_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="scheduling.order='lifo'"):
         BatchingConfig(order="lifo")
+
+
+@pytest.mark.parametrize("order", ["fcfs", "seallm"])
+def test_batch_work_queued_first_is_served_after_every_online_request(order):
+    # Batch requests carry a larger engine priority: though they arrived first, the batch of 2
+    # takes the two online requests, and an adapter's merged batch orders them the same way.
+    def batch(i: int, adapter: str):
+        return dataclasses.replace(req(f"batch{i}", adapter, float(i)), priority=1_000_000)
+
+    online = [req("online-a", "a", 10.0), req("online-b", "b", 11.0)]
+    p = DLoRAPolicy(cfg(order=order, alpha=1.0))
+    queued = [batch(i, adapter) for i, adapter in enumerate("cde")] + online
+    assert p.decide(queued, 12.0, 2).allowed_req_ids == ("online-a", "online-b")
+    q = build_queues([batch(i, "a") for i in range(3)] + online, 2)
+    assert [r.req_id for r in q.group("a")] == ["online-a", "batch0", "batch1", "batch2"]

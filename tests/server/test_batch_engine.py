@@ -82,11 +82,33 @@ def test_a_completions_batch_equals_hf_peft_and_the_same_requests_online(tiny_se
         assert choice["text"] == online.choices[0].text
 
 
-def test_a_chat_batch_equals_hf_peft(tiny_server, oracle):
+# Chat lines its route refuses, as raw JSON: a lone surrogate survives only as an escape, a huge n only as text.
+HOSTILE_CHAT = {
+    "messages-a-number": '{"model": "a1", "messages": 5}',
+    "text-part-a-number": '{"model": "a1", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+    "lone-surrogate": '{"model": "a1", "messages": [{"role": "user", "content": "x\\ud800"}]}',
+    "n-past-int64": '{"model": "a1", "messages": [{"role": "user", "content": "x"}], "n": 10000000000000000000}',
+}
+
+
+def test_a_chat_batch_equals_hf_peft_and_its_hostile_lines_are_the_routes_own_errors(tiny_server, oracle):
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0)
     lines = [chat_line("x", "a1", "Name a colour."), chat_line("y", "tiny-base", "Count to three.")]
-    batch, out, errors = run_batch(client, lines, "/v1/chat/completions")
-    assert batch.request_counts.completed == 2 and not errors
+    raw = [
+        f'{{"custom_id": "{cid}", "method": "POST", "url": "/v1/chat/completions", "body": {body}}}'
+        for cid, body in HOSTILE_CHAT.items()
+    ]
+    batch, out, errors = run_batch(client, [lines[0], *raw, lines[1]], "/v1/chat/completions")
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, len(HOSTILE_CHAT))
+    assert [o["custom_id"] for o in out] == ["x", "y"]
+    for e in errors:
+        online = client._client.post(
+            f"{tiny_server.url}/v1/chat/completions",
+            content=HOSTILE_CHAT[e["custom_id"]].encode(),
+            headers={"content-type": "application/json"},
+        )
+        assert 400 <= online.status_code < 500, online.text
+        assert (e["response"]["status_code"], e["response"]["body"]) == (online.status_code, online.json())
     for o, line in zip(out, lines):
         choice = o["response"]["body"]["choices"][0]
         prompt_ids = chat_ids(oracle, line["body"]["messages"][0]["content"])

@@ -5,9 +5,10 @@ Until told to stop, it
   * uploads 100,000 junk lines (in files of at most `batch.max_requests` lines each, so the server
     validates and journals every line instead of refusing a whole file at its limit) and makes a
     batch of each file: every line is that line's error, and each batch must end `completed`;
-  * keeps a fan-out batch running: lines of n = the per-request cap (`server.max_choices_per_request`
-    choices of 8 tokens, `ignore_eos`) over the base model and the adapters, real work the server
-    must fit behind online traffic, with lines over the cap among them (each that line's error);
+  * keeps a fan-out batch running: lines asking for more completions than the server allows (n past
+    `server.max_choices_per_request`, n = 10**6, prompts x n past it), each that line's error; with
+    `valid_fanout`, also lines of n = the cap (choices of 8 tokens, `ignore_eos`) over the base model
+    and the adapters: real work the server must fit behind online traffic;
   * uploads a small file every 0.2 s and deletes every fifth (a per-client quota may answer 429);
   * polls GET /v1/batches and GET /v1/batches/{id}.
 When stopped, it cancels its batches, waits for them to end, records each one's final status and
@@ -44,6 +45,9 @@ class Limits:
 
     max_requests: int
     max_choices: int
+    # Fan-out batches also hold valid lines at the cap (real work a tenant may ask for, which the
+    # server runs in the gaps online traffic leaves); off: only lines over the caps, each refused.
+    valid_fanout: bool = False
 
 
 def leaked(text: str) -> bool:
@@ -97,9 +101,10 @@ def junk_files(model: str, lines: int, per_file: int) -> list[bytes]:
     return ["\n".join(text[i : i + per_file]).encode() + b"\n" for i in range(0, lines, per_file)]
 
 
-def fanout_file(models: list[str], cap: int) -> tuple[bytes, list[str]]:
+def fanout_file(models: list[str], cap: int, valid: bool) -> tuple[bytes, list[str]]:
     """Lines of n = cap over `models` in turn, every OVER_CAP_EVERY-th over the cap in one of four
-    ways; the file and the custom_ids of the lines over the cap."""
+    ways (without `valid`, every line is over the cap); the file and the custom_ids of the lines
+    over the cap."""
     over = [
         {"n": cap + 1},
         {"n": cap // 2 + 1, "prompt": ["Count to ten.", "Name a colour."]},
@@ -118,7 +123,10 @@ def fanout_file(models: list[str], cap: int) -> tuple[bytes, list[str]]:
             "temperature": 1.0,
         }
         cid = f"fanout-{i}"
-        if i % OVER_CAP_EVERY == OVER_CAP_EVERY - 1:
+        if not valid:
+            body |= over[i % len(over)]
+            over_ids.append(cid)
+        elif i % OVER_CAP_EVERY == OVER_CAP_EVERY - 1:
             body |= over[(i // OVER_CAP_EVERY) % len(over)]
             over_ids.append(cid)
         lines.append(_request(cid, body, url=CMPL))
@@ -196,7 +204,7 @@ class BatchAttacker:
 
     async def fanout(self) -> None:
         """One fan-out batch at a time, a new one from the same file whenever the last has ended."""
-        content, self.over_cap_ids = fanout_file(self.models, self.limits.max_choices)
+        content, self.over_cap_ids = fanout_file(self.models, self.limits.max_choices, self.limits.valid_fanout)
         file_id = await self.upload("fanout", content)
         current = None
         while file_id and not self.stop.is_set():

@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=19,
         help="nice value of the attacking client's process (it shares this machine's cores)",
     )
+    p.add_argument(
+        "--batch-valid-fanout",
+        action="store_true",
+        help="the batch attacker's fan-out batches also hold valid lines at the per-request cap (real work)",
+    )
     p.add_argument("--out", default=str(HERE / "result.json"))
     return p.parse_args(argv)
 
@@ -437,11 +442,12 @@ def _headline(s: dict) -> str:
     return "\n".join(parts) or "good traffic alone"
 
 
-def batch_limits(cfg: dict) -> Limits:
+def batch_limits(cfg: dict, valid_fanout: bool) -> Limits:
     """The limits the batch attacker sizes its files by, as the server will apply them."""
     return Limits(
         max_requests=(cfg.get("batch") or {}).get("max_requests", BatchConfig.max_requests),
         max_choices=cfg["server"].get("max_choices_per_request", ServerConfig.max_choices_per_request),
+        valid_fanout=valid_fanout,
     )
 
 
@@ -473,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
         cfg = shipped_server_config(args.port, f"{tmp}/state")
-        limits = batch_limits(cfg)
+        limits = batch_limits(cfg, args.batch_valid_fanout)
         proc = servers.start_dlora(cfg, Path(tmp), "server")
         try:
             servers.wait_healthy(url, proc, Path(tmp) / "server.log")
@@ -513,7 +519,11 @@ def main(argv: list[str] | None = None) -> None:
             "stream": True,
         },
         "modes": args.modes,
-        "batch_limits": {"max_requests": limits.max_requests, "max_choices_per_request": limits.max_choices},
+        "batch_limits": {
+            "max_requests": limits.max_requests,
+            "max_choices_per_request": limits.max_choices,
+            "valid_fanout": limits.valid_fanout,
+        },
         "reps": reps,
         "summary": summarise(reps),
     }

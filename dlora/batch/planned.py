@@ -233,6 +233,7 @@ class _Run:
                 continue
             task = asyncio.create_task(self.one(seg.lines.popleft(), choices, rid, room))
             running.add(task)
+            await asyncio.sleep(0)  # with places free, thousands of lines start here: let the loop run between
             self.lines.add(task)
         await asyncio.gather(*running)
 

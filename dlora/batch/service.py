@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 from dlora.batch.files import FileNotFound, FileRecord, FileStore
 from dlora.batch.gate import BatchGate
@@ -44,6 +45,9 @@ from dlora.server.errors import APIError
 log = logging.getLogger(__name__)
 
 WINDOW = re.compile(r"([1-9][0-9]{0,3})h")  # OpenAI's "24h"; any whole number of hours up to 9999
+# Lines handled on the event loop between two chances for everything else to run (a few ms of
+# work: a file of 50,000 refused lines would otherwise hold every stream for about a second).
+YIELD_EVERY = 256
 SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
 REAP_EVERY_S = 60.0  # how often expired files and long-ended batches are looked for
 ADMIN_OWNER = ""  # whose the files the admin uploads are: the owner of callers without an API key
@@ -70,6 +74,8 @@ class BatchService:
         self.records: dict[str, BatchRecord] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel: dict[str, asyncio.Event] = {}
+        self._saving = asyncio.Lock()  # record saves, one at a time in the order asked
+        self._saves: set[asyncio.Task] = set()  # saves asked for by synchronous callers, under way
         self._reaper: asyncio.Task | None = None
         self.usage = Usage()  # counted from the stores at start
         self.on_line: Callable[[str], None] = lambda outcome: None  # each finished line: completed | failed
@@ -120,7 +126,7 @@ class BatchService:
         self.usage.remove_file(record.owner, record.bytes)
 
     # ---- the API: batches -----------------------------------------------------------------------
-    def create(
+    async def create(
         self, input_file_id: str, endpoint: str, completion_window: str, metadata: object, owner: str | None = None
     ) -> BatchRecord:
         """A batch of `owner`'s file (None: the admin, any owner's file; the batch is the file's
@@ -147,9 +153,14 @@ class BatchService:
             raise APIError(429, refusal)
         window_s = int(window.group(1)) * 3600
         record = BatchRecord.new(endpoint, input_file_id, completion_window, window_s, tags, source.owner)
-        self.store.save(record)
-        self.records[record.id] = record
+        self.records[record.id] = record  # first: a second create meanwhile counts it against the quota
         self.usage.add_batch(record.owner)
+        try:
+            await self._save(record)
+        except BaseException:
+            del self.records[record.id]
+            self.usage.remove_batch(record.owner)
+            raise
         self._spawn(record)
         return record
 
@@ -172,14 +183,14 @@ class BatchService:
             ordered = ordered[ids.index(after) + 1 :]
         return ordered[:limit], len(ordered) > limit
 
-    def cancel(self, batch_id: str, owner: str | None = None) -> BatchRecord:
+    async def cancel(self, batch_id: str, owner: str | None = None) -> BatchRecord:
         record = self.get(batch_id, owner)
         if record.status in ("cancelling", "cancelled"):
             return record
         if record.status in ENDED:
             raise APIError(409, f"Cannot cancel a batch with status {record.status!r}", "batch_id")
         record.enter("cancelling")
-        self.store.save(record)
+        await self._save(record)
         event = self._cancel.get(batch_id)
         if event is not None:
             event.set()
@@ -262,7 +273,7 @@ class BatchService:
             raise
         except Exception as e:  # a disk error, a damaged journal: the batch fails, the server goes on
             log.error("batch %s failed", record.id, exc_info=e)
-            self._fail(record, "internal_error", f"the batch could not be processed: {type(e).__name__}")
+            await self._fail(record, "internal_error", f"the batch could not be processed: {type(e).__name__}")
 
     async def _validate(self, record: BatchRecord) -> list[BatchLine | LineError] | None:
         try:
@@ -270,18 +281,18 @@ class BatchService:
             limit = self.cfg.max_requests
             parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, self.rules)
         except (FileNotFound, FileNotFoundError):
-            self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
+            await self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
             return None
         except TooManyRequests as e:
-            self._fail(record, "too_many_requests", str(e))
+            await self._fail(record, "too_many_requests", str(e))
             return None
         if not parsed:
-            self._fail(record, "empty_file", "the input file has no requests")
+            await self._fail(record, "empty_file", "the input file has no requests")
             return None
         record.request_counts.total = len(parsed)
         if record.status == "validating":
             record.enter("in_progress")
-        self.store.save(record)
+        await self._save(record)
         return parsed
 
     async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> tuple[str, dict[int, dict]]:
@@ -291,9 +302,11 @@ class BatchService:
         self._recount(record, done)
         journal = Journal(lambda group: self.store.append_results(record.id, group))
         try:
-            for item in parsed:
+            for k, item in enumerate(parsed):
                 if isinstance(item, LineError) and item.line not in done:
                     self._finish_line(record, done, journal, item.line, error_output(item))
+                if k % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)
             todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
             cancelled = self._cancel[record.id]
 
@@ -303,7 +316,7 @@ class BatchService:
             def finished(line: BatchLine, output: dict) -> None:
                 self._finish_line(record, done, journal, line.line, output)
 
-            save = lambda: self.store.save(record)  # noqa: E731
+            save = lambda: self._save_soon(record)  # noqa: E731
             await run_batch(todo, self.execute, self.gate, self.planner, finished, stopping, save, SAVE_EVERY_S)
         finally:
             await journal.close()
@@ -336,10 +349,12 @@ class BatchService:
     ) -> None:
         if ending != "cancelled":
             record.enter("finalizing")
-            self.store.save(record)
+            await self._save(record)
         outputs: list[dict] = []
         errors: list[dict] = []
-        for item in parsed:
+        for k, item in enumerate(parsed):
+            if k % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
             output = done.get(item.line)
             if output is None and ending == "expired":
                 why = "the batch expired before this request ran"
@@ -353,7 +368,7 @@ class BatchService:
         if ending == "expired":
             record.request_counts.failed += len(parsed) - len(done)
         record.enter(ending)
-        self.store.save(record)
+        await self._save(record)
         log.info("batch %s %s: %s", record.id, ending, record.request_counts)
 
     async def _write_file(self, record: BatchRecord, kind: str, lines: list[dict]) -> str:
@@ -369,7 +384,21 @@ class BatchService:
         self.usage.add_file(made.owner, made.bytes)
         return made.id
 
-    def _fail(self, record: BatchRecord, code: str, message: str) -> None:
+    async def _fail(self, record: BatchRecord, code: str, message: str) -> None:
         record.errors = [{"code": code, "message": message, "param": None, "line": None}]
         record.enter("failed")
-        self.store.save(record)
+        await self._save(record)
+
+    async def _save(self, record: BatchRecord) -> None:
+        """Store the record as it is now, in a worker thread: a flush to disk on the event loop would
+        hold every stream for as long as the disk takes (after a large output file, a good part of a
+        second). One save at a time, in the order asked, so an older state never lands last."""
+        data = asdict(record)
+        async with self._saving:
+            await asyncio.to_thread(self.store.write, record.id, data)
+
+    def _save_soon(self, record: BatchRecord) -> None:
+        """`_save` from a synchronous caller (the counts a running batch writes now and then)."""
+        task = asyncio.create_task(self._save(record))
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)

@@ -120,7 +120,11 @@ class BatchStore:
         self.root = root
 
     def save(self, record: BatchRecord) -> None:
-        write_json(self.root / record.id / "batch.json", asdict(record))
+        self.write(record.id, asdict(record))
+
+    def write(self, batch_id: str, data: dict) -> None:
+        """Store a record as `asdict` gave it (blocking: a flush to disk)."""
+        write_json(self.root / batch_id / "batch.json", data)
 
     def get(self, batch_id: str) -> BatchRecord:
         data = read_json(self.root / batch_id / "batch.json") if BATCH_ID.fullmatch(batch_id) else None

@@ -74,7 +74,7 @@ from dlora.engine_ext.prefix_states import MIXED, UNMERGED, PrefixStates, State
 from dlora.engine_ext.queue_waits import QueueWaits
 from dlora.engine_ext.step_trace import adapter_counts, open_trace
 from dlora.engine_ext.weight_state import UNKNOWN, Restore, Unknown, Weights, split_reports, weights_after
-from dlora.replica.engine import BATCHING_CONFIG_KEY
+from dlora.replica.engine import BACKGROUND_PRIORITY_KEY, BATCHING_CONFIG_KEY
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS
 from dlora.scheduling import (
     BatchingConfig,
@@ -85,6 +85,7 @@ from dlora.scheduling import (
     check_decision,
     make_policy,
 )
+from dlora.scheduling.background import without_background
 from dlora.scheduling.dynamic_batching import fcfs_key
 from dlora.scheduling.lora_slots import LoraSlotAging
 
@@ -99,6 +100,11 @@ def policy_from(additional_config, lora_backend: str) -> tuple[str, BatchingConf
     settings = dict((additional_config or {}).get(BATCHING_CONFIG_KEY) or {"policy": "unmerged"})
     name = settings.pop("policy")
     return name, BatchingConfig(**settings).for_lora_backend(lora_backend)
+
+
+def background_from(additional_config) -> int | None:
+    """The engine priority from which requests are background work (None: none are)."""
+    return dict(additional_config or {}).get(BACKGROUND_PRIORITY_KEY)
 
 
 def without_mixing(config: BatchingConfig) -> BatchingConfig:
@@ -211,6 +217,8 @@ class DloraScheduler(Scheduler):
         # The policy serves in an order other than FCFS (scheduling.order): vLLM's queues follow it.
         self._dlora_service_order = config.order != "fcfs"
         self._dlora_client_priority: dict[str, int] = {}  # what each request's client asked for
+        # Requests from this priority on are background (batch) work: no step runs them beside online ones.
+        self._dlora_background_from = background_from(self.vllm_config.additional_config)
         # MuxServe's per-adapter KV quotas (kv_quotas.py): always measured (the fairness gap),
         # enforced with scheduling.kv_quotas.
         blocks = self.cache_config.num_gpu_blocks
@@ -398,6 +406,12 @@ class DloraScheduler(Scheduler):
         if self._dlora_stalled or not self._dlora_can_progress(allowed, by_id):
             target = None
             allowed = [v.req_id for v in sorted(views, key=fcfs_key)]
+        else:
+            # Not after a step that ran nothing: online requests the KV held by paused batch work
+            # keeps out would wait forever; that step runs everything (vLLM then preempts by priority).
+            allowed = without_background(
+                allowed, lambda i: client.get(i, by_id[i].priority), self._dlora_background_from
+            )
         allowed = self._dlora_within_quotas(allowed, by_id)
         if target is None and self._dlora_slot_aging is not None:
             held = self._dlora_slot_aging.held_back(views, now)

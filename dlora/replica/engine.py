@@ -38,6 +38,9 @@ WORKER_EXTENSION = "dlora.engine_ext.worker.DloraWorkerExtension"
 SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
 # additional_config key under which the batching policy's settings reach the engine-core process
 BATCHING_CONFIG_KEY = "dlora_batching"
+# additional_config key: the engine priority from which a request is background (batch) work, which
+# runs only in steps without online requests (dlora/scheduling/background.py)
+BACKGROUND_PRIORITY_KEY = "dlora_background_priority"
 # `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core and model runner with
 # the request): how many of a continuation's last prompt tokens its earlier legs generated, which
 # its grammar replays (engine_ext/grammar_replay.py) and its penalties and bad words count as output
@@ -98,7 +101,10 @@ def engine_kwargs(cfg: DloraConfig, model_path: str) -> dict:
         # The scheduler switches weights in-band and must see each step's result before planning
         # the next one (CPU forces this anyway; see engine_ext/scheduler.py for GPU).
         async_scheduling=False,
-        additional_config={BATCHING_CONFIG_KEY: cfg.scheduling.to_engine()},
+        additional_config={
+            BATCHING_CONFIG_KEY: cfg.scheduling.to_engine(),
+            BACKGROUND_PRIORITY_KEY: cfg.batch.priority,
+        },
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from vllm.utils.gc_utils import freeze_gc_heap
 
 from dlora.adapters.registry_store import RegistryPersistError
 from dlora.config import ServerConfig
@@ -42,6 +43,10 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         attach(app, await make_state())
+        # As vLLM's server does: the start-up heap (torch, vLLM, the tokenizer: millions of objects)
+        # is left out of garbage collection, whose full passes over it would otherwise stop the event
+        # loop, every stream with it, for about half a second whenever many objects are made at once.
+        freeze_gc_heap()
         try:
             yield
         finally:

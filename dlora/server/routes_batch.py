@@ -5,6 +5,7 @@ files and batches, the admin token all of them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 from collections.abc import Iterator
@@ -85,7 +86,9 @@ async def upload_file(
 
 @router.get("/v1/files")
 async def list_files(request: Request, purpose: str | None = None, owner: str | None = Owner):
-    return {"object": "list", "data": [r.to_openai() for r in _batches(request).files.list(purpose, owner)]}
+    # Reads every file's record: off the event loop (an owner may hold hundreds).
+    files = await asyncio.to_thread(_batches(request).files.list, purpose, owner)
+    return {"object": "list", "data": [r.to_openai() for r in files]}
 
 
 @router.get("/v1/files/{file_id}")
@@ -110,7 +113,7 @@ async def delete_file(request: Request, file_id: str, owner: str | None = Owner)
 @router.post("/v1/batches")
 async def create_batch(request: Request, body: BatchCreate, owner: str | None = Owner):
     batches = _batches(request)
-    record = batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata, owner)
+    record = await batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata, owner)
     return record.to_openai()
 
 
@@ -134,7 +137,7 @@ async def get_batch(request: Request, batch_id: str, owner: str | None = Owner):
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str, owner: str | None = Owner):
-    return _batches(request).cancel(batch_id, owner).to_openai()
+    return (await _batches(request).cancel(batch_id, owner)).to_openai()
 
 
 @router.delete("/v1/batches/{batch_id}")

@@ -138,7 +138,7 @@ async def run_batch_file(root: Path, url: str, content: bytes):
         BatchConfig(), files, BatchStore(root / "batches"), answer, gate, planner, line_rules(SERVER)
     )
     source = files.create(content, "in.jsonl", "batch")
-    record = service.create(source.id, url, "24h", None)
+    record = await service.create(source.id, url, "24h", None)
     while record.status not in ENDED:
         await asyncio.sleep(0.005)
     await service.close()

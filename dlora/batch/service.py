@@ -33,6 +33,7 @@ from dlora.batch.gate import BatchGate
 from dlora.batch.journal import Journal
 from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error
 from dlora.batch.metadata import checked_metadata
+from dlora.batch.pacing import Pacer
 from dlora.batch.planned import BatchPlanner, run_batch
 from dlora.batch.quota import Usage, batch_refusal, upload_refusal
 from dlora.batch.reading import LineRules, TooManyRequests, read_batch_file
@@ -45,8 +46,8 @@ from dlora.server.errors import APIError
 log = logging.getLogger(__name__)
 
 WINDOW = re.compile(r"([1-9][0-9]{0,3})h")  # OpenAI's "24h"; any whole number of hours up to 9999
-# Lines handled on the event loop between two chances for everything else to run (a few ms of
-# work: a file of 50,000 refused lines would otherwise hold every stream for about a second).
+# Lines handled between two chances for everything else to run (a few ms of work: a file of 50,000
+# refused lines would otherwise hold every stream for about a second), paced (dlora/batch/pacing.py).
 YIELD_EVERY = 256
 SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
 REAP_EVERY_S = 60.0  # how often expired files and long-ended batches are looked for
@@ -279,7 +280,8 @@ class BatchService:
         try:
             path = self.files.content_path(record.input_file_id)
             limit = self.cfg.max_requests
-            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, self.rules)
+            pause = self._pacer().pause
+            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, self.rules, pause)
         except (FileNotFound, FileNotFoundError):
             await self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
             return None
@@ -302,11 +304,12 @@ class BatchService:
         self._recount(record, done)
         journal = Journal(lambda group: self.store.append_results(record.id, group))
         try:
+            pacer = self._pacer()
             for k, item in enumerate(parsed):
                 if isinstance(item, LineError) and item.line not in done:
                     self._finish_line(record, done, journal, item.line, error_output(item))
                 if k % YIELD_EVERY == YIELD_EVERY - 1:
-                    await asyncio.sleep(0)
+                    await pacer.apause()
             todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
             cancelled = self._cancel[record.id]
 
@@ -352,9 +355,10 @@ class BatchService:
             await self._save(record)
         outputs: list[dict] = []
         errors: list[dict] = []
+        pacer = self._pacer()
         for k, item in enumerate(parsed):
             if k % YIELD_EVERY == YIELD_EVERY - 1:
-                await asyncio.sleep(0)
+                await pacer.apause()
             output = done.get(item.line)
             if output is None and ending == "expired":
                 why = "the batch expired before this request ran"
@@ -376,8 +380,15 @@ class BatchService:
         never lost; it counts)."""
         owner, keep = record.owner, self.cfg.retention_s
 
-        def write():  # encoding a large file takes a while: off the event loop too
-            content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        pause = self._pacer().pause
+
+        def write():  # encoding a large file takes a while: off the event loop too, and paced
+            parts = []
+            for k, line in enumerate(lines):
+                parts.append(json.dumps(line) + "\n")
+                if k % YIELD_EVERY == YIELD_EVERY - 1:
+                    pause()
+            content = "".join(parts).encode()
             return self.files.create(content, f"{record.id}_{kind}.jsonl", "batch_output", owner, keep)
 
         made = await asyncio.to_thread(write)
@@ -388,6 +399,10 @@ class BatchService:
         record.errors = [{"code": code, "message": message, "param": None, "line": None}]
         record.enter("failed")
         await self._save(record)
+
+    def _pacer(self) -> Pacer:
+        """Bookkeeping that yields the API process to online requests while any are in flight."""
+        return Pacer(lambda: self.gate.online_choices() > 0)
 
     async def _save(self, record: BatchRecord) -> None:
         """Store the record as it is now, in a worker thread: a flush to disk on the event loop would

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 import socket
@@ -10,6 +12,10 @@ import sys
 import time
 
 import pytest
+
+from dlora import config
+from dlora.cli import StartupError
+from dlora.server import serve_cmd
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
@@ -72,9 +78,21 @@ def test_failure_while_starting_is_one_line_exit_1(tiny_model, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("dlora serve: error: start-up failed: ValueError: "), r.stderr
     assert "tokenizer" in errors[0] and "--log-level debug" in errors[0]
     assert "Traceback" not in r.stderr
-    r = serve(*args, "--log-level", "debug")
-    assert r.returncode == 1
-    assert "start-up failed\nTraceback" in r.stderr
+
+
+def test_failure_while_starting_logs_its_traceback_at_debug_level(tiny_model, tmp_path, caplog):
+    """What `--log-level debug` adds to the line above (in-process: the same start-up call)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tiny_model.base / "config.json", model / "config.json")
+    cfg = config.from_dict({"model": {"path": str(model)}, "server": {"state_dir": str(tmp_path / "state")}})
+    with caplog.at_level(logging.DEBUG, logger=serve_cmd.__name__), pytest.raises(StartupError) as failed:
+        asyncio.run(serve_cmd.start_state(cfg))
+    assert str(failed.value).startswith("start-up failed: ValueError: ") and "--log-level debug" not in str(
+        failed.value
+    )
+    (logged,) = [r for r in caplog.records if r.getMessage() == "start-up failed"]
+    assert logged.exc_info is not None and logged.exc_info[0] is ValueError
 
 
 def test_port_in_use_is_one_line_exit_2_before_anything_starts(tiny_model, tmp_path):

@@ -4,7 +4,8 @@
 # Development:
 #   make test-fast  the tests that start no vLLM engine, `dlora serve` process or Ray cluster
 #                   (`pytest --fast`: skips tests marked `engine`, fails an unmarked one that starts any)
-#   make lint       ruff (lint + format check) and mypy, configured in pyproject.toml
+#   make lint       ruff (lint + format check), mypy and import-linter's package layers, configured in
+#                   pyproject.toml
 #   make gpu-check  on a GPU machine: the GPU-only checks -> bench/gpu_check/result.json (docs/gpu.md)
 .PHONY: install serve test test-fast lint bench-vs-vllm gpu-check
 
@@ -24,6 +25,7 @@ lint: install
 	.venv/bin/ruff check
 	.venv/bin/ruff format --check
 	.venv/bin/mypy
+	.venv/bin/lint-imports
 
 bench-vs-vllm: install
 	.venv/bin/python -m bench.vs_vllm_server.run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,6 @@ from typing import Any
 import yaml
 
 from dlora import env
-from dlora.cluster.autoscale import AutoscaleConfig, parse_autoscale
-from dlora.cluster.estimators.output_lengths import OutputLengthConfig
 from dlora.kinds import kind_error
 from dlora.scheduling import BatchingConfig, policy_names
 from dlora.slo.config import AdapterSlo, SloConfig, parse_adapter_slo
@@ -278,6 +276,65 @@ class ServerConfig:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    """`cluster.autoscale`: Aladdin's replica autoscaling (dlora/cluster/autoscale.py, docs/autoscaling.md)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    heartbeat_s: float = 5.0  # a decision per heartbeat; the sample covers the heartbeat before it
+    rate_window_s: float = 30.0  # the arrival rate is measured over this many seconds of heartbeats
+    min_arrivals: int = 20  # Aladdin's floor R, in requests per rate window: fewer and the rate is noise
+    extra_replicas: int = 0  # c of the rule
+    min_finished: int = 32  # finished requests before their mean output length turns tokens into requests
+    target_utilization: float = 0.8  # plan each replica this full
+    capacity_rps_prior: float | None = None  # requests/s one replica serves, until measured
+    min_attainment: float = 0.95  # reactive: below this in a window, one more replica
+    max_queue_wait_s: float = 2.0  # reactive: a mean queue wait above this, one more replica
+    hysteresis: float = 0.2  # scale in only if N - 1 replicas would carry this much more load
+    scale_out_cooldown_s: float = 15.0
+    scale_in_cooldown_s: float = 60.0
+    frontier_points: int = 32  # the most recent saturated heartbeats the rule is fitted on
+    # A draining replica's requests still there after this long fail over when it stops.
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        why = kind_error(self, "cluster.autoscale")
+        if why:
+            raise ValueError(why)
+        if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"cluster.autoscale.min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                "need 1 <= min_replicas <= max_replicas"
+            )
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"autoscale target_utilization {self.target_utilization}: must be in (0, 1]")
+        for key in ("heartbeat_s", "rate_window_s", "drain_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be > 0")
+        for key in ("scale_out_cooldown_s", "scale_in_cooldown_s", "hysteresis", "max_queue_wait_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be >= 0")
+        for key in ("min_arrivals", "min_finished", "extra_replicas"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cluster.autoscale.{key}={getattr(self, key)!r}: must be a whole number >= 0")
+        if self.frontier_points < 1:
+            raise ValueError(f"cluster.autoscale.frontier_points={self.frontier_points!r}: must be a whole number >= 1")
+        if not 0 <= self.min_attainment <= 1:
+            raise ValueError(f"cluster.autoscale.min_attainment={self.min_attainment!r}: must be in [0, 1]")
+        if self.capacity_rps_prior is not None and self.capacity_rps_prior <= 0:
+            raise ValueError(f"cluster.autoscale.capacity_rps_prior={self.capacity_rps_prior!r}: must be > 0 or null")
+
+
+def parse_autoscale(data: Mapping[str, object]) -> AutoscaleConfig:
+    """`cluster.autoscale` from its YAML mapping; ValueError names an unknown or bad key."""
+    known = {f.name for f in fields(AutoscaleConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"cluster.autoscale: unknown key(s) {unknown}; known: {sorted(known)}")
+    return AutoscaleConfig(**data)  # type: ignore[arg-type]  # kinds are checked in __post_init__
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     num_replicas: int = 1
@@ -363,137 +420,142 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_kinds(self, "cluster")
-        if isinstance(self.autoscale, dict):
-            try:
-                object.__setattr__(self, "autoscale", parse_autoscale(self.autoscale))
-            except (ValueError, TypeError) as e:
-                raise ConfigError(str(e)) from None
-        elif self.autoscale is not None and not isinstance(self.autoscale, AutoscaleConfig):
-            raise ConfigError(f"cluster.autoscale={self.autoscale!r}: must be a mapping or null")
-        if self.autoscale is not None:
-            a = self.autoscale
-            _check(
-                a.min_replicas <= self.num_replicas <= a.max_replicas,
-                "cluster.num_replicas",
-                self.num_replicas,
-                f"must be within cluster.autoscale's min_replicas..max_replicas ({a.min_replicas}..{a.max_replicas})",
-            )
-            _check(
-                self.placement == "dynamic",
-                "cluster.placement",
-                self.placement,
-                "must be dynamic with cluster.autoscale (static placement maps adapters to a fixed replica count)",
-            )
-        _check(self.num_replicas >= 1, "cluster.num_replicas", self.num_replicas, "must be >= 1")
-        _check(
-            self.reoptimize in ("fixed", "adaptive"), "cluster.reoptimize", self.reoptimize, "must be fixed or adaptive"
-        )
-        _check(
-            self.reoptimize == "fixed" or self.reoptimize_min_s <= self.migration_interval_s <= self.reoptimize_max_s,
-            "cluster.reoptimize_min_s",
-            (self.reoptimize_min_s, self.migration_interval_s, self.reoptimize_max_s),
-            "need reoptimize_min_s <= migration_interval_s (the first period) <= reoptimize_max_s",
-        )
-        _check(self.cores_per_replica >= 1, "cluster.cores_per_replica", self.cores_per_replica, "must be >= 1")
-        _check(
-            self.dispatch in DISPATCH_MODES,
-            "cluster.dispatch",
-            self.dispatch,
-            f"must be one of {', '.join(DISPATCH_MODES)}",
-        )
-        _check(
-            self.placement in ("dynamic", "static"), "cluster.placement", self.placement, "must be dynamic or static"
-        )
-        _check(
-            self.migration_solver in ("auto", "highs", "cbc", "greedy"),
-            "cluster.migration_solver",
-            self.migration_solver,
-            "must be one of auto, highs, cbc, greedy",
-        )
-        for key in (
-            "migration_interval_s",
-            "reoptimize_min_s",
-            "reoptimize_max_s",
-            "migration_time_limit_s",
-            "monitor_interval_s",
-            "queue_delay_s",
-            "placement_interval_s",
-            "actor_call_timeout_s",
-            "replica_stall_timeout_s",
-            "replica_start_timeout_s",
-        ):
-            _check(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "must be > 0")
-        _check(
-            self.max_resubmissions >= 0,
-            "cluster.max_resubmissions",
-            self.max_resubmissions,
-            "must be a whole number >= 0",
-        )
-        _check(
-            self.max_restart_attempts >= 1,
-            "cluster.max_restart_attempts",
-            self.max_restart_attempts,
-            "must be a whole number >= 1",
-        )
-        _check(self.migration_top_k >= 1, "cluster.migration_top_k", self.migration_top_k, "must be >= 1")
-        _check(
-            self.migration_check_draws >= 0, "cluster.migration_check_draws", self.migration_check_draws, "must be >= 0"
-        )
-        _check(
-            self.queued_min_wait_s is None or self.queued_min_wait_s >= 0,
-            "cluster.queued_min_wait_s",
-            self.queued_min_wait_s,
-            "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)",
-        )
-        _check(
-            self.dispatch_start_slack_s is None or self.dispatch_start_slack_s >= 0,
-            "cluster.dispatch_start_slack_s",
-            self.dispatch_start_slack_s,
-            "must be a number of seconds >= 0, or null (pending time alone)",
-        )
-        _check(
-            self.event_moves_min_wait_s is None or self.event_moves_min_wait_s >= 0,
-            "cluster.event_moves_min_wait_s",
-            self.event_moves_min_wait_s,
-            "must be a number of seconds >= 0, or null (on ticks only)",
-        )
-        _check(
-            self.rebalance_min_gain_s is None or self.rebalance_min_gain_s >= 0,
-            "cluster.rebalance_min_gain_s",
-            self.rebalance_min_gain_s,
-            "must be a number of seconds >= 0, or null (off)",
-        )
-        _check(
-            self.output_length_window >= 0,
-            "cluster.output_length_window",
-            self.output_length_window,
-            "must be a whole number >= 0 (0 = use max_tokens)",
-        )
-        _check(
-            self.output_length_min_samples >= 1,
-            "cluster.output_length_min_samples",
-            self.output_length_min_samples,
-            "must be a whole number >= 1",
-        )
-        _check(
-            self.output_length_prior is None or self.output_length_prior >= 1,
-            "cluster.output_length_prior",
-            self.output_length_prior,
-            "must be a whole number of tokens >= 1, or null (= each request's max_tokens)",
-        )
+        object.__setattr__(self, "autoscale", _autoscale_of(self.autoscale))
+        _check_replicas(self)
+        _check_dispatch(self)
+        _check_migration(self)
+        _check_failures(self)
+        _check_output_lengths(self)
 
     @property
     def queued_wait_s(self) -> float:
         """How long a request must have queued before it may move (`queued_min_wait_s` resolved)."""
         return self.monitor_interval_s if self.queued_min_wait_s is None else float(self.queued_min_wait_s)
 
-    def output_lengths(self) -> OutputLengthConfig:
-        """The estimator's own config (what the router takes)."""
-        return OutputLengthConfig(
-            window=self.output_length_window,
-            min_samples=self.output_length_min_samples,
-            prior_tokens=self.output_length_prior,
+
+def _autoscale_of(value: Any) -> AutoscaleConfig | None:
+    """`cluster.autoscale` as the autoscaler takes it: YAML and overrides give a mapping."""
+    if isinstance(value, dict):
+        try:
+            return parse_autoscale(value)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
+    if value is not None and not isinstance(value, AutoscaleConfig):
+        raise ConfigError(f"cluster.autoscale={value!r}: must be a mapping or null")
+    return value
+
+
+def _check_replicas(c: ClusterConfig) -> None:
+    """How many replicas, on how many cores each; with autoscaling, the count it starts with."""
+    if c.autoscale is not None:
+        a = c.autoscale
+        _check(
+            a.min_replicas <= c.num_replicas <= a.max_replicas,
+            "cluster.num_replicas",
+            c.num_replicas,
+            f"must be within cluster.autoscale's min_replicas..max_replicas ({a.min_replicas}..{a.max_replicas})",
         )
+        _check(
+            c.placement == "dynamic",
+            "cluster.placement",
+            c.placement,
+            "must be dynamic with cluster.autoscale (static placement maps adapters to a fixed replica count)",
+        )
+    _check(c.num_replicas >= 1, "cluster.num_replicas", c.num_replicas, "must be >= 1")
+    _check(c.cores_per_replica >= 1, "cluster.cores_per_replica", c.cores_per_replica, "must be >= 1")
+
+
+def _check_dispatch(c: ClusterConfig) -> None:
+    """Where a new request goes, and where adapters may live."""
+    _check(c.dispatch in DISPATCH_MODES, "cluster.dispatch", c.dispatch, f"must be one of {', '.join(DISPATCH_MODES)}")
+    _check(c.placement in ("dynamic", "static"), "cluster.placement", c.placement, "must be dynamic or static")
+    _check(
+        c.dispatch_start_slack_s is None or c.dispatch_start_slack_s >= 0,
+        "cluster.dispatch_start_slack_s",
+        c.dispatch_start_slack_s,
+        "must be a number of seconds >= 0, or null (pending time alone)",
+    )
+    _check(c.placement_interval_s > 0, "cluster.placement_interval_s", c.placement_interval_s, "must be > 0")
+
+
+def _check_migration(c: ClusterConfig) -> None:
+    """Co-migration rounds, their triggers and period, and queued-request moves."""
+    _check(c.reoptimize in ("fixed", "adaptive"), "cluster.reoptimize", c.reoptimize, "must be fixed or adaptive")
+    _check(
+        c.reoptimize == "fixed" or c.reoptimize_min_s <= c.migration_interval_s <= c.reoptimize_max_s,
+        "cluster.reoptimize_min_s",
+        (c.reoptimize_min_s, c.migration_interval_s, c.reoptimize_max_s),
+        "need reoptimize_min_s <= migration_interval_s (the first period) <= reoptimize_max_s",
+    )
+    _check(
+        c.migration_solver in ("auto", "highs", "cbc", "greedy"),
+        "cluster.migration_solver",
+        c.migration_solver,
+        "must be one of auto, highs, cbc, greedy",
+    )
+    for key in (
+        "migration_interval_s",
+        "reoptimize_min_s",
+        "reoptimize_max_s",
+        "migration_time_limit_s",
+        "queue_delay_s",
+    ):
+        _check(getattr(c, key) > 0, f"cluster.{key}", getattr(c, key), "must be > 0")
+    _check(c.migration_top_k >= 1, "cluster.migration_top_k", c.migration_top_k, "must be >= 1")
+    _check(c.migration_check_draws >= 0, "cluster.migration_check_draws", c.migration_check_draws, "must be >= 0")
+    _check(
+        c.queued_min_wait_s is None or c.queued_min_wait_s >= 0,
+        "cluster.queued_min_wait_s",
+        c.queued_min_wait_s,
+        "must be a number of seconds >= 0, or null (= cluster.monitor_interval_s)",
+    )
+    _check(
+        c.event_moves_min_wait_s is None or c.event_moves_min_wait_s >= 0,
+        "cluster.event_moves_min_wait_s",
+        c.event_moves_min_wait_s,
+        "must be a number of seconds >= 0, or null (on ticks only)",
+    )
+    _check(
+        c.rebalance_min_gain_s is None or c.rebalance_min_gain_s >= 0,
+        "cluster.rebalance_min_gain_s",
+        c.rebalance_min_gain_s,
+        "must be a number of seconds >= 0, or null (off)",
+    )
+
+
+def _check_failures(c: ClusterConfig) -> None:
+    """Watching the replicas: how often, how long a call may take, and what a failure costs."""
+    for key in ("monitor_interval_s", "actor_call_timeout_s", "replica_stall_timeout_s", "replica_start_timeout_s"):
+        _check(getattr(c, key) > 0, f"cluster.{key}", getattr(c, key), "must be > 0")
+    _check(c.max_resubmissions >= 0, "cluster.max_resubmissions", c.max_resubmissions, "must be a whole number >= 0")
+    _check(
+        c.max_restart_attempts >= 1,
+        "cluster.max_restart_attempts",
+        c.max_restart_attempts,
+        "must be a whole number >= 1",
+    )
+
+
+def _check_output_lengths(c: ClusterConfig) -> None:
+    """The output lengths dispatch and migration expect."""
+    _check(
+        c.output_length_window >= 0,
+        "cluster.output_length_window",
+        c.output_length_window,
+        "must be a whole number >= 0 (0 = use max_tokens)",
+    )
+    _check(
+        c.output_length_min_samples >= 1,
+        "cluster.output_length_min_samples",
+        c.output_length_min_samples,
+        "must be a whole number >= 1",
+    )
+    _check(
+        c.output_length_prior is None or c.output_length_prior >= 1,
+        "cluster.output_length_prior",
+        c.output_length_prior,
+        "must be a whole number of tokens >= 1, or null (= each request's max_tokens)",
+    )
 
 
 @dataclass(frozen=True)

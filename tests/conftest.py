@@ -195,7 +195,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """End the process with pytest's own status once its report is written. Why: the in-process vLLM
-    engines (tests/replica) leave native OpenMP/oneDNN threads behind, and tearing the interpreter
+    engines (tests/engine_ext) leave native OpenMP/oneDNN threads behind, and tearing the interpreter
     down under them can segfault after every test has passed, which would turn a green run red.
     Ray and the test servers are stopped by their fixtures before this point; this waits until the
     servers told to stop have exited."""

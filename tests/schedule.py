@@ -30,7 +30,7 @@ ENDS_SHARED = "ends_shared_server"  # the test stops its shared server: it goes 
 
 class SharedServers:
     """The run-wide servers and in-process engines of this process, by fixture name: anything
-    with `running`, `start()` and `stop()` (harness.ServerProcess, replica/inprocess.SharedEngine)."""
+    with `running`, `start()` and `stop()` (harness.ServerProcess, engine_ext/inprocess.SharedEngine)."""
 
     def __init__(self) -> None:
         self._servers: dict[str, ServerProcess] = {}

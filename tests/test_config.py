@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from dlora import config
+from dlora.cluster.from_config import router_config
 from dlora.config import ConfigError
 
 
@@ -246,9 +247,9 @@ def test_output_length_options_reach_the_estimator_config(tmp_path):
     cfg = config.load(
         write(tmp_path, "cluster: {output_length_window: 32, output_length_min_samples: 4, output_length_prior: 100}")
     )
-    est = cfg.cluster.output_lengths()
+    est = router_config(cfg).output_lengths
     assert (est.window, est.min_samples, est.prior_tokens) == (32, 4, 100)
-    assert config.DloraConfig().cluster.output_lengths().prior_tokens is None  # default: max_tokens until data
+    assert router_config(config.DloraConfig()).output_lengths.prior_tokens is None  # default: max_tokens until data
 
 
 def test_queued_migration_is_on_by_default_and_waits_one_monitor_interval_unless_told(tmp_path):
@@ -271,7 +272,6 @@ def test_dlora_lora_backends_refuse_cuda_graphs():
 
 
 def test_slo_section_defaults_to_the_relative_slo_and_maps_onto_the_policy_config(tmp_path):
-    from dlora.server.state import router_config
     from dlora.slo.config import AdapterSlo, SloConfig
 
     default = config.DloraConfig()
@@ -294,7 +294,7 @@ adapters:
 
 
 def test_autoscale_is_off_by_default_and_parsed_from_its_mapping(tmp_path):
-    from dlora.cluster.autoscale import AutoscaleConfig
+    from dlora.config import AutoscaleConfig
 
     assert config.load(None).cluster.autoscale is None
     cfg = config.load(write(tmp_path, "cluster: {num_replicas: 2, autoscale: {min_replicas: 1, max_replicas: 4}}"))

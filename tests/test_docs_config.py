@@ -181,7 +181,7 @@ def test_every_metric_is_documented_and_nothing_else():
 
 
 def test_the_autoscale_settings_table_lists_every_autoscale_field_with_its_default():
-    from dlora.cluster.autoscale import AutoscaleConfig
+    from dlora.config import AutoscaleConfig
 
     text = (DOCS / "autoscaling.md").read_text()
     table = text.replace("| setting |", "| key |", 1)  # the settings table, read like the reference's

@@ -304,8 +304,8 @@ class AdapterManager:
     async def _retire(self, old: AdapterRecord, new: AdapterRecord) -> None:
         """Unload a replaced version once no request holds it any more. A request that took the
         old version just before the update but reaches the router only now is sent to the new one
-        (`Router.superseded`), so nothing can load the old version again."""
-        self.router.superseded[old.int_id] = ref_of(new)
+        (`AdapterResidency.superseded`), so nothing can load the old version again."""
+        self.router.residency.supersede(old.int_id, ref_of(new))
         try:
             while self.router.inflight_with(old.int_id):
                 await asyncio.sleep(RETIRE_POLL_S)

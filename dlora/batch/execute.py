@@ -20,6 +20,7 @@ from dlora.adapters.registry import AdapterNotFoundError
 from dlora.batch.admit import route_refusal
 from dlora.batch.files import FileStore
 from dlora.batch.gate import BatchGate
+from dlora.batch.held_jobs import held_jobs
 from dlora.batch.lines import BatchLine, LineError, error_output, line_request_id, ok_output
 from dlora.batch.planned import LinePlan, line_plan
 from dlora.batch.predict import Work, works_of
@@ -28,7 +29,7 @@ from dlora.batch.reading import LineRules
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.estimators.held_work import held_jobs, planning_lengths
+from dlora.cluster.estimators.held_work import planning_lengths
 from dlora.config import ServerConfig
 from dlora.scheduling.config import einsum_merged_cost
 from dlora.server.errors import APIError, as_api_error, error_body
@@ -86,7 +87,7 @@ def line_rules(server: ServerConfig) -> LineRules:
 
 def online_in_flight(router, batch_priority: int) -> int:
     """Requests in the cluster that are not batch work."""
-    return sum(1 for st in router.requests.values() if st.request.priority < batch_priority)
+    return router.table.below_priority(batch_priority)
 
 
 def batch_gate(state, beside_online: bool = True) -> BatchGate:
@@ -189,6 +190,7 @@ class ServerPlanner:
             return None
         # Read on the event loop (requests finish and lengths are recorded there); the planner's
         # thread gets copies.
+        router.recount()  # the dispatch totals as of now, as the balancer reads them before its views
         held = {v.replica_id: v.requests for v in router.views() if v.replica_id in params}
         adapters = {w.adapter for ws in works for w in ws} | {r.adapter for reqs in held.values() for r in reqs}
         history = router.output_lengths.history(adapters)

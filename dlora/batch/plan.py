@@ -216,7 +216,7 @@ def dispatch_plan(
     """Every job sent at once, each to the replica with the least work so far (the router's own
     dispatch, which counts what each replica holds: `busy_s`): one unmerged segment per replica,
     its steps merged only where one adapter runs. With `held` (each replica's requests, as
-    `held_work.held_jobs` orders them), a replica's jobs are simulated in one queue behind them:
+    `held_jobs.held_jobs` orders them), a replica's jobs are simulated in one queue behind them:
     its engine starts them as the held ones free their slots, in the same batches. Without it,
     they run after `busy_s`, back to back, which errs late by the held requests' tail."""
     busy = list(busy_s) if busy_s is not None else [0.0] * len(params)

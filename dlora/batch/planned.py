@@ -79,7 +79,7 @@ def line_plan(
     min_stage_gain: float = 0.0,
 ) -> LinePlan:
     """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params`
-    prices, each holding `held` already (replica id -> its requests as `held_work.held_jobs`
+    prices, each holding `held` already (replica id -> its requests as `held_jobs.held_jobs`
     gives them; none if absent); staged only when that is predicted more than `min_stage_gain`
     sooner than sending at once."""
     flat = [w for ws in works for w in ws]

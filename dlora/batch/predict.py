@@ -18,13 +18,12 @@ Not modelled: KV-cache limits (preemption), chunked prefill, the cost of a merge
 
 from __future__ import annotations
 
-import heapq
 import random
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_sim import simulate_replica
 
 
 @dataclass(frozen=True)
@@ -67,41 +66,6 @@ def sample_lengths(
         n = seen[rng.randrange(len(seen))] if seen and not w.exact else w.max_tokens
         drawn.append(max(1, min(n, w.max_tokens)))
     return drawn
-
-
-def simulate_replica(
-    prompts: Sequence[int], outputs: Sequence[int], p: CostParams, adapters: Sequence[str | None] | None = None
-) -> list[float]:
-    """Finish time (seconds from 0) of each request on one replica, all waiting at time 0, FCFS.
-
-    With `adapters`, a step whose running requests all use one adapter (or none) runs merged and
-    costs `merged_ratio` of an unmerged one, as dLoRA's engines switch when a replica serves one
-    adapter; the switch itself is not charged."""
-    finish = [0.0] * len(prompts)
-    waiting = deque(range(len(prompts)))
-    running: list[tuple[int, int]] = []  # (the step count at which it finishes, request)
-    using: Counter[str | None] = Counter()  # adapters of the running requests
-    t, steps = 0.0, 0
-    while waiting or running:
-        prefill = 0
-        while waiting and len(running) < p.max_batch:
-            i = waiting.popleft()
-            heapq.heappush(running, (steps + outputs[i], i))
-            prefill += prompts[i]
-            if adapters is not None:
-                using[adapters[i]] += 1
-        scale = p.merged_ratio if adapters is not None and len(using) == 1 else 1.0
-        k = running[0][0] - steps  # steps until the next request finishes, each with this batch
-        t += scale * (k * (p.per_iteration_s + p.per_decode_token_s * len(running)) + prefill * p.per_prefill_token_s)
-        steps += k
-        while running and running[0][0] == steps:
-            i = heapq.heappop(running)[1]
-            finish[i] = t
-            if adapters is not None:
-                using[adapters[i]] -= 1
-                if not using[adapters[i]]:
-                    del using[adapters[i]]
-    return finish
 
 
 def dispatch(

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from dlora.sim.step_costs import QKVO
+from dlora.models.projections import QKVO
 
 
 def make_random_adapters(

@@ -1,7 +1,10 @@
 """The cluster layer: one router in the server process in front of many replicas.
 
-- `router`: dispatch, each request's token state, migration and resubmission, replica recovery,
-  deadlines;
+- `router`: a request's stream over its legs, migration and resubmission, adding and draining
+  replicas; it composes `replica_pool` (replicas, failures, rebuilds), `adapter_residency` (which
+  adapter is where), `request_table` (requests in flight, the dispatch sums), `replica_views`,
+  `replica_choice` (the replica for each leg), `router_counters`, `stats_reader`, `request_leg`
+  and `deadlines`;
 - `balancer`: the monitor loop: reads replica stats, runs migration rounds and the adapter preload;
 - `dispatch`: which replica a new request goes to (`proactive`, `least_loaded`, `round_robin`);
 - `placement`: the periodic adapter preload that raises burst tolerance (dLoRA §5.1);

@@ -94,8 +94,8 @@ class Balancer:
         wait = self.cfg.event_moves_min_wait_s
         if wait is not None and self.cfg.migration and self.cfg.migrate_queued:
             self.event_queued_cfg = QueuedConfig(min_wait_s=wait, kv_high=self.trigger_cfg.kv_high)
-            self.router.on_leg_ended = self._slot_freed
-            self.router.on_leg_sent = self._wake_after_wait
+            self.router.legs.on_ended = self._slot_freed
+            self.router.legs.on_sent = self._wake_after_wait
         gain = self.cfg.rebalance_min_gain_s
         self.rebalance_cfg = (
             None
@@ -167,6 +167,7 @@ class Balancer:
 
     async def maybe_migrate(self) -> MigrationRound | None:
         now = self.router.clock()
+        self.router.recount()  # plans start from exact sums: expected lengths moved as requests finished
         views = self.router.views()
         trigger = check_trigger(views, now, self.last_round_at, self.trigger_cfg)
         if trigger is None:
@@ -195,6 +196,7 @@ class Balancer:
         self.last_preload_at = None  # the preload runs with the planned round
         done = None
         if self.cfg.migration:
+            self.router.recount()
             plan = await self._plan_round(self.router.views())
             if plan.moves or plan.loads:
                 self.last_round_at = now
@@ -206,7 +208,7 @@ class Balancer:
 
     def _marks(self) -> tuple[int, int, int]:
         counts = self.router.slo.counts().values()
-        return (self.router.arrivals_total, sum(c.attained for c in counts), sum(c.requests for c in counts))
+        return (self.router.tally.arrivals_total, sum(c.attained for c in counts), sum(c.requests for c in counts))
 
     def _period_metrics(self, elapsed: float) -> tuple[float, float]:
         """(arrivals per second, share of the requests finished in it that attained their SLO)."""
@@ -219,6 +221,7 @@ class Balancer:
         `migration_interval_s`: nothing is recomputed when they move. `on_event`: woken by a freed
         slot or a long wait, with `cluster.event_moves_min_wait_s` as the wait that counts."""
         t0 = time.perf_counter()
+        self.router.recount()
         views, now = self.router.views(), self.router.clock()
         cfg = self.event_queued_cfg if on_event and self.event_queued_cfg is not None else self.queued_cfg
         receivers = None

@@ -123,10 +123,10 @@ class ElasticCluster:
         counts = r.slo.counts().values()
         return _Window(
             started=now,
-            arrivals=r.arrivals_total,
-            tokens=r.output_tokens_total,
-            finished=r.finished_total,
-            finished_tokens=r.finished_tokens_total,
+            arrivals=r.tally.arrivals_total,
+            tokens=r.tally.output_tokens_total,
+            finished=r.tally.finished_total,
+            finished_tokens=r.tally.finished_tokens_total,
             attained=sum(c.attained for c in counts),
             judged=sum(c.requests for c in counts),
         )
@@ -134,8 +134,7 @@ class ElasticCluster:
     def tick(self) -> None:
         """One look at the queue: how long the requests not yet admitted on a replica have waited."""
         now = self.router.clock()
-        queued = (st for st in self.router.requests.values() if st.slot is not None and not st.admitted)
-        ages = [now - st.queued_since for st in queued]
+        ages = [now - since for since in self.router.table.waiting_since()]
         w = self._window
         w.ticks += 1
         w.saturated_ticks += any(a >= self.tick_s for a in ages)  # waited past one tick: no free slot
@@ -186,8 +185,7 @@ class ElasticCluster:
                 slot.draining = False  # serving again now (the task may not have run at all yet)
             self._emit(ScaleEvent(self.router.clock(), "out", rid, before, before + 1, reason, 0.0))
             return rid
-        rid = self.router.next_replica_id
-        self.router.next_replica_id += 1
+        rid = self.router.pool.reserve_id()
         before = self.serving()
         self.starting[rid] = asyncio.create_task(self._start(rid, reason, before))
         return rid
@@ -215,6 +213,7 @@ class ElasticCluster:
         if len(serving) <= 1:
             return None
         ids = {s.replica_id for s in serving}
+        self.router.recount()
         costs = [
             DrainCost(
                 v.replica_id,

@@ -29,7 +29,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from dlora.replica.engine import GENERATED_BEFORE_KEY
+from dlora.replica.engine_keys import GENERATED_BEFORE_KEY
 
 
 def earlier_legs_tokens(params: SamplingParams) -> int:

@@ -7,7 +7,7 @@ but the torch ops the CPU backend uses (`vllm/lora/ops/torch_ops/lora_ops.py`) g
 `lora_weights[indices]`, and index -1 selects the *last* slot. So in any batch that mixes base-model
 requests with adapter requests, the base requests are computed with whichever adapter sits in slot
 `max_loras - 1` (seen: every base request in a mixed batch diverged from HF at its first tokens,
-while the same request alone was exact; `tests/replica/test_cpu_lora_fix.py` shows it on the ops).
+while the same request alone was exact; `tests/engine_ext/test_cpu_lora_fix.py` shows it on the ops).
 
 The fix wraps the three gather ops so that rows with index -1 contribute nothing, and installs the
 wrappers where the CPU punica wrapper looks them up. It is applied inside the engine process by

@@ -17,7 +17,8 @@ way and the two can be compared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 from dlora.slo.kv_quota import AdapterName, KvQuotas, blocks_for, plan_admissions
 
@@ -55,6 +56,21 @@ class EngineKvQuotas:
         plan = plan_admissions(asks, self.used, self.quotas.quotas, self.quotas.total_blocks)
         admitted_now = set(plan.admitted)
         return {rid for rid, _, _ in asks if rid not in admitted_now}
+
+    def admissible(
+        self, allowed: list[str], requests: Mapping[str, Any], running: Collection[str], enforce: bool, now: float
+    ) -> list[str]:
+        """`allowed` (request ids, in order) less the waiting requests the quotas hold back this step;
+        with quotas off (`enforce` False) all of it, after recording the blocks in use for the
+        fairness gap. `requests`: every unfinished request by id; `running`: the ids of those running."""
+        waiting = [requests[i] for i in allowed if i not in running]
+        admitted = [r for rid, r in requests.items() if rid in running]
+        if not enforce:
+            self.observe(admitted, waiting, now)
+            return allowed
+        refused = self.refused(admitted, waiting, now)
+        kept = [i for i in allowed if i not in refused]
+        return kept or allowed[:1]  # never an empty step while requests wait (the engine would spin)
 
     def borrowers(self) -> set[AdapterName]:
         """Adapters holding more blocks than their quota (preempted first)."""

@@ -10,37 +10,32 @@ that is aborted before its first token, which is exactly what a migration of a q
 does. Here `scheduler.py` calls `queued` when a request enters the scheduler and `end` with the
 requests each step admits and with those finished from outside (aborts, errors): a request that
 never ran waited until it was aborted.
-The finished intervals go to the router with the replica's stats (`BatchingState.queue_waits`).
+The finished intervals go into the scheduler's sample log (`samples.py`) and reach the router with
+the replica's stats (`BatchingState.queue_waits`).
 Resumptions after a preemption do not count: like vLLM, the wait ends at the first scheduling.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
-MAX_UNREAD = 65_536  # intervals kept until the next stats read (the router reads every second)
+from dlora.engine_ext.samples import QueueWait
 
 
 class QueueWaits:
-    def __init__(self, max_unread: int = MAX_UNREAD) -> None:
+    def __init__(self) -> None:
         self._queued: dict[str, float] = {}  # request id -> time it entered the scheduler
-        self._done: deque[tuple[str, float]] = deque(maxlen=max_unread)
 
     def queued(self, request_id: str, now: float) -> None:
         self._queued.setdefault(request_id, now)
 
-    def end(self, request_ids: Iterable[str], now: float) -> None:
-        """The wait of these requests ends now: a step admitted them, or they finished from outside
-        (abort, error) before they ever ran. A request whose wait already ended is ignored, so
+    def end(self, request_ids: Iterable[str], now: float) -> list[QueueWait]:
+        """The waits that end now: a step admitted these requests, or they finished from outside
+        (abort, error) before they ever ran. A request whose wait already ended is left out, so
         resumptions after a preemption and aborts of running requests change nothing."""
+        ended = []
         for rid in request_ids:
             since = self._queued.pop(rid, None)
             if since is not None:
-                self._done.append((rid, max(0.0, now - since)))
-
-    def drain(self) -> list[tuple[str, float]]:
-        """(request id, seconds) of every wait that ended since the previous call."""
-        out = list(self._done)
-        self._done.clear()
-        return out
+                ended.append(QueueWait(rid, max(0.0, now - since)))
+        return ended

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +34,25 @@ class StepTrace:
 
     def write(self, **fields) -> None:
         self._file.write(json.dumps(fields, separators=(",", ":")) + "\n")
+
+    def write_step(self, at_schedule: dict, step_s: float, switch_s: float, tokens: int, before, weights, snap) -> None:
+        """One step's line: `at_schedule` holds the request counts taken while it was scheduled
+        (unfinished, allowed, scheduled), `snap` the policy's snapshot after it."""
+        self.write(
+            t=time.time(),
+            step_s=round(step_s, 6),
+            switch_s=round(switch_s, 6),
+            before=before,
+            weights=weights,
+            unfinished=at_schedule["unfinished"],
+            allowed=at_schedule["allowed"],
+            scheduled=at_schedule["scheduled"],
+            tokens=tokens,
+            alpha=snap.alpha,
+            beta=snap.beta,
+            starving=sorted("" if a is None else a for a in snap.starving),
+            planner=snap.planner,
+        )
 
     def close(self) -> None:
         self._file.close()

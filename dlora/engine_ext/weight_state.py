@@ -12,15 +12,24 @@ puts the pristine weights back whatever the worker holds, waits a step for its r
 late, sends it again if it is still missing, and gives up (`WeightsUnknown`, the engine stops)
 after `Restore.max_attempts`. Only a report of that very UNMERGE, ok and known, brings the
 weights back to the base.
+
+`WeightTracker` is the scheduler's whole account of the worker's weights: what they are, the
+switches applied and their times, failed merges and the restores.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from dlora.engine_ext.inband import UNMERGE, SwitchCommand, SwitchReport
+from dlora.engine_ext.inband import MERGE, UNMERGE, SwitchCommand, SwitchReport
+from dlora.engine_ext.switch_times import SwitchHistogram
+
+log = logging.getLogger(__name__)
+
+MERGE_RETRY_S = 30.0  # after a failed merge, that adapter runs unmerged for this long
 
 
 class Unknown:
@@ -34,6 +43,11 @@ class Unknown:
 
 UNKNOWN: Final = Unknown()
 Weights = str | None | Unknown  # an adapter merged, None for the base weights, or UNKNOWN
+
+
+def known(weights: Weights) -> str | None:
+    """The adapter merged, for what only knows adapters and the base (the policy, traces)."""
+    return None if isinstance(weights, Unknown) else weights
 
 
 class WeightsUnknown(RuntimeError):
@@ -92,3 +106,77 @@ class Restore:
                     return True
                 self.seq = None  # reported, but not restored: no use waiting for it
         return False
+
+
+class WeightTracker:
+    """The weights the worker holds as the scheduler knows them, and how they got there."""
+
+    def __init__(self) -> None:
+        self.weights: Weights = None  # adapter merged on the worker
+        self.restore: Restore | None = None  # set while the weights are UNKNOWN
+        self.seq = 0  # of the last switch command sent
+        self.restores = 0  # times the weights were unknown and restored
+        self.switches = 0  # merges and unmerges applied
+        self.failures = 0  # merges and unmerges the worker reported failed
+        self.blocked: dict[str, float] = {}  # adapter -> monotonic time it may merge again
+        self.times = {MERGE: SwitchHistogram(), UNMERGE: SwitchHistogram()}
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def restore_commands(self) -> list[SwitchCommand]:
+        """This step's command while the weights are unknown (raises WeightsUnknown at the end)."""
+        assert self.restore is not None  # set whenever the weights become UNKNOWN
+        cmd = self.restore.command(self.next_seq)
+        return [cmd] if cmd is not None else []
+
+    def blocked_at(self, now: float) -> frozenset[str]:
+        """Adapters that failed to merge less than MERGE_RETRY_S before `now` (monotonic)."""
+        return frozenset(a for a, until in self.blocked.items() if now < until)
+
+    def state(self) -> str:
+        """One of `dlora.replica.messages.WEIGHT_STATES`: restoring once the restore's first UNMERGE
+        went out (at the engine's next step, so an idle engine's weights stay unknown)."""
+        if self.weights is UNKNOWN:
+            return "restoring" if self.restore is not None and self.restore.attempts > 0 else "unknown"
+        return "unmerged" if self.weights is None else "merged"
+
+    def observe(
+        self, cmds: Sequence[SwitchCommand], planned: Weights, received: Sequence[SwitchReport], now: float
+    ) -> list[SwitchReport]:
+        """A step that planned `planned` and sent `cmds` ended with the worker's reports `received`
+        (`now`: monotonic); returns the reports of `cmds`."""
+        reports, late = split_reports(cmds, received)
+        restoring = planned is UNKNOWN
+        if restoring:
+            self._settle(received)
+        else:
+            self.weights = weights_after(cmds, reports, planned)
+            if self.weights is UNKNOWN:
+                log.error(
+                    "the worker did not confirm dlora switch command(s) %s (reports: %s); its weights are "
+                    "unknown: nothing runs until the base weights are restored",
+                    cmds,
+                    reports,
+                )
+                self.restore = Restore()
+        if late and not restoring:  # while restoring, the restore's own late report settles it
+            log.warning("ignoring %d dlora switch report(s) of earlier steps: %s", len(late), late)
+        for report in reports:
+            if report.ok:
+                self.switches += 1
+                self.times[report.op].observe(report.seconds)
+            else:
+                self.failures += 1
+                if report.op == MERGE and report.adapter is not None:
+                    self.blocked = {a: until for a, until in self.blocked.items() if now < until}
+                    self.blocked[report.adapter] = now + MERGE_RETRY_S
+        return reports
+
+    def _settle(self, received: Sequence[SwitchReport]) -> None:
+        assert self.restore is not None  # a restoring step runs only while one is set
+        if self.restore.settle(received):
+            log.warning("dlora: the base weights are restored and confirmed; serving resumes")
+            self.weights, self.restore = None, None
+            self.restores += 1

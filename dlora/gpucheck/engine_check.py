@@ -15,6 +15,7 @@ unmerge), and merge/unmerge times measured out of band.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -27,7 +28,7 @@ ADAPTERS = ("a0", "a1", "a2")
 MAX_TOKENS = 16
 SWITCH_REPS = 10
 # Mixed steps: a0 holds 3 of 8 requests at first, then, as a1 and the base finish, its share passes
-# alpha and it is merged while the others still decode (as tests/replica/test_mixed_merged.py).
+# alpha and it is merged while the others still decode (as tests/engine_ext/test_mixed_merged.py).
 MIXED_JOBS = [("a0", p, 24) for p in PROMPTS[:3]] + [
     ("a1", PROMPTS[0], 6),
     ("a1", PROMPTS[1], 12),
@@ -190,9 +191,10 @@ def _base_logprobs(llm):
 
 def _scheduler_state(llm) -> dict:
     try:
-        return llm.llm_engine.engine_core.engine_core.scheduler.dlora_state()
+        state = llm.llm_engine.engine_core.engine_core.scheduler.dlora_batching_state()
     except AttributeError:  # an engine core in another process: no switch count
         return {}
+    return dataclasses.asdict(state)
 
 
 def main(argv: list[str]) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dlora.config import DloraConfig
 from dlora.replica import decode_stream
+from dlora.replica.engine_keys import BACKGROUND_PRIORITY_KEY, BATCHING_CONFIG_KEY, GENERATED_BEFORE_KEY
 from dlora.replica.errors import EngineNotStarted
 from dlora.replica.messages import (
     AdapterRef,
@@ -26,6 +27,7 @@ from dlora.replica.messages import (
     GenerateRequest,
     SamplingSpec,
     TokenLogprob,
+    from_wire,
 )
 from dlora.waits import wait_event
 
@@ -36,16 +38,6 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "dlora.engine_ext.worker.DloraWorkerExtension"
 SCHEDULER = "dlora.engine_ext.scheduler.DloraScheduler"
-# additional_config key under which the batching policy's settings reach the engine-core process
-BATCHING_CONFIG_KEY = "dlora_batching"
-# additional_config key: the engine priority from which a request is background (batch) work, which
-# runs only in steps without online requests (dlora/scheduling/background.py)
-BACKGROUND_PRIORITY_KEY = "dlora_background_priority"
-# `SamplingParams.extra_args` key (vLLM hands extra_args to its engine core and model runner with
-# the request): how many of a continuation's last prompt tokens its earlier legs generated, which
-# its grammar replays (engine_ext/grammar_replay.py) and its penalties and bad words count as output
-# (engine_ext/continuation_logits.py).
-GENERATED_BEFORE_KEY = "dlora_generated_before"
 CONTINUATION_LOGITS = "dlora.engine_ext.continuation_logits:ContinuationLogits"
 ABORT_RETRY_S = 0.01  # how often an abort that came before vLLM knew its request is repeated
 # How long an abort that came before its request's stream waits for that stream. Ray runs an async
@@ -329,11 +321,14 @@ class EngineHost:
         per_worker = await self._started().collective_rpc("dlora_device_lora_ids")
         return sorted({i for ids in per_worker for i in ids})
 
-    async def batching_state(self) -> BatchingState:
-        """The merged/unmerged state kept by the scheduler inside the engine-core process."""
+    async def batching_state(self, since: int = 0) -> BatchingState:
+        """The batching state kept by the scheduler inside the engine-core process, with the measured
+        samples numbered after `since` (the `samples_seq` of the caller's previous read; 0: all the
+        engine keeps). A read changes nothing there, so two readers never take each other's samples."""
         from vllm import envs
 
-        state = BatchingState.from_dict(await self._started().engine_core.call_utility_async("dlora_batching_state"))
+        raw = await self._started().engine_core.call_utility_async("dlora_batching_state", since)
+        state = from_wire(BatchingState, raw)
         randomized = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
         waits = tuple((external_request_id(rid, randomized), s) for rid, s in state.queue_waits)
         preempted = tuple(external_request_id(rid, randomized) for rid in state.preempted)

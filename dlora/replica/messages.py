@@ -7,6 +7,7 @@ be resubmitted to another replica as `prompt + generated` after a migration or a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,11 @@ class Delta:
 # Upper bounds (seconds) of the merge/unmerge time histogram; the engine counts, /metrics renders.
 SWITCH_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
+# What a replica's weights are (`BatchingState.weights`): the base, one adapter merged, or unknown
+# (a switch the worker did not confirm: nothing runs) before and while their restore to the base
+# (an UNMERGE sent, its confirmation awaited) is under way (dlora/engine_ext/weight_state.py).
+WEIGHT_STATES = ("unmerged", "merged", "unknown", "restoring")
+
 
 @dataclass(frozen=True)
 class SwitchTimes:
@@ -115,17 +121,14 @@ class SwitchTimes:
     bucket_counts: tuple[int, ...] = ()  # cumulative, one per SWITCH_SECONDS_BUCKETS bound
     recent: tuple[float, ...] = ()  # the latest durations, newest last
 
-    @classmethod
-    def from_dict(cls, d: dict) -> SwitchTimes:
-        return cls(int(d["count"]), float(d["total_seconds"]), tuple(d["bucket_counts"]), tuple(d["recent"]))
-
 
 @dataclass(frozen=True)
 class BatchingState:
-    """A replica's merged/unmerged batching state, read from its engine core (`dlora/engine_ext/scheduler.py`)."""
+    """A replica's merged/unmerged batching state, built by its engine core's scheduler
+    (`dlora/engine_ext/scheduler.py`) and read with `EngineHost.batching_state`."""
 
     policy: str
-    mode: str  # "unmerged" | "merged": what the weights are now
+    mode: str  # "unmerged" | "merged": the weights as the policy knows them (unknown ones: "unmerged")
     merged_adapter: str | None
     num_switches: int  # merges + unmerges applied
     merge_failures: int
@@ -139,11 +142,12 @@ class BatchingState:
     kv_capacity_tokens: int | None = None  # tokens the engine's KV blocks hold (blocks x block size)
     num_running: int = 0  # requests the engine scheduler holds as running / waiting
     num_waiting: int = 0
-    # Steps measured since the previous read: (num_seqs, prefill_tokens, decode_tokens, seconds,
-    # merged), switch time excluded. The router fits its per-replica cost model from them.
+    # Steps measured after the sample number the reader asked from (`samples_seq` of its previous
+    # read): (num_seqs, prefill_tokens, decode_tokens, seconds, merged), switch time excluded. The
+    # router fits its per-replica cost model from them.
     iterations: tuple[tuple[int, int, int, float, bool], ...] = ()
-    # Requests whose wait for their first step ended since the previous read: (engine request id,
-    # seconds queued in this replica's scheduler). The router sums them per request (queue_time.py).
+    # Requests whose wait for their first step ended after that number: (engine request id, seconds
+    # queued in this replica's scheduler). The router sums them per request (queue_time.py).
     queue_waits: tuple[tuple[str, float], ...] = ()
     lora_slot_drains: int = 0  # adapters drained so a request waiting for a LoRA batch slot got one
     # MuxServe's fairness metric with scheduling.kv_quotas (max |R_a - R_b|, R = KV blocks used /
@@ -152,34 +156,31 @@ class BatchingState:
     preemptions: int = 0  # running requests preempted for KV room since the engine started
     # Engine requests preempted back to the waiting queue and not resumed yet (at the read).
     preempted: tuple[str, ...] = ()
+    weights: str = "unmerged"  # one of WEIGHT_STATES
+    weight_restores: int = 0  # times the weights were unknown and restored to the base
+    mixed_merged: bool = False  # other requests may run beside a merged adapter (punica_wrapper.py)
+    # The number of the newest sample in `iterations` / `queue_waits` (engine_ext/samples.py): the
+    # next read asks for the samples after it.
+    samples_seq: int = 0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> BatchingState:
-        return cls(
-            policy=d["policy"],
-            mode=d["mode"],
-            merged_adapter=d["merged_adapter"],
-            num_switches=int(d["num_switches"]),
-            merge_failures=int(d["merge_failures"]),
-            switch_times={op: SwitchTimes.from_dict(t) for op, t in d["switch_times"].items()},
-            credits={str(k): float(v) for k, v in d["credits"].items()},
-            starving=tuple(d["starving"]),
-            alpha=d["alpha"],
-            beta=d["beta"],
-            switch_cost=d["switch_cost"],
-            kv_usage=d.get("kv_usage"),
-            kv_capacity_tokens=d.get("kv_capacity_tokens"),
-            num_running=int(d.get("num_running", 0)),
-            num_waiting=int(d.get("num_waiting", 0)),
-            iterations=tuple(
-                (int(n), int(p), int(dec), float(t), bool(m)) for n, p, dec, t, m in d.get("iterations", ())
-            ),
-            queue_waits=tuple((str(rid), float(s)) for rid, s in d.get("queue_waits", ())),
-            lora_slot_drains=int(d.get("lora_slot_drains", 0)),
-            kv_fairness_gap=d.get("kv_fairness_gap"),
-            preemptions=int(d.get("preemptions", 0)),
-            preempted=tuple(str(rid) for rid in d.get("preempted", ())),
-        )
+    @property
+    def weights_unknown(self) -> bool:
+        """Nothing runs on the replica until its base weights are restored and confirmed."""
+        return self.weights in ("unknown", "restoring")
+
+
+T = TypeVar("T")
+
+
+def from_wire(cls: type[T], data: object) -> T:
+    """`data` as the dataclass `cls`: `data` itself when it crossed as the object (an in-process
+    engine core), else decoded from the plain values msgpack left of it (vLLM encodes a utility
+    call's result as msgpack, a dataclass as a map, a tuple as a list), types checked."""
+    if isinstance(data, cls):
+        return data
+    import msgspec  # vLLM's own serialisation library (a replica host has vLLM)
+
+    return msgspec.convert(data, cls)
 
 
 @dataclass

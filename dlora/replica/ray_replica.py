@@ -19,7 +19,7 @@ from dlora import env as dlora_env
 from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
 from dlora.replica.errors import ReplicaFailure, RequestRejected
-from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.replica.messages import AdapterRef, BatchingState, Delta, GenerateRequest, ReplicaStats
 from dlora.replica.output_mux import OutputDemux, OutputMux, StreamError
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,13 @@ class ReplicaActor:
         self.host = EngineHost(cfg, model_path)
         self.mux = OutputMux()
         self._running: set[asyncio.Task] = set()
+        # The newest engine sample (engine_ext/samples.py) the stats reads have passed on: each
+        # read carries the samples after it, so the router gets every one once.
+        self._samples_seen = 0
 
     async def start(self) -> int:
         self.host.shutdown()
+        self._samples_seen = 0  # a new engine numbers its samples from 1
         cores = self.cores if hasattr(os, "sched_setaffinity") else None  # None: no pinning
         previous = os.sched_getaffinity(0) if cores is not None else None
         if cores is not None:
@@ -99,12 +103,14 @@ class ReplicaActor:
             log.warning("replica %d: cannot read the LoRA device slots: %s", self.replica_id, e)
             return []
 
-    async def _batching_state(self):
+    async def _batching_state(self) -> BatchingState | None:
         try:
-            return await self.host.batching_state()
+            state = await self.host.batching_state(self._samples_seen)
         except Exception as e:  # metrics only: a failed read must not make the replica look dead
             log.warning("replica %d: cannot read the batching state: %s", self.replica_id, e)
             return None
+        self._samples_seen = state.samples_seq
+        return state
 
     async def shutdown(self) -> None:
         self.host.shutdown()

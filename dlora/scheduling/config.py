@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dlora.cost_params import MERGED_RATIO_PRIOR as DEFAULT_MERGED_COST_RATIO
 from dlora.kinds import kind_error
 
 # Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"
@@ -17,7 +18,6 @@ ORDERS = ("fcfs", "seallm")  # service orders of the dlora policy (`order`)
 THRESHOLD_MIN = 0.05
 THRESHOLD_MAX = 1.0
 
-DEFAULT_MERGED_COST_RATIO = 0.6
 # How much cheaper a merged step is than an unmerged one of the same size, per LoRA backend, until
 # both are measured. A prior far below the truth makes Alg. 2 lower alpha on imagined merged speed
 # and pay real switches to learn otherwise (8 rank-8 q/k/v/o adapters, SmolLM2-135M bf16, 1 core):

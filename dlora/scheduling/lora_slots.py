@@ -3,7 +3,7 @@
 Why: vLLM admits a waiting request only while its adapter is among the `max_loras` adapters
 running, or a slot is free; otherwise it skips the request and admits later ones. Under skewed
 traffic the hot adapters always have a request running, so their slots never free and a request
-of a cold adapter waits until the traffic pauses (tests/replica/test_lora_slot_aging.py: more than
+of a cold adapter waits until the traffic pauses (tests/engine_ext/test_lora_slot_aging.py: more than
 the 3 s the others kept arriving, against 0.4 s with this rule). dLoRA's credits (credits.py) bound
 the same kind of wait for merged batches, not this one.
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dlora.batch.store import ACTIVE, ENDED
-from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, BatchingState
+from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, WEIGHT_STATES, BatchingState
 from dlora.slo.attainment import AdapterCounts, AdapterName
 
 BATCH_STATUSES = (*ACTIVE, *ENDED)
@@ -329,6 +329,16 @@ class BatchingCollector:
         merged = GaugeMetricFamily(
             "dlora_merged_adapter", "1 for the adapter merged into the replica's weights", labels=["replica", "adapter"]
         )
+        weights = GaugeMetricFamily(
+            "dlora_weight_state",
+            "1 for the replica's weight state (unmerged, merged, unknown, restoring), 0 for the others",
+            labels=["replica", "state"],
+        )
+        restores = CounterMetricFamily(
+            "dlora_weight_restores",
+            "Times the replica's weights were unknown (a switch unconfirmed) and restored to the base",
+            labels=["replica"],
+        )
         switches = CounterMetricFamily("dlora_switches", "Merges and unmerges applied", labels=["replica"])
         failures = CounterMetricFamily(
             "dlora_merge_failures", "Merges that failed (the replica stayed unmerged)", labels=["replica"]
@@ -365,6 +375,9 @@ class BatchingCollector:
             mode.add_metric([rid], 1 if st.mode == "merged" else 0)
             if st.merged_adapter is not None:
                 merged.add_metric([rid, st.merged_adapter], 1)
+            for state in WEIGHT_STATES:
+                weights.add_metric([rid, state], 1 if st.weights == state else 0)
+            restores.add_metric([rid], st.weight_restores)
             switches.add_metric([rid], st.num_switches)
             failures.add_metric([rid], st.merge_failures)
             drains.add_metric([rid], st.lora_slot_drains)
@@ -377,7 +390,8 @@ class BatchingCollector:
             for name, value in (("alpha", st.alpha), ("beta", st.beta)):
                 if value is not None:
                     threshold.add_metric([rid, name], value)
-        yield from (mode, merged, switches, failures, drains, preemptions, seconds, credit, threshold, fairness)
+        yield from (mode, merged, weights, restores, switches, failures, drains, preemptions, seconds, credit)
+        yield from (threshold, fairness)
 
 
 class ClusterCollector:

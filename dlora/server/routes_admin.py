@@ -18,6 +18,7 @@ from dlora.adapters.lifecycle import (
     AdapterNotFoundError,
     AdapterValidationError,
 )
+from dlora.replica.messages import BatchingState
 from dlora.server.auth import ADMIN_UNAUTHORIZED, UNAUTHORIZED, Unauthorized, admin_keys, authorized
 from dlora.server.errors import APIError
 from dlora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
@@ -160,22 +161,36 @@ async def list_adapters(request: Request):
 @router.get("/v1/replicas")
 async def list_replicas(request: Request):
     """Each replica: its state (as `dlora_replicas{state}` counts it), whether its rebuilds were given
-    up, and the requests the router has on it now (queued there or running)."""
+    up, the requests the router has on it now (queued there or running) and its engine's weights
+    (as the balancer last read them)."""
     state = request.app.state.dlora
     starting = set(state.elastic.starting) if state.elastic is not None else set()
     routed = state.router.routed_counts()
+    engines = {st.replica_id: st.batching for st in state.router.reported_stats() if st.healthy}
     data = [
         {
             "id": s.replica_id,
             "state": s.state(s.replica_id in starting),
             "given_up": s.gave_up,
             "requests": routed.get(s.replica_id, 0),
+            "weights": weights_json(engines.get(s.replica_id)),
         }
         for s in state.router.slots
     ]
     known = {s.replica_id for s in state.router.slots}
-    data += [{"id": rid, "state": "starting", "given_up": False, "requests": 0} for rid in sorted(starting - known)]
+    data += [
+        {"id": rid, "state": "starting", "given_up": False, "requests": 0, "weights": None}
+        for rid in sorted(starting - known)
+    ]
     return {"object": "list", "data": data}
+
+
+def weights_json(batching: BatchingState | None) -> dict | None:
+    """A replica's weights as `dlora_weight_state` shows them, with the adapter merged and the
+    restores so far; None until the replica's engine state has been read (or while it is down)."""
+    if batching is None:
+        return None
+    return {"state": batching.weights, "adapter": batching.merged_adapter, "restores": batching.weight_restores}
 
 
 @router.post("/v1/replicas/{replica_id}/drain", status_code=202)

@@ -19,8 +19,8 @@ from dlora.batch.execute import server_batches
 from dlora.batch.service import BatchService
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.elastic import ElasticCluster
-from dlora.cluster.host_cache import MIB
-from dlora.cluster.router import Replica, Router, RouterConfig
+from dlora.cluster.from_config import router_config
+from dlora.cluster.router import Replica, Router
 from dlora.config import DloraConfig
 from dlora.replica.messages import AdapterRef
 from dlora.server.admission import InFlight
@@ -84,29 +84,6 @@ class ServerState:
 
 def base_model_name(cfg: DloraConfig, model_path: str) -> str:
     return cfg.model.served_name or Path(model_path).name
-
-
-def router_config(cfg: DloraConfig) -> RouterConfig:
-    """What the router needs from the server's config: the engines' adapter and batch limits, and
-    the default SLO it judges finished requests by."""
-    return RouterConfig(
-        dispatch=cfg.cluster.dispatch,
-        dispatch_start_slack_s=cfg.cluster.dispatch_start_slack_s,
-        static_placement=cfg.cluster.placement == "static",
-        adapter_slots=cfg.engine.max_cpu_loras,
-        host_cache_bytes=None if cfg.engine.max_cpu_lora_mib is None else int(cfg.engine.max_cpu_lora_mib * MIB),
-        batch_adapter_slots=cfg.engine.max_loras,
-        max_batch=cfg.engine.max_num_seqs,
-        merged_ratio_prior=cfg.scheduling.for_lora_backend(cfg.engine.lora_backend).merged_cost_prior,
-        output_lengths=cfg.cluster.output_lengths(),
-        max_resubmissions=cfg.cluster.max_resubmissions,
-        actor_call_timeout_s=cfg.cluster.actor_call_timeout_s,
-        replica_stall_timeout_s=cfg.cluster.replica_stall_timeout_s,
-        replica_start_timeout_s=cfg.cluster.replica_start_timeout_s,
-        max_restart_attempts=cfg.cluster.max_restart_attempts,
-        request_timeout_s=cfg.server.request_timeout_s,
-        slo=cfg.slo.policy(),
-    )
 
 
 def adapter_resolvers(cfg: DloraConfig) -> tuple[AdapterResolver, ...]:

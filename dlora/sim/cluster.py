@@ -13,7 +13,10 @@ time growing with the batch, KV limits and merging; every replica may hold every
 a queueing model is enough to exercise dispatch and migration, and the event-driven
 `migration_bound` (with `StepCosts`) and `batching_sim` cover how step time grows with the batch.
 
-The router's cost model is given the replicas' true costs (a full batch's step shared by
+The router is configured as a server with the policy's `cluster:` section would configure it
+(`server_config`, through the server's own mapping `dlora.cluster.from_config.router_config`), so
+the shipped dispatch defaults, the start slack included, are what runs. Its cost model is given the
+replicas' true costs (a full batch's step shared by
 `max_running` requests), which is what fitting measured steps converges to on a real engine. The
 balancer's intervals are the real benchmark's in units of one request's service time
 (`output_len` x `step_s`), so dispatch and migration react on the same relative time scale.
@@ -32,9 +35,11 @@ from dataclasses import dataclass, field
 from dlora.bench.popularity import zipf_weights
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
-from dlora.cluster.router import Replica, Router, RouterConfig, static_home
-from dlora.config import ClusterConfig
+from dlora.cluster.estimators.cost_model import ReplicaCostModel
+from dlora.cluster.from_config import router_config
+from dlora.cluster.router import Replica, Router, static_home
+from dlora.config import ClusterConfig, DloraConfig, EngineConfig
+from dlora.cost_params import CostParams
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import VOCAB, ToyReplica
 
@@ -146,6 +151,15 @@ def cluster_config(spec: ClusterSimSpec, policy: str) -> ClusterConfig:
     )
 
 
+def server_config(spec: ClusterSimSpec, policy: str) -> DloraConfig:
+    """The config of a server running `policy` over these replicas: its cluster section, and the
+    toy replicas' limits as the engines' (every adapter may be resident; `max_loras` unset: every
+    adapter may join a step)."""
+    loras = spec.max_loras or spec.adapters
+    engine = EngineConfig(max_cpu_loras=max(spec.adapters, loras), max_loras=loras, max_num_seqs=spec.max_running)
+    return DloraConfig(cluster=cluster_config(spec, policy), engine=engine)
+
+
 def make_requests(
     spec: ClusterSimSpec, rate: float, n: int, seed: int, refs: dict[str, AdapterRef]
 ) -> list[tuple[float, GenerateRequest]]:
@@ -203,18 +217,8 @@ async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed:
         )
         for i in range(spec.replicas)
     ]
-    cfg = cluster_config(spec, policy)
-    router = Router(
-        replicas,
-        cfg=RouterConfig(
-            dispatch=cfg.dispatch,
-            static_placement=cfg.placement == "static",
-            adapter_slots=spec.adapters,
-            max_batch=spec.max_running,
-            batch_adapter_slots=spec.max_loras or RouterConfig.batch_adapter_slots,
-            output_lengths=cfg.output_lengths(),
-        ),
-    )
+    cfg = server_config(spec, policy)
+    router = Router(replicas, cfg=router_config(cfg))
     true_cost = CostParams(
         per_iteration_s=spec.step_s,
         per_decode_token_s=0.0,
@@ -227,7 +231,7 @@ async def simulate(spec: ClusterSimSpec, policy: str, rate: float, n: int, seed:
     router.queue_times.observer = lambda adapter, s: result.queue_s.append(s)
     await router.start()
     await asyncio.gather(*(router.load_everywhere(ref) for ref in refs.values()))
-    balancer = Balancer(router, adapter_ref=refs.__getitem__, cfg=cfg)
+    balancer = Balancer(router, adapter_ref=refs.__getitem__, cfg=cfg.cluster)
     loop = asyncio.create_task(balancer.run())
     requests = make_requests(spec, rate, n, seed, refs)
     t0 = time.monotonic() + 0.05

@@ -1,12 +1,12 @@
 """An elastic cluster in the replica model: the autoscaler sizing it as the load moves.
 
-The replicas are `migration_bound`'s, dispatched at arrival as the server ships it (the real
-`ProactiveDispatch` with the default start slack, `soonest_start`; or the SLO-aware dispatch of
-`slo`); `dlora.cluster.autoscale.Autoscaler` decides at every heartbeat from what the window
-measured, as the server's balancer would read it from the replicas: arrivals, completions, output
-tokens generated and those of the finished requests, whether requests waited for a slot at most
-step starts, SLO attainment of the requests that finished (judged as `SloAccounting` judges them)
-and the mean queue wait of those admitted.
+The replicas are `migration_bound`'s (`dlora.sim.replica_model`), dispatched at arrival as the
+server ships it (the real `ProactiveDispatch` with the default start slack, the `SoonestStart`
+discipline; or the SLO-aware dispatch of `slo`); `dlora.cluster.autoscale.Autoscaler` decides at
+every heartbeat from what the window measured, as the server's balancer would read it from the
+replicas: arrivals, completions, output tokens generated and those of the finished requests,
+whether requests waited for a slot at most step starts, SLO attainment of the requests that
+finished (judged as `SloAccounting` judges them) and the mean queue wait of those admitted.
 
 - Scale-out starts replicas (the lowest-numbered stopped ones): each is billed from the decision
   and takes requests `startup_s` later (a replica actor starting its engine and loading adapters).
@@ -23,12 +23,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlora.cluster.autoscale import AutoscaleConfig, Autoscaler, DrainCost, LoadSample, drain_choice
+from dlora.cluster.autoscale import Autoscaler, DrainCost, LoadSample, drain_choice
 from dlora.cluster.dispatch import NoEligibleReplica
-from dlora.sim.migration_bound import MOVE_AFTER_S, Job, Outcome, ReplicaModel, _Model, _Replica
+from dlora.config import AutoscaleConfig
+from dlora.sim.disciplines import SoonestStart
+from dlora.sim.model_io import Job, Outcome, ReplicaModel
+from dlora.sim.replica_model import TICK, SimReplica
 from dlora.slo.config import SloConfig
 
-HEARTBEAT, STARTED = 5, 6  # event kinds after the base model's
+HEARTBEAT, STARTED = TICK + 1, TICK + 2  # event kinds after the base model's
 ON, STARTING, OFF = "on", "starting", "off"
 
 
@@ -50,7 +53,7 @@ class ElasticOutcome:
     replicas_over_time: list[tuple[float, int]] = field(default_factory=list)  # (heartbeat, billed replicas)
 
 
-class _Elastic(_Model):
+class _Elastic(SoonestStart):
     def __init__(
         self,
         jobs: Sequence[Job],
@@ -62,7 +65,7 @@ class _Elastic(_Model):
     ) -> None:
         if not cfg.min_replicas <= initial <= cfg.max_replicas:
             raise ValueError(f"initial replicas {initial}: must be in [{cfg.min_replicas}, {cfg.max_replicas}]")
-        super().__init__(jobs, cfg.max_replicas, model, "soonest_start", False, MOVE_AFTER_S, None, slo)
+        super().__init__(jobs, cfg.max_replicas, model, slo=slo)
         self.cfg, self.scaler, self.startup_s = cfg, Autoscaler(cfg), startup_s
         self.start = min((j.arrival for j in jobs), default=0.0)
         self.state = [ON if i < initial else OFF for i in range(cfg.max_replicas)]
@@ -83,7 +86,7 @@ class _Elastic(_Model):
             self.push(self.start + self.cfg.heartbeat_s, HEARTBEAT, 0)
         return super().run()
 
-    def serving(self) -> list[_Replica]:
+    def serving(self) -> list[SimReplica]:
         return [r for r in self.replicas if self.state[r.rid] == ON]
 
     def event(self, t: float, kind: int, index: int) -> None:
@@ -100,11 +103,11 @@ class _Elastic(_Model):
             self._window.arrivals += 1
         super().arrive(t, i)
 
-    def wake(self, t: float, r: _Replica) -> None:
+    def wake(self, t: float, r: SimReplica) -> None:
         if self.state[r.rid] == ON:
             super().wake(t, r)
 
-    def admit(self, t: float, r: _Replica, candidates: list[tuple[int, list[int]]]) -> tuple[list[int], int]:
+    def admit(self, t: float, r: SimReplica, candidates: list[tuple[int, list[int]]]) -> tuple[list[int], int]:
         new, loads = super().admit(t, r, candidates)
         for i in new:
             if self.admitted[i] == t and i not in self._window.admitted:
@@ -114,7 +117,7 @@ class _Elastic(_Model):
         self._window.queued_steps += bool(r.queue)  # requests wait here for a slot
         return new, loads
 
-    def end_step(self, t: float, r: _Replica) -> None:
+    def end_step(self, t: float, r: SimReplica) -> None:
         w = self._window
         w.tokens += len(r.running)
         w.finished_tokens += sum(n for i in r.running if (n := self.generated[i] + 1) >= self.jobs[i].output_len)
@@ -180,7 +183,7 @@ class _Elastic(_Model):
             ]
             self.drain(t, self.replicas[drain_choice(costs)])
 
-    def drain(self, t: float, r: _Replica) -> None:
+    def drain(self, t: float, r: SimReplica) -> None:
         """Stop dispatching to `r`, move everything it holds, stop it."""
         self.state[r.rid] = OFF
         self.replica_seconds += t - self.billed_since.pop(r.rid)

@@ -27,13 +27,15 @@ the engine, online, per weight state over batch size only (what Alg. 2 compares)
 and per-prefill-token seconds, summed per request so the co-migration ILP stays linear. Both learn
 from measured steps; a simulator must instead *produce* step times from fixed coefficients, with
 the LoRA term and switch costs separate, so this model is given, not fitted.
-`migration_bound.ReplicaModel.cost_params` turns it into the router's `CostParams`.
+`model_io.ReplicaModel.cost_params` turns it into the router's `CostParams`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from dlora.models.projections import ALL_PROJECTIONS, QKVO
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,6 @@ class ModelShape:
 # SmolLM2-135M (the default model's config.json)
 SMOLLM2_135M = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152)
 
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_PROJECTIONS = (*QKVO, "gate_proj", "up_proj", "down_proj")
 FUSED_LORA_LAYERS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 

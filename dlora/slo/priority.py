@@ -18,11 +18,12 @@ request just granted a larger budget waits behind fresh short ones.
 Units: tokens, not seconds. One base model serves every adapter, so a decode step costs the same
 whatever the adapter, and an adapter's execution time is proportional to its output length; in
 tokens the order is also unaffected by merged/unmerged speed. So mu_a and sigma_a are the mean and
-(population) standard deviation of the adapter's output lengths (`LengthStats`, fed from
-`dlora.cluster.estimators.output_lengths.OutputLengthEstimator`), L̂_a = mu_a, and the budget is
-spent by output tokens generated (prompt tokens are not counted: every adapter's requests prefill
-at the same per-token cost, and a waiting request has spent nothing). Ties (equal O_r) go in
-arrival order, then by request id, so equal-profile adapters get FCFS.
+(population) standard deviation of the adapter's output lengths (`LengthStats`, fed from the
+router's `OutputLengthEstimator`: `dlora.cluster.estimators.output_lengths.length_stats`),
+L̂_a = mu_a, and the budget is spent by output tokens generated (prompt tokens are not counted:
+every adapter's requests prefill at the same per-token cost, and a waiting request has spent
+nothing). Ties (equal O_r) go in arrival order, then by request id, so equal-profile adapters get
+FCFS.
 
 Preemptive: the order is recomputed before every step from each request's tokens so far, so a
 request that exhausts its budget mid-run is overtaken at the next step.
@@ -44,14 +45,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.slo.attainment import AdapterName
 
-if TYPE_CHECKING:
-    # Types only: importing dlora.scheduling runs its package, whose dLoRA policy imports this
-    # module, so a caller importing this module first would meet a half-initialized one.
-    from dlora.scheduling.types import AdapterKey, RequestView
+
+class Queued(Protocol):
+    """What the order reads of a request (`dlora.scheduling.types.RequestView` has it)."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def adapter(self) -> AdapterName: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+Q = TypeVar("Q", bound=Queued)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +100,6 @@ class LengthStats:
         return max(1.0, self.mean)
 
 
-def length_stats(estimator: OutputLengthEstimator, adapter: AdapterKey, fallback: LengthStats) -> LengthStats:
-    """The adapter's profile from the estimator's recorded lengths once it has the estimator's
-    `min_samples`, else `fallback` (e.g. the pooled profile or a configured prior)."""
-    samples = estimator.samples(adapter)
-    if len(samples) < estimator.cfg.min_samples:
-        return fallback
-    return LengthStats.of(samples)
-
-
 def budget_level(generated: int, stats: LengthStats) -> int:
     """How many budgets a request with `generated` output tokens has used up (0: still its first)."""
     q0, level, spent_until = stats.initial_budget, 0, stats.initial_budget
@@ -123,9 +126,7 @@ def sort_key(arrival_time: float, generated: int, stats: LengthStats, req_id: st
     return (priority(generated, stats), arrival_time, req_id)
 
 
-def order_requests(
-    requests: Iterable[RequestView], stats: Mapping[AdapterKey, LengthStats], default: LengthStats
-) -> list[RequestView]:
+def order_requests(requests: Iterable[Q], stats: Mapping[AdapterName, LengthStats], default: LengthStats) -> list[Q]:
     """`requests` in DB order; an adapter missing from `stats` is profiled by `default`."""
     return sorted(
         requests,

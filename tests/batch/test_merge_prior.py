@@ -102,6 +102,7 @@ def router(*models: ReplicaCostModel):
     return SimpleNamespace(
         cost_models=by_id,
         healthy_ids=lambda: list(by_id),
+        recount=lambda: None,
         views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in by_id],
         output_lengths=OutputLengthEstimator(),
     )

@@ -1,6 +1,6 @@
 """The in-place merge strategy of `WeightMerger` on the Triton merge kernel (the CUDA path).
 
-Same fake vLLM-layout model and checks as tests/replica/test_merge_inplace.py, but with the
+Same fake vLLM-layout model and checks as tests/engine_ext/test_merge_inplace.py, but with the
 kernel `merge_lora_inplace` picks where Triton runs: natively on CUDA, under Triton's
 interpreter on CPU. The kernel writes into row slices of the fused qkv / gate_up parameters
 (views with an offset), which is what the engine hands it.
@@ -14,8 +14,7 @@ import torch
 import dlora_kernels.triton_merge as triton_merge
 from dlora.engine_ext.merge import CheckpointTensors, ParameterViews, WeightMerger
 from dlora_kernels import select_backend
-from tests.kernels.kernels_testlib import DEVICE, TRITON_RUNNABLE
-from tests.replica.test_merge_inplace import (  # noqa: F401  (base_dir is a fixture)
+from tests.engine_ext.test_merge_inplace import (  # noqa: F401  (base_dir is a fixture)
     LLAMA_PACKED,
     FakeVllmModel,
     all_rows,
@@ -25,6 +24,7 @@ from tests.replica.test_merge_inplace import (  # noqa: F401  (base_dir is a fix
     snapshot,
     write_adapter,
 )
+from tests.kernels.kernels_testlib import DEVICE, TRITON_RUNNABLE
 
 pytestmark = pytest.mark.skipif(not TRITON_RUNNABLE, reason="no triton")
 

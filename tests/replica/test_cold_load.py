@@ -25,7 +25,7 @@ from dlora.models.smollm2 import resolve_model_path
 from dlora.replica.engine import EngineHost
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.replica.ray_replica import replica_runtime_env
-from tests.replica.lora_files import write_peft_adapter
+from tests.engine_ext.lora_files import write_peft_adapter
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK = 64

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator, length_stats
 from dlora.scheduling.types import RequestView
 from dlora.slo.priority import (
     LengthStats,
     budget_level,
-    length_stats,
     order_requests,
     priority,
     remaining_budget,

@@ -15,7 +15,7 @@ Requests of the replica's merged adapter run at `merged_ratio` (the LoRA backend
 refitted from merged steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
 waits for one (`batch_slot_wait`). The coefficients start from priors and are refitted from the
 replica's measured steps (`IterationSample`) by least squares pulled towards the priors, so one
-step size seen so far cannot produce a wild fit.
+step size seen so far cannot produce a wild fit. The coefficients themselves are `dlora.cost_params.CostParams`.
 
 Other step-time models, and why this one differs: `dlora.scheduling.cost_model` runs inside each
 engine and prices a whole step per weight state over batch size (Alg. 2 compares two batches);
@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, RequestLoad
+from dlora.cost_params import CostParams, step_seconds
 
-MERGED_RATIO_PRIOR = 0.6  # a GPU-shaped prior; the server passes its LoRA backend's (RouterConfig)
 MIN_SAMPLES = 8  # steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3
 RATIO_FLOOR = 0.05  # the least merged/unmerged ratio believed (a merged step is not free)
@@ -42,26 +41,6 @@ RIDGE = 1e-3  # prior weight relative to the samples' (see _fit_linear)
 # Weight of the newest adapter load in the load-time average: a few loads move it, so a replica
 # whose loads grew (larger adapters, a busier disk) is priced by them within a handful of loads.
 LOAD_EWMA_WEIGHT = 0.3
-
-
-@dataclass(frozen=True, slots=True)
-class CostParams:
-    """Coefficients of the step-time model (priors: a tiny Llama on one CPU core)."""
-
-    per_iteration_s: float = 0.004  # fixed cost of a step: scheduling, sampling, Python
-    per_decode_token_s: float = 0.001  # marginal cost of one more sequence in a decode step
-    per_prefill_token_s: float = 0.0002  # cost of one prompt (or re-prefilled) token
-    merged_ratio: float = MERGED_RATIO_PRIOR  # merged step cost / unmerged step cost
-    # add_lora (~3 ms) + an actor round trip, rounded up; replaced by the replica's measured loads
-    adapter_load_s: float = 0.02
-    max_batch: int = 32  # sequences per step (vLLM max_num_seqs)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 0:
-                raise ValueError(f"CostParams.{f.name} must be >= 0")
-        if self.max_batch < 1:
-            raise ValueError("CostParams.max_batch must be >= 1")
 
 
 def request_work(p: CostParams, req: RequestLoad, merged: bool = False) -> float:
@@ -119,11 +98,6 @@ def batch_slot_wait(p: CostParams, view: ReplicaView, adapter: AdapterName) -> f
         if r.adapter is not None:
             left[r.adapter] = max(left.get(r.adapter, 0.0), r.remaining_output_tokens)
     return min(left.values()) * step_seconds(p, view.num_requests)
-
-
-def step_seconds(p: CostParams, batch: int) -> float:
-    """Wall time of one decode step of `batch` sequences."""
-    return p.per_iteration_s + p.per_decode_token_s * max(1, min(batch, p.max_batch))
 
 
 def step_left(p: CostParams, started_at: float | None, now: float, running: int, prefill_tokens: int) -> float:

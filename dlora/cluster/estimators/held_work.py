@@ -3,11 +3,11 @@
 A running request's remaining output is unknown; its adapter's observed lengths (the router's
 `OutputLengthEstimator`) longer than what it has generated say how it may go on, so one draw
 picks one of them (SamuLLM samples its lengths the same way). A replica's held requests are then
-run through the step simulation (`dlora.batch.predict.simulate_replica`): running requests first
-with nothing to prefill, then the queue in arrival order (vLLM's order at equal priority), each
+run through the step simulation (`replica_sim.simulate_replica`): running requests first with
+nothing to prefill, then the queue in arrival order (vLLM's order at equal priority), each
 prefilling its context (a request moved in from elsewhere recomputes what it generated there).
-`held_jobs` gives the batch planner the same queue, so it can simulate new lines after it, in the
-same batches.
+The batch planner takes the same queue as its jobs (`dlora.batch.held_jobs`), so it can simulate
+new lines after it, in the same batches.
 
 Also here: the lengths of finished requests are a biased sample while long requests still run
 (the short ones finish first, and one that stopped at its cap is only known to be longer), so
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from dlora.batch.plan import Job
-from dlora.batch.predict import simulate_replica
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import LengthHistory
+from dlora.cluster.estimators.replica_sim import simulate_replica
 from dlora.cluster.estimators.survival import UNBOUNDED, Observation, quantile_lengths
 from dlora.cluster.snapshots import AdapterName, RequestLoad
+from dlora.cost_params import CostParams
 
 
 def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -> int:
@@ -60,19 +59,6 @@ def finish_times(
     one's remaining output."""
     order = engine_order(reqs, moved_in)
     return simulate_replica([n for _, n in order], [left[r.request_id] for r, _ in order], p)
-
-
-def held_jobs(
-    reqs: Sequence[RequestLoad], lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
-) -> list[Job]:
-    """What one replica holds, as the batch planner's jobs in `engine_order`; each one's remaining
-    output is one draw (`draw_remaining`) from its adapter's observed lengths (`lengths_of`)."""
-    rng = random.Random(seed)
-    sorted_lengths = {a: sorted(lengths_of(a)) for a in {r.adapter for r in reqs}}
-    return [
-        Job(r.adapter, (prefill,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
-        for r, prefill in engine_order(reqs)
-    ]
 
 
 def planning_lengths(history: LengthHistory, running: Sequence[RequestLoad]) -> dict[AdapterName, list[int]]:

@@ -24,7 +24,8 @@ A request that stopped at its cap ("length") is recorded at the cap: a lower bou
 length. Each length keeps whether the request ended by itself, so a censoring-aware estimate
 (estimators/survival.py, for the batch planner) can tell the two apart. Queries are O(log n):
 each distribution is kept sorted with prefix sums, rebuilt lazily after new completions. Pure
-Python, no clock; the router feeds it (router.py).
+Python, no clock; the router feeds it (router.py). `length_stats` turns an adapter's lengths into
+SeaLLM's profile (`dlora.slo.priority.LengthStats`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from dlora.cluster.estimators.survival import Observation
+from dlora.slo.priority import LengthStats
 
 AdapterName = str | None
 
@@ -181,3 +183,12 @@ class OutputLengthEstimator:
     def expected_total(self, adapter: AdapterName, generated: int, max_tokens: int) -> float:
         """Total output expected: what it has plus what it is expected to generate."""
         return generated + self.expected_remaining(adapter, generated, max_tokens)
+
+
+def length_stats(estimator: OutputLengthEstimator, adapter: AdapterName, fallback: LengthStats) -> LengthStats:
+    """The adapter's SeaLLM profile from the estimator's recorded lengths once it has the
+    estimator's `min_samples`, else `fallback` (e.g. the pooled profile or a configured prior)."""
+    samples = estimator.samples(adapter)
+    if len(samples) < estimator.cfg.min_samples:
+        return fallback
+    return LengthStats.of(samples)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from dlora.cluster.estimators.cost_model import CostParams, batch_slot_wait, load_time, step_seconds
+from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
 from dlora.cluster.snapshots import ReplicaView, RequestLoad
+from dlora.cost_params import CostParams, step_seconds
 
 
 def queue_order(view: ReplicaView) -> list[RequestLoad]:

@@ -59,8 +59,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.dispatch import NoEligibleReplica, estimate
-from dlora.cluster.estimators.cost_model import CostParams, batch_slot_wait, load_time
+from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
 from dlora.cluster.snapshots import ReplicaView, RequestLoad
+from dlora.cost_params import CostParams
 from dlora.slo.config import AdapterSlo
 
 MODES = ("slo_feasible", "best_fit")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests import schedule
-from tests.replica.inprocess import SharedEngine
+from tests.engine_ext.inprocess import SharedEngine
 
 
 @pytest.fixture(scope="session")

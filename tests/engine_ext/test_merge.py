@@ -23,7 +23,7 @@ from dlora.engine_ext.merge import (
     merged_weight,
     read_adapter,
 )
-from tests.replica.lora_files import write_peft_adapter
+from tests.engine_ext.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROJ = "model.layers.{}.{}.{}.weight"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.replica.inprocess import inprocess_engine
-from tests.replica.test_switching_engine import PROMPTS, lora
+from tests.engine_ext.inprocess import inprocess_engine
+from tests.engine_ext.test_switching_engine import PROMPTS, lora
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 

@@ -6,9 +6,7 @@ import pytest
 
 from dlora.cluster.dispatch import NoEligibleReplica, estimate
 from dlora.cluster.estimators.cost_model import CostParams
-from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
-from dlora.slo.config import AdapterSlo
-from dlora.slo.feasible_dispatch import (
+from dlora.cluster.feasible_dispatch import (
     Check,
     SloReplica,
     choose,
@@ -19,6 +17,8 @@ from dlora.slo.feasible_dispatch import (
     prefill_slack,
     ttft_bound,
 )
+from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
+from dlora.slo.config import AdapterSlo
 
 # a step: 10 ms fixed + 5 ms per sequence; a prefill: 10 ms + 1 ms per token; adapter load 20 ms
 P = CostParams(per_iteration_s=0.01, per_decode_token_s=0.005, per_prefill_token_s=0.001, adapter_load_s=0.02)

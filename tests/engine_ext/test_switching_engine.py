@@ -60,7 +60,7 @@ def record_steps(scheduler):
             scheduler.requests[i].lora_request.lora_name if scheduler.requests[i].lora_request else None
             for i in scheduler_output.num_scheduled_tokens
         }
-        steps.append((scheduler._dlora_weights, ran, bool(getattr(scheduler_output, CMDS_ATTR, None))))
+        steps.append((scheduler._dlora_worker.weights, ran, bool(getattr(scheduler_output, CMDS_ATTR, None))))
         return orig(scheduler_output, model_runner_output)
 
     scheduler.update_from_output = update_from_output
@@ -102,7 +102,7 @@ def test_mixed_workload_switching_every_step(llm, tiny_model, oracle, tmp_path):
     merged_steps = [(w, ran) for w, ran, _ in steps if w is not None]
     assert merged_steps and all(ran <= {w} for w, ran in merged_steps)
     assert sum(1 for *_, cmd in steps if cmd) >= 10
-    assert scheduler.dlora_state()["num_switches"] >= 10
+    assert scheduler.dlora_batching_state().num_switches >= 10
     assert all(r.num_preemptions == 0 for r in scheduler.requests.values())
     tok = oracle.tokenizer()
     for (adapter, prompt), o in zip(jobs, outs):
@@ -235,7 +235,7 @@ def test_state_reports_the_kv_capacity_the_engine_allocated(llm):
     allocated (tests/harness.TINY_KV_BLOCKS, well under the 1 GiB of VLLM_CPU_KVCACHE_SPACE) times
     the block size, in tokens."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    capacity = scheduler.dlora_state()["kv_capacity_tokens"]
+    capacity = scheduler.dlora_batching_state().kv_capacity_tokens
     assert capacity == TINY_KV_BLOCKS * scheduler.block_size
     # The engine's own block pool (one block is vLLM's null block, never handed out).
     assert scheduler.kv_cache_manager.block_pool.num_gpu_blocks == TINY_KV_BLOCKS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.replica.inprocess import inprocess_engine
+from tests.engine_ext.inprocess import inprocess_engine
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
@@ -36,7 +36,7 @@ def test_preempted_requests_are_reported_while_they_wait_and_only_then(llm):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = len(out.outputs[0].token_ids)
-        reported = set(scheduler.dlora_state()["preempted"])
+        reported = set(scheduler.dlora_batching_state().preempted)
         # each one ran before, holds no running slot now, and vLLM counts its preemption
         assert reported <= ran and not reported & {r.request_id for r in scheduler.running}
         assert all(scheduler.requests[rid].num_preemptions > 0 for rid in reported)
@@ -45,6 +45,6 @@ def test_preempted_requests_are_reported_while_they_wait_and_only_then(llm):
     assert seen, "the KV cache was large enough: nothing was preempted"
     # the cumulative count (/metrics dlora_preemptions_total) is vLLM's own per-request counts summed
     preemptions = sum(r.num_preemptions for r in counted.values())
-    assert preemptions >= len(seen) and scheduler.dlora_state()["preemptions"] == preemptions
-    assert scheduler.dlora_state()["preempted"] == []  # all resumed and finished
+    assert preemptions >= len(seen) and scheduler.dlora_batching_state().preemptions == preemptions
+    assert scheduler.dlora_batching_state().preempted == ()  # all resumed and finished
     assert done == {f"r{i}": 260 for i in range(6)}

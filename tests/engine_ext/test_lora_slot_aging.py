@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.replica.inprocess import inprocess_engine
+from tests.engine_ext.inprocess import inprocess_engine
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
@@ -69,10 +69,10 @@ def a2_wait(llm, tiny_model) -> tuple[float, bool]:
 
 def test_a_starved_adapter_gets_a_slot_while_the_hot_ones_keep_arriving(llm, tiny_model):
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    aging, drains = scheduler._dlora_slot_aging, scheduler.dlora_state()["lora_slot_drains"]
+    aging, drains = scheduler._dlora_slot_aging, scheduler.dlora_batching_state().lora_slot_drains
     waited, while_feeding = a2_wait(llm, tiny_model)
     assert while_feeding and STARVE_S <= waited < FEED_S / 2, waited
-    assert scheduler.dlora_state()["lora_slot_drains"] == drains + 1
+    assert scheduler.dlora_batching_state().lora_slot_drains == drains + 1
     assert aging.draining is None  # the drain ended once a2 ran
 
     scheduler._dlora_slot_aging = None  # vLLM's rule

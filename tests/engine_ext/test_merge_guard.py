@@ -21,7 +21,7 @@ import pytest
 
 from dlora.engine_ext.inband import MERGE, REPORTS_ATTR, UNMERGE, SwitchCommand, SwitchReport
 from dlora.engine_ext.weight_state import UNKNOWN, Restore, WeightsUnknown, split_reports, weights_after
-from tests.replica.test_switching_engine import PROMPTS, lora, record_steps
+from tests.engine_ext.test_switching_engine import PROMPTS, lora, record_steps
 
 # ---- 1. reports through vLLM's output wrappers ------------------------------------------------
 
@@ -202,18 +202,18 @@ MAX_TOKENS = 10
 
 @pytest.fixture
 def llm(merged_switching_engine):
-    """vLLM's LoRA ops, no mixing; the `merged` policy switching every step (tests/replica/conftest.py)."""
+    """vLLM's LoRA ops, no mixing; the `merged` policy switching every step (tests/engine_ext/conftest.py)."""
     return merged_switching_engine.llm
 
 
 @pytest.fixture
 def scheduler(llm):
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    sched._dlora_blocked.clear()  # an adapter whose merge failed in an earlier test may merge again
+    sched._dlora_worker.blocked.clear()  # an adapter whose merge failed in an earlier test may merge again
     yield sched
     for kind in ("drop_reports", "delay_reports", "raise_after_merge"):  # a failed test's leftovers
         llm.collective_rpc("dlora_inject_fault", args=(kind, 0))
-    assert not sched.dlora_state()["weights_unknown"]
+    assert not sched.dlora_batching_state().weights_unknown
 
 
 def _generate(llm, tiny_model, jobs, max_tokens=MAX_TOKENS):
@@ -228,7 +228,7 @@ def _generate(llm, tiny_model, jobs, max_tokens=MAX_TOKENS):
 @pytest.mark.engine
 @pytest.mark.parametrize("fault,times", [("drop_reports", 2), ("delay_reports", 1), ("raise_after_merge", 1)])
 def test_mixed_workload_equals_hf_peft_under_faults(llm, scheduler, tiny_model, oracle, fault, times):
-    restores = scheduler.dlora_state()["weight_restores"]
+    restores = scheduler.dlora_batching_state().weight_restores
     assert llm.collective_rpc("dlora_inject_fault", args=(fault, times)) == [{fault: times}]
     steps, unwrap = record_steps(scheduler)
     try:
@@ -241,7 +241,7 @@ def test_mixed_workload_equals_hf_peft_under_faults(llm, scheduler, tiny_model, 
     (worker,) = llm.collective_rpc("dlora_state")
     assert worker["faults_armed"] == {}  # every fault fired
     # The scheduler restored the base weights after the fault, and ran nothing meanwhile.
-    assert scheduler.dlora_state()["weight_restores"] > restores
+    assert scheduler.dlora_batching_state().weight_restores > restores
     unknown = [ran for w, ran, _ in steps if w is UNKNOWN]
     assert unknown and not any(unknown)
     # Only the merged adapter's requests ever ran on merged weights; switching went on after.

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.replica.inprocess import inprocess_engine
-from tests.replica.test_switching_engine import lora
+from tests.engine_ext.inprocess import inprocess_engine
+from tests.engine_ext.test_switching_engine import lora
 
 pytestmark = pytest.mark.engine  # an in-process vLLM engine
 
@@ -27,7 +27,7 @@ def test_the_fairness_gap_is_measured_with_quotas_off(tiny_model):
 
         def recording(*args, **kwargs):
             out = schedule(*args, **kwargs)
-            gaps.append((scheduler.dlora_state()["kv_fairness_gap"], dict(scheduler._dlora_kv_quotas.used)))
+            gaps.append((scheduler.dlora_batching_state().kv_fairness_gap, dict(scheduler._dlora_kv_quotas.used)))
             return out
 
         scheduler.schedule = recording

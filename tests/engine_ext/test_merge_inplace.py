@@ -25,7 +25,7 @@ from dlora.engine_ext.merge import (
     WeightMerger,
     read_adapter,
 )
-from tests.replica.lora_files import write_peft_adapter
+from tests.engine_ext.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HIDDEN = 32

@@ -4,21 +4,19 @@ requests run in the same steps (their LoRA layers compensate a0's delta).
 An in-process engine (tiny model, fp32, einsum backend) under the `dlora` policy merges a0 in the
 middle of a concurrent generation: the greedy outputs equal the `unmerged` policy's (and HF +
 PEFT), and the scheduler's per-step record shows a1 and base requests scheduled on the merged
-weights. Plus the pieces that need no engine: mixing is off with vLLM's LoRA ops, and a merged
-adapter keeps its LoRA slot in the scheduler's count.
+weights. Plus the piece that needs no engine: mixing is off with vLLM's LoRA ops (a merged
+adapter keeping its LoRA slot is in test_step_plan.py).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from dlora.engine_ext.scheduler import DloraScheduler, policy_from
+from dlora.engine_ext.scheduler import policy_from
 from dlora.replica.engine import BATCHING_CONFIG_KEY
 from dlora.scheduling import make_policy
-from tests.replica.inprocess import inprocess_engine
-from tests.replica.test_switching_engine import PROMPTS, lora, record_steps
+from tests.engine_ext.inprocess import inprocess_engine
+from tests.engine_ext.test_switching_engine import PROMPTS, lora, record_steps
 
 # (adapter, prompt, max_tokens), in arrival order. a0 starts with 3 of 8 requests (ratio 0.375, not
 # > alpha 0.5); once a1's first two and the first base request finish (6, 10, 12 tokens) its share
@@ -39,29 +37,6 @@ def test_mixing_is_opt_in_and_off_with_vllms_lora_ops():
     assert not policy_from(on, "vllm")[1].mixed_merged
     default = {BATCHING_CONFIG_KEY: {"policy": "dlora"}}
     assert not policy_from(default, "einsum")[1].mixed_merged
-
-
-def _request(status, lora_int_id):
-    from vllm.v1.request import RequestStatus
-
-    lr = SimpleNamespace(lora_int_id=lora_int_id) if lora_int_id else None
-    return SimpleNamespace(status=getattr(RequestStatus, status), lora_request=lr)
-
-
-def test_a_merged_adapter_keeps_its_lora_slot():
-    """max_loras 2, a0 (id 1) merged: one slot is a0's even without its requests, so at most one
-    other adapter may be visible, waiting requests included (vLLM's admission does not count a0)."""
-    by_id = {
-        "b": _request("RUNNING", 2),
-        "c": _request("WAITING", 3),
-        "n": _request("RUNNING", 0),
-        "a": _request("WAITING", 1),
-        "b2": _request("WAITING", 2),
-    }
-    fake = SimpleNamespace(_dlora_max_loras=2)
-    order = ["b", "c", "n", "a", "b2"]
-    assert DloraScheduler._dlora_fit_lora_slots(fake, order, by_id, 1) == ["b", "n", "a", "b2"]
-    assert DloraScheduler._dlora_fit_lora_slots(fake, order, by_id, None) == order  # waiting: vLLM's check
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def shipped_server(tmp_path_factory):
 def two_replica_server(tiny_model, tmp_path_factory):
     """The tiny server on two replicas (least-loaded dispatch, stats read every 0.5 s), every adapter
     pinned so each is on both replicas from the start (unpinned ones would start on one and spread
-    by demand: tests/server/test_placement.py); pins need max_loras + 3 host entries. Shared by
+    by demand: tests/server/test_host_lora_cache.py); pins need max_loras + 3 host entries. Shared by
     test_two_replicas.py and test_replica_sigkill.py, whose killed replica serves again before it ends."""
     tmp = tmp_path_factory.mktemp("two")
     cfg = harness.tiny_config(

@@ -48,7 +48,7 @@ from dlora.bench.provenance import provenance
 from dlora.bench.servers import write_result
 from dlora.cluster.autoscale import AutoscaleConfig
 from dlora.sim.elastic import simulate_elastic
-from dlora.sim.migration_bound import Job, Outcome, ReplicaModel, capacity_rps, simulate
+from dlora.sim.migration_bound import Outcome, ReplicaModel, TraceRequest, capacity_rps, simulate
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("fixed_max", "fixed_mean", "autoscaled")
@@ -90,7 +90,7 @@ def replica_model(args) -> ReplicaModel:
     return ReplicaModel(max_running=16, max_loras=8, adapter_slots=8, kv_blocks=args.kv_blocks)
 
 
-def day(replicas: int, seed: int, args, tokenizer, model: ReplicaModel) -> tuple[list[Job], float]:
+def day(replicas: int, seed: int, args, tokenizer, model: ReplicaModel) -> tuple[list[TraceRequest], float]:
     """The day's requests for `replicas`, and one replica's modelled capacity (req/s) on them."""
     probe = _jobs(replicas, 2000, 1.0, seed, args, tokenizer, diurnal=False)
     per_replica = capacity_rps(model, 1, probe)
@@ -99,14 +99,14 @@ def day(replicas: int, seed: int, args, tokenizer, model: ReplicaModel) -> tuple
     return _jobs(replicas, n, mean_rate, seed, args, tokenizer, diurnal=True), per_replica
 
 
-def _jobs(adapters: int, n: int, rate: float, seed: int, args, tokenizer, diurnal: bool) -> list[Job]:
+def _jobs(adapters: int, n: int, rate: float, seed: int, args, tokenizer, diurnal: bool) -> list[TraceRequest]:
     spec = {"diurnal_amplitude": args.amplitude, "diurnal_period": args.period} if diurnal else {}
     return sharegpt_jobs(
         adapters, n, seed, tokenizer, alpha=1.0, cv=args.cv, max_tokens=args.max_tokens, request_rate=rate, **spec
     )
 
 
-def report(jobs: list[Job], outcome: Outcome, replica_seconds: float) -> dict[str, Any]:
+def report(jobs: list[TraceRequest], outcome: Outcome, replica_seconds: float) -> dict[str, Any]:
     assert outcome.slo is not None
     slo = slo_summary(outcome.slo, Counter(j.adapter for j in jobs), None)
     ttft_ms = 1000 * np.asarray(outcome.ttft_s)
@@ -119,7 +119,7 @@ def report(jobs: list[Job], outcome: Outcome, replica_seconds: float) -> dict[st
     }
 
 
-def run_one(config: str, jobs: list[Job], replicas: int, per_replica: float, args) -> dict[str, Any]:
+def run_one(config: str, jobs: list[TraceRequest], replicas: int, per_replica: float, args) -> dict[str, Any]:
     """One configuration on one day (in a worker process)."""
     model = replica_model(args)
     start = min(j.arrival for j in jobs)
@@ -145,7 +145,7 @@ def run_one(config: str, jobs: list[Job], replicas: int, per_replica: float, arg
     return got
 
 
-def fixed_mean(jobs: list[Job], per_replica: float, period: float, most: int) -> int:
+def fixed_mean(jobs: list[TraceRequest], per_replica: float, period: float, most: int) -> int:
     """Replicas for the day's mean rate at the autoscaler's utilization target."""
     return min(most, max(1, math.ceil(len(jobs) / period / (per_replica * UTILIZATION))))
 
@@ -208,7 +208,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def per_minute(jobs: list[Job]) -> dict[str, list[float]]:
+def per_minute(jobs: list[TraceRequest]) -> dict[str, list[float]]:
     counts = Counter(int(j.arrival // 60) for j in jobs)
     minutes = range(max(counts) + 1) if counts else range(0)
     return {"t": [60.0 * m + 30 for m in minutes], "rps": [counts.get(m, 0) / 60 for m in minutes]}

@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dlora import env
-from dlora.batch.predict import Work, predict
+from dlora.batch.predict import RequestWork, predict
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import planning_lengths
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.estimators.survival import quantile_lengths
-from dlora.cluster.snapshots import RequestLoad
+from dlora.cluster.policy_views import RequestLoad
 
 
-def load(work: Path, out_file: str) -> tuple[list[Work], list[int], list[bool]]:
+def load(work: Path, out_file: str) -> tuple[list[RequestWork], list[int], list[bool]]:
     """Each line's work (prompt tokens as the engine counted them), its true output length, and
     whether it ended by itself (False: it stopped at its cap)."""
     done = {}
@@ -48,14 +48,14 @@ def load(work: Path, out_file: str) -> tuple[list[Work], list[int], list[bool]]:
     for raw in (work / "input.jsonl").read_text().splitlines():
         line = json.loads(raw)
         prompt, output, reason = done[line["custom_id"]]
-        works.append(Work(line["body"]["model"], prompt, line["body"]["max_tokens"]))
+        works.append(RequestWork(line["body"]["model"], prompt, line["body"]["max_tokens"]))
         lengths.append(output)
         ended.append(reason == "stop")
     return works, lengths, ended
 
 
 def at_replan(
-    works: Sequence[Work], lengths: Sequence[int], ended: Sequence[bool], running: int, generated: int
+    works: Sequence[RequestWork], lengths: Sequence[int], ended: Sequence[bool], running: int, generated: int
 ) -> Callable[[str | None], Sequence[int]]:
     """The lengths a re-plan draws from once the first `running` lines have run `generated` steps."""
     seen = OutputLengthEstimator()
@@ -99,7 +99,7 @@ def main() -> int:
         by_adapter.setdefault(w.adapter, []).append((n, e))
     plain = {a: [n for n, _ in obs] for a, obs in by_adapter.items()}
     censored = {a: quantile_lengths(obs) for a, obs in by_adapter.items()}
-    exact = [Work(w.adapter, w.prompt_tokens, n, exact=True) for w, n in zip(works, lengths)]
+    exact = [RequestWork(w.adapter, w.prompt_tokens, n, exact=True) for w, n in zip(works, lengths)]
     views = {
         "exact": predict(exact, params, lambda a: ()),
         "ecdf": predict(works, params, lambda a: plain[a]),

@@ -27,20 +27,20 @@ import statistics
 import time
 from pathlib import Path
 
-from dlora.batch.plan import Job, dispatch_plan, plan_stages
-from dlora.batch.predict import Work, predict, sample_lengths
+from dlora.batch.plan import PlannedLine, dispatch_plan, plan_stages
+from dlora.batch.predict import RequestWork, predict, sample_lengths
 from dlora.bench.provenance import provenance
 from dlora.cluster.estimators.cost_model import CostParams
 
 HERE = Path(__file__).resolve().parent
 
 
-def workload(requests: int, adapters: int, seed: int) -> tuple[list[Work], dict[str, list[int]]]:
+def workload(requests: int, adapters: int, seed: int) -> tuple[list[RequestWork], dict[str, list[int]]]:
     rng = random.Random(seed)
     names = [f"a{i}" for i in range(adapters)]
     weights = [1 / (k + 1) for k in range(adapters)]
     chosen = rng.choices(names, weights, k=requests)
-    works = [Work(a, min(2048, max(4, int(rng.lognormvariate(5.0, 1.0)))), 512) for a in chosen]
+    works = [RequestWork(a, min(2048, max(4, int(rng.lognormvariate(5.0, 1.0)))), 512) for a in chosen]
     history = {}
     for a in names:
         mean = rng.uniform(20, 400)
@@ -51,7 +51,7 @@ def workload(requests: int, adapters: int, seed: int) -> tuple[list[Work], dict[
 MERGED_RATIOS = (0.6, 0.85)
 
 
-def plan_reps(works: list[Work], history: dict[str, list[int]], args, ratio: float) -> dict:
+def plan_reps(works: list[RequestWork], history: dict[str, list[int]], args, ratio: float) -> dict:
     """Per rep: the stage planner's time (lengths drawn, segments chosen) and its makespan against
     sending every request at once, with merged steps at `ratio` of an unmerged step's cost."""
     params = [CostParams(merged_ratio=ratio)] * args.replicas
@@ -59,7 +59,7 @@ def plan_reps(works: list[Work], history: dict[str, list[int]], args, ratio: flo
     for rep in range(args.reps):
         t0 = time.perf_counter()
         drawn = sample_lengths(works, lambda a: history.get(a, []), random.Random(rep))
-        jobs = [Job(w.adapter, (w.prompt_tokens,), (n,)) for w, n in zip(works, drawn)]
+        jobs = [PlannedLine(w.adapter, (w.prompt_tokens,), (n,)) for w, n in zip(works, drawn)]
         plan = plan_stages(jobs, params)
         out["plan_seconds"].append(time.perf_counter() - t0)
         flat = dispatch_plan(jobs, params)

@@ -32,7 +32,7 @@ from bench.cluster_balancing import run as cb
 from dlora.bench.provenance import provenance
 from dlora.bench.servers import write_result
 from dlora.cluster.router import static_home
-from dlora.sim.migration_bound import Job, ReplicaModel, bound, capacity_rps
+from dlora.sim.migration_bound import ReplicaModel, TraceRequest, bound, capacity_rps
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,14 +88,14 @@ def draw_lengths(n: int, seed: int, args) -> np.ndarray:
     return np.where(rng.random(n) < args.p_cap, args.max_tokens, short)
 
 
-def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[Job]:
+def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[TraceRequest]:
     bargs = cb.parse_args([*regime.bench_args, "--max-tokens", str(args.max_tokens)])
     work = cb.make_workload(bargs, rate, seed, args.num_prompts, tokenizer)
     if bargs.workload == "fixed":
-        return [Job(r.arrival_time, r.adapter, r.prompt_len, r.output_len, r.output_len) for r in work]
+        return [TraceRequest(r.arrival_time, r.adapter, r.prompt_len, r.output_len, r.output_len) for r in work]
     lengths = draw_lengths(len(work), seed, args)
     return [
-        Job(r.arrival_time, r.adapter, r.prompt_len + CHAT_TEMPLATE, int(n), args.max_tokens)
+        TraceRequest(r.arrival_time, r.adapter, r.prompt_len + CHAT_TEMPLATE, int(n), args.max_tokens)
         for r, n in zip(work, lengths)
     ]
 

@@ -42,7 +42,7 @@ from dlora import env
 from dlora.bench.provenance import provenance
 from dlora.bench.servers import write_result
 from dlora.bench.workload import WorkloadSpec, generate_workload
-from dlora.sim.migration_bound import Job, ReplicaModel, capacity_rps
+from dlora.sim.migration_bound import ReplicaModel, TraceRequest, capacity_rps
 from dlora.sim.slo_study import CONFIGS, replicas_for, run
 
 HERE = Path(__file__).resolve().parent
@@ -107,7 +107,7 @@ def replica_model(args) -> ReplicaModel:
     )
 
 
-def base_jobs(adapters: int, n: int, seed: int, args, tokenizer) -> list[Job]:
+def base_jobs(adapters: int, n: int, seed: int, args, tokenizer) -> list[TraceRequest]:
     """bench/slo's requests at 1 request/s: ShareGPT prompts as the chat endpoint counts them
     (bench/cluster_balancing's length budget), outputs the dataset's replies cut at the cap."""
     return sharegpt_jobs(adapters, n, seed, tokenizer, alpha=args.alpha, cv=args.cv, max_tokens=args.max_tokens)
@@ -115,7 +115,7 @@ def base_jobs(adapters: int, n: int, seed: int, args, tokenizer) -> list[Job]:
 
 def sharegpt_jobs(
     adapters: int, n: int, seed: int, tokenizer, *, alpha: float, cv: float, max_tokens: int, **spec
-) -> list[Job]:
+) -> list[TraceRequest]:
     """`n` ShareGPT chat requests over Zipf(`alpha`) adapters as modelled jobs, outputs cut at
     `max_tokens`; `spec` sets other `WorkloadSpec` fields (default: 1 request/s)."""
     ws = WorkloadSpec(
@@ -130,12 +130,14 @@ def sharegpt_jobs(
         **{"request_rate": 1.0, **spec},
     )
     return [
-        Job(r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, max_tokens), max_tokens)
+        TraceRequest(
+            r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, max_tokens), max_tokens
+        )
         for r in generate_workload(ws, tokenizer=tokenizer, with_prompts=False)
     ]
 
 
-def at_rate(jobs: list[Job], rate: float) -> list[Job]:
+def at_rate(jobs: list[TraceRequest], rate: float) -> list[TraceRequest]:
     """The same requests arriving at `rate` requests/s: a workload's gaps scale as 1/rate."""
     return [replace(j, arrival=j.arrival / rate) for j in jobs]
 
@@ -154,7 +156,9 @@ def line(got: dict[str, Any]) -> str:
     )
 
 
-def search(jobs: list[list[Job]], model: ReplicaModel, config: str, target: float, start: int, most: int, label: str):
+def search(
+    jobs: list[list[TraceRequest]], model: ReplicaModel, config: str, target: float, start: int, most: int, label: str
+):
     """`replicas_for` with a progress line per count tried (runs in a worker process)."""
     t0 = time.monotonic()
 

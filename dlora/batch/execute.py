@@ -23,7 +23,7 @@ from dlora.batch.gate import BatchGate
 from dlora.batch.held_jobs import held_jobs
 from dlora.batch.lines import BatchLine, LineError, error_output, line_request_id, ok_output
 from dlora.batch.planned import LinePlan, line_plan
-from dlora.batch.predict import Work, works_of
+from dlora.batch.predict import RequestWork, works_of
 from dlora.batch.prompt_sizes import PromptSizes
 from dlora.batch.reading import LineRules
 from dlora.batch.service import BatchService
@@ -99,7 +99,7 @@ def batch_gate(state, beside_online: bool = True) -> BatchGate:
     cfg = state.cfg
 
     def limit() -> int:
-        return cfg.batch.max_in_flight or cfg.engine.max_num_seqs * max(1, len(state.router.healthy_ids()))
+        return cfg.batch.max_in_flight or cfg.engine.max_num_seqs * max(1, len(state.router.serving_ids()))
 
     def online() -> int:
         return online_in_flight(state.router, cfg.batch.priority)
@@ -111,7 +111,7 @@ def batch_gate(state, beside_online: bool = True) -> BatchGate:
     return gate
 
 
-def line_works(state, lines: Sequence[BatchLine]) -> list[list[Work]]:
+def line_works(state, lines: Sequence[BatchLine]) -> list[list[RequestWork]]:
     """The engine requests each line makes, with prompt sizes from the server's tokenizer (a
     sample counted exactly, the rest estimated: dlora/batch/prompt_sizes.py)."""
     tokenizer, cfg = state.tokenizer, state.cfg
@@ -129,7 +129,7 @@ def plan_params(router, merged_prior: float | None = None) -> dict[int, CostPara
     send it every line). `merged_prior` replaces the merged/unmerged ratio of each replica that
     has not measured it (`ReplicaCostModel.params_with_ratio`)."""
     models = router.cost_models
-    serving = [rid for rid in router.healthy_ids() if rid in models]
+    serving = [rid for rid in router.serving_ids() if rid in models]
     costs = [
         models[rid].params if merged_prior is None else models[rid].params_with_ratio(merged_prior) for rid in serving
     ]
@@ -137,7 +137,7 @@ def plan_params(router, merged_prior: float | None = None) -> dict[int, CostPara
     return {rid: shared for rid in serving}
 
 
-def merge_prior(state, works: Sequence[Sequence[Work]]) -> float | None:
+def merge_prior(state, works: Sequence[Sequence[RequestWork]]) -> float | None:
     """The prior merged/unmerged step cost for these requests' adapters with the einsum kernels
     (`einsum_merged_cost` of their mean LoRA fraction, base-model requests counting 0); None with
     another backend, with `scheduling.merged_cost_ratio` set, or with no adapter in the batch."""
@@ -164,18 +164,18 @@ class ServerPlanner:
     adapters' output-length histories. `known_works` (line number -> its engine requests) spares
     tokenizing lines a caller has already counted."""
 
-    def __init__(self, state, known_works: dict[int, list[Work]] | None = None) -> None:
+    def __init__(self, state, known_works: dict[int, list[RequestWork]] | None = None) -> None:
         self.state = state
         self.known_works = known_works or {}
 
-    def _works(self, lines: Sequence[BatchLine]) -> list[list[Work]]:
+    def _works(self, lines: Sequence[BatchLine]) -> list[list[RequestWork]]:
         new = [line for line in lines if line.line not in self.known_works]
         self.known_works.update(zip((line.line for line in new), line_works(self.state, new)))
         return [self.known_works[line.line] for line in lines]
 
     def costs_measured(self) -> bool:
         router = self.state.router
-        serving = [router.cost_models.get(rid) for rid in router.healthy_ids()]
+        serving = [router.cost_models.get(rid) for rid in router.serving_ids()]
         return bool(serving) and all(m is not None and m.measured for m in serving)
 
     async def plan(self, lines: Sequence[BatchLine]) -> LinePlan | None:
@@ -226,7 +226,7 @@ class ServerPlanner:
         )
 
 
-def batch_planner(state, known_works: dict[int, list[Work]] | None = None) -> ServerPlanner | None:
+def batch_planner(state, known_works: dict[int, list[RequestWork]] | None = None) -> ServerPlanner | None:
     """The configured planner (`batch.planner`); None sends a batch's lines as they come."""
     return ServerPlanner(state, known_works) if state.cfg.batch.planner == "stages" else None
 

@@ -7,19 +7,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from dlora.batch.plan import Job
+from dlora.batch.plan import PlannedLine
 from dlora.cluster.estimators.held_work import draw_remaining, engine_order
-from dlora.cluster.snapshots import AdapterName, RequestLoad
+from dlora.cluster.policy_views import AdapterName, RequestLoad
 
 
 def held_jobs(
     reqs: Sequence[RequestLoad], lengths_of: Callable[[AdapterName], Sequence[int]], seed: int = 0
-) -> list[Job]:
+) -> list[PlannedLine]:
     """What one replica holds, as the batch planner's jobs in `engine_order`; each one's remaining
     output is one draw (`draw_remaining`) from its adapter's observed lengths (`lengths_of`)."""
     rng = random.Random(seed)
     sorted_lengths = {a: sorted(lengths_of(a)) for a in {r.adapter for r in reqs}}
     return [
-        Job(r.adapter, (prefill,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
+        PlannedLine(r.adapter, (prefill,), (draw_remaining(r, sorted_lengths[r.adapter], rng),))
         for r, prefill in engine_order(reqs)
     ]

@@ -31,7 +31,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlora.batch.predict import Work, dispatch, simulate_replica
+from dlora.batch.predict import RequestWork, dispatch, simulate_replica
 from dlora.cluster.estimators.cost_model import CostParams
 
 MERGED = "merged"
@@ -43,7 +43,7 @@ CANDIDATES = 8
 
 
 @dataclass(frozen=True)
-class Job:
+class PlannedLine:
     """One batch line as the planner sees it: its engine requests' prompt sizes and sampled output
     lengths (a line with n > 1 or several prompts makes several requests, placed together)."""
 
@@ -78,13 +78,13 @@ class Plan:
         return out
 
 
-def job_work(job: Job, p: CostParams) -> float:
+def job_work(job: PlannedLine, p: CostParams) -> float:
     """Seconds of unmerged engine time the job costs at a full batch (the planner's unit of work)."""
     per_token = p.per_decode_token_s + p.per_iteration_s / p.max_batch
     return sum(job.prompts) * p.per_prefill_token_s + sum(job.outputs) * per_token
 
 
-def estimate_s(jobs: Sequence[Job], p: CostParams, merged: bool) -> float:
+def estimate_s(jobs: Sequence[PlannedLine], p: CostParams, merged: bool) -> float:
     """A segment's time without simulating it: prefills, one step per output token of a full batch
     (or of all its requests, when fewer), and at least as many steps as its longest output."""
     prompts = sum(sum(j.prompts) for j in jobs)
@@ -97,7 +97,7 @@ def estimate_s(jobs: Sequence[Job], p: CostParams, merged: bool) -> float:
     return t * (p.merged_ratio if merged else 1.0)
 
 
-def simulate_s(jobs: Sequence[Job], p: CostParams) -> float:
+def simulate_s(jobs: Sequence[PlannedLine], p: CostParams) -> float:
     """A queue's time on one replica by the step simulation (merged steps where one adapter runs)."""
     prompts = [s for j in jobs for s in j.prompts]
     outputs = [o for j in jobs for o in j.outputs]
@@ -108,7 +108,7 @@ def simulate_s(jobs: Sequence[Job], p: CostParams) -> float:
 class _Pending:
     """The jobs not planned yet, per adapter in first-appearance order, with their work."""
 
-    def __init__(self, jobs: Sequence[Job], work: Sequence[float]) -> None:
+    def __init__(self, jobs: Sequence[PlannedLine], work: Sequence[float]) -> None:
         self.by_adapter: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
             self.by_adapter.setdefault(job.adapter, []).append(i)
@@ -141,7 +141,7 @@ class _Pending:
                 w += self.work[i]
         return out
 
-    def remove(self, chosen: Sequence[int], jobs: Sequence[Job]) -> None:
+    def remove(self, chosen: Sequence[int], jobs: Sequence[PlannedLine]) -> None:
         gone = set(chosen)
         for a in {jobs[i].adapter for i in chosen}:
             self.by_adapter[a] = [i for i in self.by_adapter[a] if i not in gone]
@@ -150,7 +150,9 @@ class _Pending:
                 del self.by_adapter[a], self.left[a]
 
 
-def plan_stages(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Sequence[float] | None = None) -> Plan:
+def plan_stages(
+    jobs: Sequence[PlannedLine], params: Sequence[CostParams], busy_s: Sequence[float] | None = None
+) -> Plan:
     """The segments each replica runs, chosen greedily by throughput as replicas come free (each
     first after `busy_s`, the seconds it needs for what it holds already; 0 by default)."""
     if not params:
@@ -181,7 +183,7 @@ def plan_stages(jobs: Sequence[Job], params: Sequence[CostParams], busy_s: Seque
     return Plan(tuple(segments), max([s.end_s for s in segments] + busy))
 
 
-def _best_segment(pending: _Pending, jobs: Sequence[Job], p: CostParams, cap: float):
+def _best_segment(pending: _Pending, jobs: Sequence[PlannedLine], p: CostParams, cap: float):
     """(mode, adapter, jobs) of the candidate with the best throughput: a merged segment of one of
     the adapters with the most work left, or a mix of the smallest ones."""
     mix = pending.mix(cap)
@@ -201,17 +203,17 @@ def _best_segment(pending: _Pending, jobs: Sequence[Job], p: CostParams, cap: fl
 
 
 def _throughput(
-    chosen: Sequence[int], jobs: Sequence[Job], work: Sequence[float], p: CostParams, merged: bool
+    chosen: Sequence[int], jobs: Sequence[PlannedLine], work: Sequence[float], p: CostParams, merged: bool
 ) -> float:
     t = estimate_s([jobs[i] for i in chosen], p, merged)
     return sum(work[i] for i in chosen) / t if t > 0 else float("inf")
 
 
 def dispatch_plan(
-    jobs: Sequence[Job],
+    jobs: Sequence[PlannedLine],
     params: Sequence[CostParams],
     busy_s: Sequence[float] | None = None,
-    held: Sequence[Sequence[Job]] | None = None,
+    held: Sequence[Sequence[PlannedLine]] | None = None,
 ) -> Plan:
     """Every job sent at once, each to the replica with the least work so far (the router's own
     dispatch, which counts what each replica holds: `busy_s`): one unmerged segment per replica,
@@ -220,7 +222,7 @@ def dispatch_plan(
     its engine starts them as the held ones free their slots, in the same batches. Without it,
     they run after `busy_s`, back to back, which errs late by the held requests' tail."""
     busy = list(busy_s) if busy_s is not None else [0.0] * len(params)
-    sizes = [Work(j.adapter, sum(j.prompts), 0) for j in jobs]
+    sizes = [RequestWork(j.adapter, sum(j.prompts), 0) for j in jobs]
     replica_of = dispatch(sizes, [sum(j.outputs) for j in jobs], params, busy)
     segments = []
     for r, p in enumerate(params):
@@ -233,11 +235,11 @@ def dispatch_plan(
 
 
 def choose_plan(
-    jobs: Sequence[Job],
+    jobs: Sequence[PlannedLine],
     params: Sequence[CostParams],
     busy_s: Sequence[float] | None = None,
     min_gain: float = 0.0,
-    held: Sequence[Sequence[Job]] | None = None,
+    held: Sequence[Sequence[PlannedLine]] | None = None,
 ) -> Plan:
     """The stage plan if it is predicted more than `min_gain` (a fraction) sooner than sending
     everything at once; else sending at once (adapters too small to merge, merging not cheaper on

@@ -34,8 +34,8 @@ from typing import Protocol
 
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
-from dlora.batch.plan import Job, Plan, choose_plan, job_work, simulate_s
-from dlora.batch.predict import Work, sample_lengths
+from dlora.batch.plan import Plan, PlannedLine, choose_plan, job_work, simulate_s
+from dlora.batch.predict import RequestWork, sample_lengths
 from dlora.batch.runner import Execute, line_choices, run_lines
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.router import preferred_replica
@@ -70,12 +70,12 @@ class LinePlan:
 
 def line_plan(
     lines: Sequence[BatchLine],
-    works: Sequence[Sequence[Work]],
+    works: Sequence[Sequence[RequestWork]],
     params: dict[int, CostParams],
     lengths_of: Callable[[str | None], Sequence[int]],
     per_replica: int,
     seed: int = 0,
-    held: Mapping[int, Sequence[Job]] | None = None,
+    held: Mapping[int, Sequence[PlannedLine]] | None = None,
     min_stage_gain: float = 0.0,
 ) -> LinePlan:
     """Plan `lines` (whose engine requests are `works`, line by line) over the replicas `params`
@@ -85,7 +85,7 @@ def line_plan(
     flat = [w for ws in works for w in ws]
     drawn = iter(sample_lengths(flat, lengths_of, random.Random(seed)))
     jobs = [
-        Job(ws[0].adapter if ws else None, tuple(w.prompt_tokens for w in ws), tuple(next(drawn) for _ in ws))
+        PlannedLine(ws[0].adapter if ws else None, tuple(w.prompt_tokens for w in ws), tuple(next(drawn) for _ in ws))
         for ws in works
     ]
     ids = sorted(params)

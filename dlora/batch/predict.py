@@ -27,7 +27,7 @@ from dlora.cluster.estimators.replica_sim import simulate_replica
 
 
 @dataclass(frozen=True)
-class Work:
+class RequestWork:
     """One request as the simulation sees it."""
 
     adapter: str | None
@@ -53,7 +53,7 @@ class Prediction:
 
 
 def sample_lengths(
-    works: Sequence[Work], lengths_of: Callable[[str | None], Sequence[int]], rng: random.Random
+    works: Sequence[RequestWork], lengths_of: Callable[[str | None], Sequence[int]], rng: random.Random
 ) -> list[int]:
     """One draw per request from its adapter's observed lengths (`lengths_of`), capped by its
     max_tokens; max_tokens when nothing was observed or the length is exact. At least 1."""
@@ -69,7 +69,10 @@ def sample_lengths(
 
 
 def dispatch(
-    works: Sequence[Work], outputs: Sequence[int], params: Sequence[CostParams], held_s: Sequence[float] | None = None
+    works: Sequence[RequestWork],
+    outputs: Sequence[int],
+    params: Sequence[CostParams],
+    held_s: Sequence[float] | None = None,
 ) -> list[int]:
     """The replica each request goes to: the one with the least work sent so far (starting from
     `held_s`, the seconds of work each holds already), counted as the router's dispatch counts it
@@ -86,7 +89,7 @@ def dispatch(
 
 
 def predict(
-    works: Sequence[Work],
+    works: Sequence[RequestWork],
     params: Sequence[CostParams],
     lengths_of: Callable[[str | None], Sequence[int]],
     seed: int = 0,
@@ -109,7 +112,7 @@ def predict(
 
 def works_of(
     url: str, body: dict, count_tokens: Callable[[str], int], base_model: str, max_model_len: int
-) -> list[Work]:
+) -> list[RequestWork]:
     """The engine requests one batch line makes (its prompts x n), with prompt sizes counted from
     the text (a chat's template adds a few tokens per message, counted as 4). The line is one its
     route admits (dlora/batch/admit.py): n and the prompts are within the fan-out cap."""
@@ -128,7 +131,7 @@ def works_of(
     for size in sizes:
         room = max_model_len - size
         limit = max(1, min(cap, room) if isinstance(cap, int) else room)
-        works += [Work(adapter, size, limit, exact)] * max(1, n)
+        works += [RequestWork(adapter, size, limit, exact)] * max(1, n)
     return works
 
 

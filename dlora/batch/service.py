@@ -1,16 +1,8 @@
-"""The batches of one server: create, run, cancel, expire, and resume after a restart.
+"""The batches of one server: create, list, cancel, delete, expire, and resume after a restart.
 
-Each active batch is one asyncio task. It reads its input file as it streams from disk, in a
-worker thread (dlora/batch/reading.py), turning every line into a request or that line's error: a
-line its route would refuse (`LineRules`: the body-size cap, dlora's admission checks, vLLM's
-request model) is that line's error before anything is planned. It runs the requests through the
-shared `BatchGate` (batch work yields to online work) in the order its plan gives
-(dlora/batch/planned.py), journaling finished lines in groups (dlora/batch/journal.py).
-When every line is done (or the batch is cancelled or its window runs out) it writes the output
-file (successful lines, in input order) and the error file (failed lines, and the lines an
-expired batch never ran), and ends. Statuses are OpenAI's: validating -> in_progress ->
-finalizing -> completed, or failed (the input as a whole is unusable),
-cancelling -> cancelled, expired.
+Each active batch is one asyncio task running it from its input file to its outputs
+(dlora/batch/batch_run.py). Statuses are OpenAI's: validating -> in_progress -> finalizing ->
+completed, or failed (the input as a whole is unusable), cancelling -> cancelled, expired.
 
 Files and batches belong to an owner (an API key, dlora/server/owners.py; None in a call: the
 admin, every owner). Another owner's object is "not found", exactly as a missing one. Each owner's
@@ -21,35 +13,28 @@ files and long-ended batches (dlora/batch/retention.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
+from dlora.batch.batch_run import BatchRun, RunShared
 from dlora.batch.files import FileNotFound, FileRecord, FileStore
 from dlora.batch.gate import BatchGate
-from dlora.batch.journal import Journal
-from dlora.batch.lines import ENDPOINTS, BatchLine, LineError, error_output, is_error
+from dlora.batch.lines import ENDPOINTS
 from dlora.batch.metadata import checked_metadata
-from dlora.batch.pacing import Pacer
-from dlora.batch.planned import BatchPlanner, run_batch
+from dlora.batch.planned import BatchPlanner
 from dlora.batch.quota import Usage, batch_refusal, upload_refusal
-from dlora.batch.reading import LineRules, TooManyRequests, read_batch_file
+from dlora.batch.reading import LineRules
 from dlora.batch.retention import due, expired
 from dlora.batch.runner import Execute
-from dlora.batch.store import ACTIVE, ENDED, BatchNotFound, BatchRecord, BatchStore
+from dlora.batch.store import ACTIVE, ENDED, BatchNotFound, BatchRecord, BatchStore, RecordSaver
 from dlora.config import BatchConfig
 from dlora.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
 WINDOW = re.compile(r"([1-9][0-9]{0,3})h")  # OpenAI's "24h"; any whole number of hours up to 9999
-# Lines handled between two chances for everything else to run (a few ms of work: a file of 50,000
-# refused lines would otherwise hold every stream for about a second), paced (dlora/batch/pacing.py).
-YIELD_EVERY = 256
-SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
 REAP_EVERY_S = 60.0  # how often expired files and long-ended batches are looked for
 ADMIN_OWNER = ""  # whose the files the admin uploads are: the owner of callers without an API key
 
@@ -75,11 +60,24 @@ class BatchService:
         self.records: dict[str, BatchRecord] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel: dict[str, asyncio.Event] = {}
-        self._saving = asyncio.Lock()  # record saves, one at a time in the order asked
-        self._saves: set[asyncio.Task] = set()  # saves asked for by synchronous callers, under way
+        self.saver = RecordSaver(store)
         self._reaper: asyncio.Task | None = None
         self.usage = Usage()  # counted from the stores at start
         self.on_line: Callable[[str], None] = lambda outcome: None  # each finished line: completed | failed
+        # What every batch run shares; usage and on_line are read when used (start() recounts usage,
+        # the server sets on_line after building the service).
+        self._shared = RunShared(
+            cfg,
+            files,
+            store,
+            self.saver,
+            execute,
+            gate,
+            planner,
+            self.rules,
+            lambda owner, size: self.usage.add_file(owner, size),
+            lambda outcome: self.on_line(outcome),
+        )
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,7 +155,7 @@ class BatchService:
         self.records[record.id] = record  # first: a second create meanwhile counts it against the quota
         self.usage.add_batch(record.owner)
         try:
-            await self._save(record)
+            await self.saver.save(record)
         except BaseException:
             del self.records[record.id]
             self.usage.remove_batch(record.owner)
@@ -191,7 +189,7 @@ class BatchService:
         if record.status in ENDED:
             raise APIError(409, f"Cannot cancel a batch with status {record.status!r}", "batch_id")
         record.enter("cancelling")
-        await self._save(record)
+        await self.saver.save(record)
         event = self._cancel.get(batch_id)
         if event is not None:
             event.set()
@@ -255,165 +253,9 @@ class BatchService:
 
     # ---- running a batch -----------------------------------------------------------------------
     def _spawn(self, record: BatchRecord) -> None:
-        self._cancel[record.id] = asyncio.Event()
+        cancelled = self._cancel[record.id] = asyncio.Event()
         if record.status == "cancelling":
-            self._cancel[record.id].set()
-        task = asyncio.create_task(self._run(record), name=f"batch {record.id}")
+            cancelled.set()
+        task = asyncio.create_task(BatchRun(self._shared, record, cancelled).run(), name=f"batch {record.id}")
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
-
-    async def _run(self, record: BatchRecord) -> None:
-        try:
-            parsed = await self._validate(record)
-            if parsed is None:
-                return
-            ending, done = await self._run_lines(record, parsed)
-            await self._finalize(record, parsed, ending, done)
-        except asyncio.CancelledError:
-            self.store.save(record)  # counts as far as they went; the journal has every finished line
-            raise
-        except Exception as e:  # a disk error, a damaged journal: the batch fails, the server goes on
-            log.error("batch %s failed", record.id, exc_info=e)
-            await self._fail(record, "internal_error", f"the batch could not be processed: {type(e).__name__}")
-
-    async def _validate(self, record: BatchRecord) -> list[BatchLine | LineError] | None:
-        try:
-            path = self.files.content_path(record.input_file_id)
-            limit = self.cfg.max_requests
-            pause = self._pacer().pause
-            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, self.rules, pause)
-        except (FileNotFound, FileNotFoundError):
-            await self._fail(record, "file_not_found", f"the input file {record.input_file_id} no longer exists")
-            return None
-        except TooManyRequests as e:
-            await self._fail(record, "too_many_requests", str(e))
-            return None
-        if not parsed:
-            await self._fail(record, "empty_file", "the input file has no requests")
-            return None
-        record.request_counts.total = len(parsed)
-        if record.status == "validating":
-            record.enter("in_progress")
-        await self._save(record)
-        return parsed
-
-    async def _run_lines(self, record: BatchRecord, parsed: list[BatchLine | LineError]) -> tuple[str, dict[int, dict]]:
-        """Run every line not yet journaled; the status the batch ends with, and every finished
-        line's output by line number (the journal's content). The counts follow each line."""
-        done = await asyncio.to_thread(self.store.results, record.id)
-        self._recount(record, done)
-        journal = Journal(lambda group: self.store.append_results(record.id, group))
-        try:
-            pacer = self._pacer()
-            for k, item in enumerate(parsed):
-                if isinstance(item, LineError) and item.line not in done:
-                    self._finish_line(record, done, journal, item.line, error_output(item))
-                if k % YIELD_EVERY == YIELD_EVERY - 1:
-                    await pacer.apause()
-            todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
-            cancelled = self._cancel[record.id]
-
-            def stopping() -> bool:
-                return cancelled.is_set() or self._expired(record)
-
-            def finished(line: BatchLine, output: dict) -> None:
-                self._finish_line(record, done, journal, line.line, output)
-
-            save = lambda: self._save_soon(record)  # noqa: E731
-            await run_batch(todo, self.execute, self.gate, self.planner, finished, stopping, save, SAVE_EVERY_S)
-        finally:
-            await journal.close()
-        if cancelled.is_set():
-            return "cancelled", done
-        return ("expired" if len(done) < len(parsed) else "completed"), done
-
-    def _expired(self, record: BatchRecord) -> bool:
-        return time.time() >= record.expires_at
-
-    def _finish_line(
-        self, record: BatchRecord, done: dict[int, dict], journal: Journal, line: int, output: dict
-    ) -> None:
-        journal.add(line, output)
-        done[line] = output
-        outcome = "failed" if is_error(output) else "completed"
-        if outcome == "failed":
-            record.request_counts.failed += 1
-        else:
-            record.request_counts.completed += 1
-        self.on_line(outcome)
-
-    @staticmethod
-    def _recount(record: BatchRecord, done: dict[int, dict]) -> None:
-        failed = sum(1 for out in done.values() if is_error(out))
-        record.request_counts.completed, record.request_counts.failed = len(done) - failed, failed
-
-    async def _finalize(
-        self, record: BatchRecord, parsed: list[BatchLine | LineError], ending: str, done: dict[int, dict]
-    ) -> None:
-        if ending != "cancelled":
-            record.enter("finalizing")
-            await self._save(record)
-        outputs: list[dict] = []
-        errors: list[dict] = []
-        pacer = self._pacer()
-        for k, item in enumerate(parsed):
-            if k % YIELD_EVERY == YIELD_EVERY - 1:
-                await pacer.apause()
-            output = done.get(item.line)
-            if output is None and ending == "expired":
-                why = "the batch expired before this request ran"
-                output = error_output(LineError(item.line, item.custom_id, "batch_expired", why))
-            if output is not None:
-                (errors if is_error(output) else outputs).append(output)
-        if outputs:
-            record.output_file_id = await self._write_file(record, "output", outputs)
-        if errors:
-            record.error_file_id = await self._write_file(record, "error", errors)
-        if ending == "expired":
-            record.request_counts.failed += len(parsed) - len(done)
-        record.enter(ending)
-        await self._save(record)
-        log.info("batch %s %s: %s", record.id, ending, record.request_counts)
-
-    async def _write_file(self, record: BatchRecord, kind: str, lines: list[dict]) -> str:
-        """The batch's owner's file (always written, even past the owner's quota: results are
-        never lost; it counts)."""
-        owner, keep = record.owner, self.cfg.retention_s
-
-        pause = self._pacer().pause
-
-        def write():  # encoding a large file takes a while: off the event loop too, and paced
-            parts = []
-            for k, line in enumerate(lines):
-                parts.append(json.dumps(line) + "\n")
-                if k % YIELD_EVERY == YIELD_EVERY - 1:
-                    pause()
-            content = "".join(parts).encode()
-            return self.files.create(content, f"{record.id}_{kind}.jsonl", "batch_output", owner, keep)
-
-        made = await asyncio.to_thread(write)
-        self.usage.add_file(made.owner, made.bytes)
-        return made.id
-
-    async def _fail(self, record: BatchRecord, code: str, message: str) -> None:
-        record.errors = [{"code": code, "message": message, "param": None, "line": None}]
-        record.enter("failed")
-        await self._save(record)
-
-    def _pacer(self) -> Pacer:
-        """Bookkeeping that yields the API process to online requests while any are in flight."""
-        return Pacer(lambda: self.gate.online_choices() > 0)
-
-    async def _save(self, record: BatchRecord) -> None:
-        """Store the record as it is now, in a worker thread: a flush to disk on the event loop would
-        hold every stream for as long as the disk takes (after a large output file, a good part of a
-        second). One save at a time, in the order asked, so an older state never lands last."""
-        data = asdict(record)
-        async with self._saving:
-            await asyncio.to_thread(self.store.write, record.id, data)
-
-    def _save_soon(self, record: BatchRecord) -> None:
-        """`_save` from a synchronous caller (the counts a running batch writes now and then)."""
-        task = asyncio.create_task(self._save(record))
-        self._saves.add(task)
-        task.add_done_callback(self._saves.discard)

@@ -12,6 +12,7 @@ the listing of every batch.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -200,3 +201,26 @@ def showable(record: BatchRecord) -> bool:
         log.warning("batch %r: its stored record cannot be shown (%s); not listed", record.id, type(e).__name__)
         return False
     return True
+
+
+class RecordSaver:
+    """Stores records in a worker thread: a flush to disk on the event loop would hold every stream
+    for as long as the disk takes (after a large output file, a good part of a second). One save at a
+    time, in the order asked, each of the record as it was when asked, so an older state never lands
+    last."""
+
+    def __init__(self, store: BatchStore) -> None:
+        self.store = store
+        self._lock = asyncio.Lock()
+        self._soon: set[asyncio.Task] = set()  # saves asked for by synchronous callers, under way
+
+    async def save(self, record: BatchRecord) -> None:
+        data = asdict(record)
+        async with self._lock:
+            await asyncio.to_thread(self.store.write, record.id, data)
+
+    def save_soon(self, record: BatchRecord) -> None:
+        """`save` from a synchronous caller (the counts a running batch writes now and then)."""
+        task = asyncio.create_task(self.save(record))
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import ClusterView, ReplicaView, RequestLoad
 
 
 def adapter_name(k: int) -> str:

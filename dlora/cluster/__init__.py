@@ -8,7 +8,7 @@
 - `balancer`: the monitor loop: reads replica stats, runs migration rounds and the adapter preload;
 - `dispatch`: which replica a new request goes to (`proactive`, `least_loaded`, `round_robin`);
 - `placement`: the periodic adapter preload that raises burst tolerance (dLoRA §5.1);
-- `snapshots`: the plain dataclasses the pure policies read (`ReplicaView`, `ClusterView`, ...);
+- `policy_views`: the plain dataclasses the pure policies read (`ReplicaView`, `ClusterView`, ...);
 - `migration/`: co-migration (dLoRA §5.2): triggers, queued-request moves, the ILP and its fallback;
 - `estimators/`: per-replica cost model, expected output lengths, queued requests' start times;
 - `queue_time`: each request's queueing delay, as /metrics exports it;

@@ -111,7 +111,7 @@ class AdapterResidency:
         wherever the old version is loaded. Raises the first engine error."""
         if pinned or self.cfg.static_placement:
             await self.load_everywhere(ref, pinned)
-            return [self.home(ref).replica_id] if self.cfg.static_placement else self.pool.healthy_ids()
+            return [self.home(ref).replica_id] if self.cfg.static_placement else self.pool.serving_ids()
         healthy = [s for s in self.pool.slots if s.serving]
         if not healthy:
             return []  # nothing to check it on: the first request loads it

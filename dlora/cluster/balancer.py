@@ -31,8 +31,8 @@ from dlora.cluster.migration.rebalance import RebalanceConfig, plan_rebalance, r
 from dlora.cluster.migration.simulated_gain import checked
 from dlora.cluster.migration.trigger import Trigger, TriggerConfig, check_trigger
 from dlora.cluster.placement import AdapterDemand, PlacementPlan, PlacementReplica, plan_placement
+from dlora.cluster.policy_views import ClusterView, ReplicaView
 from dlora.cluster.router import Router
-from dlora.cluster.snapshots import ClusterView, ReplicaView
 from dlora.config import ClusterConfig
 from dlora.replica.messages import AdapterRef
 from dlora.slo.reopt_period import ReoptPeriod

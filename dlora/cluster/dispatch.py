@@ -45,7 +45,7 @@ from dlora.cluster.estimators.cost_model import (
     request_work,
     step_seconds,
 )
-from dlora.cluster.snapshots import AdapterTotals, LoadTotals, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import AdapterTotals, LoadTotals, ReplicaView, RequestLoad
 
 KV_HIGH = 0.90
 

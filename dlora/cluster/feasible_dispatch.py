@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 from dlora.cluster.dispatch import NoEligibleReplica, estimate
 from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
-from dlora.cluster.snapshots import ReplicaView, RequestLoad
+from dlora.cluster.policy_views import ReplicaView, RequestLoad
 from dlora.cost_params import CostParams
 from dlora.slo.config import AdapterSlo
 

@@ -13,6 +13,7 @@ from dlora.cluster import feasible_dispatch
 from dlora.cluster.adapter_residency import AdapterResidency
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.policy_views import ReplicaView
 from dlora.cluster.replica_pool import ReplicaPool
 from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.cluster.replica_views import ReplicaViews
@@ -20,7 +21,6 @@ from dlora.cluster.request_state import RequestState
 from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
-from dlora.cluster.snapshots import ReplicaView
 
 
 class ReplicaChooser:

@@ -56,7 +56,7 @@ class ReplicaPool:
         """The replica's slot, None once it was removed (`Router.drain`)."""
         return next((s for s in self.slots if s.replica_id == replica_id), None)
 
-    def healthy_ids(self) -> list[int]:
+    def serving_ids(self) -> list[int]:
         return [s.replica_id for s in self.slots if s.serving]
 
     def any_serving(self, besides: ReplicaSlot | None = None) -> bool:

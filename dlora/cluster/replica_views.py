@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dlora.cluster.estimators.cost_model import step_left
+from dlora.cluster.policy_views import LoadTotals, ReplicaView, RequestLoad
 from dlora.cluster.replica_pool import ReplicaPool
 from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
-from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
 
 
 class ReplicaViews:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.interruptible import InterruptibleStream
+from dlora.cluster.policy_views import RequestLoad
 from dlora.cluster.replica_slot import ReplicaSlot
-from dlora.cluster.snapshots import RequestLoad
 from dlora.replica.messages import GenerateRequest
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.policy_views import LoadTotals, RequestLoad
 from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.cluster.request_state import RequestState
-from dlora.cluster.snapshots import LoadTotals, RequestLoad
 from dlora.replica.errors import ReplicaFailure
 
 

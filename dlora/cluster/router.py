@@ -46,6 +46,7 @@ from dlora.cluster.adapter_residency import AdapterResidency, static_home
 from dlora.cluster.deadlines import Deadlines
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.policy_views import ReplicaView
 from dlora.cluster.queue_time import QueueTimes
 from dlora.cluster.replica_choice import ReplicaChooser
 from dlora.cluster.replica_pool import GAVE_UP_RETRY_S, ReplicaPool
@@ -56,7 +57,6 @@ from dlora.cluster.request_state import RequestState
 from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
-from dlora.cluster.snapshots import ReplicaView
 from dlora.cluster.stats_reader import StatsReader
 from dlora.replica.errors import ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
@@ -168,8 +168,8 @@ class Router:
     def find_slot(self, replica_id: int) -> ReplicaSlot | None:
         return self.pool.find_slot(replica_id)
 
-    def healthy_ids(self) -> list[int]:
-        return self.pool.healthy_ids()
+    def serving_ids(self) -> list[int]:
+        return self.pool.serving_ids()
 
     def may_serve_soon(self) -> bool:
         return self.pool.may_serve_soon()

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable
 
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.policy_views import IterationSample
 from dlora.cluster.request_state import RequestState
 from dlora.cluster.router_config import RouterConfig
-from dlora.cluster.snapshots import IterationSample
 from dlora.replica.messages import Delta
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.isolated import mean_params

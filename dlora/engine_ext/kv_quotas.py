@@ -2,7 +2,7 @@
 
 Runs inside vLLM's EngineCore process (the scheduler calls it each step).
 
-The quotas themselves are pure (`dlora.slo.kv_quota`): each active adapter's share of the KV
+The quotas themselves are pure (`dlora.slo.kv_shares`): each active adapter's share of the KV
 blocks, in proportion to its request rate over the last period, with unused quota lent out. Here
 they meet vLLM's requests: blocks in use per adapter are its admitted requests' computed tokens in
 blocks, a waiting request asks for its prompt's blocks, and each step the scheduler hides the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from dlora.slo.kv_quota import AdapterName, KvQuotas, blocks_for, plan_admissions
+from dlora.slo.kv_shares import AdapterName, KvQuotas, blocks_for, plan_admissions
 
 
 def _adapter(request) -> AdapterName:

@@ -54,15 +54,15 @@ DEFAULT_OUTPUT_TOKENS = 128  # a request with no cap, before any request finishe
 
 
 @dataclass(frozen=True, slots=True)
-class Work:
+class RemainingWork:
     """Known work of a set of requests: what T(S) above needs."""
 
     prompt_tokens: int = 0  # P: prompt tokens still to compute
     output_tokens: int = 0  # D: output tokens still to generate
     longest: int = 0  # the longest remaining output in the set
 
-    def __add__(self, other: Work) -> Work:
-        return Work(
+    def __add__(self, other: RemainingWork) -> RemainingWork:
+        return RemainingWork(
             self.prompt_tokens + other.prompt_tokens,
             self.output_tokens + other.output_tokens,
             max(self.longest, other.longest),
@@ -108,17 +108,17 @@ def remaining_output(r: RequestView, tail: LengthTail | None) -> int:
     return max(1, math.ceil(expected))
 
 
-def work_by_adapter(requests: Iterable[RequestView], tail: LengthTail | None) -> dict[AdapterKey, Work]:
+def work_by_adapter(requests: Iterable[RequestView], tail: LengthTail | None) -> dict[AdapterKey, RemainingWork]:
     """The requests' known work, by adapter (None: the base model)."""
-    out: dict[AdapterKey, Work] = {}
+    out: dict[AdapterKey, RemainingWork] = {}
     for r in requests:
         d = remaining_output(r, tail)
-        w = Work(max(0, r.num_prompt_tokens - r.num_computed_tokens), d, d)
-        out[r.adapter] = out.get(r.adapter, Work()) + w
+        w = RemainingWork(max(0, r.num_prompt_tokens - r.num_computed_tokens), d, d)
+        out[r.adapter] = out.get(r.adapter, RemainingWork()) + w
     return out
 
 
-def work_seconds(line: StepLine, work: Work, max_batch: int) -> float:
+def work_seconds(line: StepLine, work: RemainingWork, max_batch: int) -> float:
     """T(S): the seconds `work` takes run together in a weight state with step `line`."""
     if work.empty:
         return 0.0
@@ -126,8 +126,8 @@ def work_seconds(line: StepLine, work: Work, max_batch: int) -> float:
     return line.fixed_s * steps + line.per_prefill_token_s * work.prompt_tokens + line.per_seq_s * work.output_tokens
 
 
-def total(works: Iterable[Work]) -> Work:
-    out = Work()
+def total(works: Iterable[RemainingWork]) -> RemainingWork:
+    out = RemainingWork()
     for w in works:
         out = out + w
     return out
@@ -146,7 +146,7 @@ class SlicePlan:
 
 
 def rest_seconds(
-    works: Mapping[AdapterKey, Work], unmerged: StepLine, merged: StepLine, switch_s: float, max_batch: int
+    works: Mapping[AdapterKey, RemainingWork], unmerged: StepLine, merged: StepLine, switch_s: float, max_batch: int
 ) -> float:
     """R(S) of the docstring: the work after a slice, run all unmerged or sliced adapter by adapter
     (each merged, one switch each; the base model's requests unmerged), whichever is sooner."""
@@ -160,7 +160,7 @@ def rest_seconds(
 
 
 def slice_gain(
-    works: Mapping[AdapterKey, Work],
+    works: Mapping[AdapterKey, RemainingWork],
     adapter: str,
     unmerged: StepLine,
     merged: StepLine,
@@ -169,7 +169,7 @@ def slice_gain(
 ) -> SlicePlan:
     """gain(adapter) of the docstring: T_unmerged(all) - [2 t_switch + T_merged(X) + R(rest)]."""
     everything = total(works.values())
-    own = works.get(adapter, Work())
+    own = works.get(adapter, RemainingWork())
     rest = {a: w for a, w in works.items() if a != adapter}
     merged_s = work_seconds(merged, own, max_batch)
     planned = 2 * switch_s + merged_s + rest_seconds(rest, unmerged, merged, switch_s, max_batch)
@@ -177,7 +177,7 @@ def slice_gain(
 
 
 def stay_pays(
-    works: Mapping[AdapterKey, Work],
+    works: Mapping[AdapterKey, RemainingWork],
     adapter: str,
     unmerged: StepLine,
     merged: StepLine,
@@ -186,7 +186,7 @@ def stay_pays(
 ) -> bool:
     """Merged on `adapter`: finishing its work merged, then the rest, beats unmerging now (the
     switch into this slice is paid already)."""
-    if works.get(adapter, Work()).empty:
+    if works.get(adapter, RemainingWork()).empty:
         return False
     # slice_gain charges the switches into and out of the slice; merged already, the switch in is
     # paid and the switch out comes either way.

@@ -41,7 +41,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 from dlora.adapters.lifecycle import ref_of
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, SamplingSpec, TokenLogprob
 from dlora.server.errors import APIError, as_api_error
-from dlora.server.generation import STOP, Job, lookup_adapter, run_jobs
+from dlora.server.generation import STOP, ChoiceJob, lookup_adapter, run_jobs
 from dlora.server.state import ServerState
 from dlora.server.validation import check_sampling, check_seed
 
@@ -121,7 +121,7 @@ def check_prompt(ids: list[int], vocab_size: int) -> None:
         raise VLLMValidationError(f"prompt token ids must lie in [0, {vocab_size})", parameter="prompt")
 
 
-def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter, priority: int) -> list[Job]:
+def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter, priority: int) -> list[ChoiceJob]:
     """One routed request per sample; seeds `seed + i`, as vLLM's parallel sampling gives them."""
     jobs = []
     for i in range(n):
@@ -129,7 +129,7 @@ def legs(request_id: str, prompt: list[int], spec: SamplingSpec, n: int, adapter
         sampling = dataclasses.replace(spec, seed=seed)
         leg_id = request_id if n == 1 else f"{i}_{request_id}"
         req = GenerateRequest(leg_id, tuple(prompt), sampling, adapter, priority=priority)
-        jobs.append(Job(index=i, request=req))
+        jobs.append(ChoiceJob(index=i, request=req))
     return jobs
 
 

@@ -19,7 +19,7 @@ from dlora.server.errors import APIError
 
 
 @dataclass(frozen=True)
-class Job:
+class ChoiceJob:
     """One completion (choice `index` of its prompt), as the request a replica runs."""
 
     index: int
@@ -58,8 +58,8 @@ STOP = object()  # put in run_jobs' queue: the run ends there, as if its caller 
 
 
 async def run_jobs(
-    state, jobs: list[Job], adapter_label: str, queue: asyncio.Queue | None = None
-) -> AsyncIterator[tuple[Job, Delta]]:
+    state, jobs: list[ChoiceJob], adapter_label: str, queue: asyncio.Queue | None = None
+) -> AsyncIterator[tuple[ChoiceJob, Delta]]:
     """Run every job concurrently and yield (job, delta) in arrival order.
 
     Leaving the iterator early (client disconnect, error) cancels every job, which aborts the
@@ -68,7 +68,7 @@ async def run_jobs(
     queue = asyncio.Queue() if queue is None else queue
     done_marker = object()
 
-    async def run(job: Job) -> None:
+    async def run(job: ChoiceJob) -> None:
         tracker = state.metrics.track(adapter_label, len(job.request.prompt_token_ids))
         status = "error"
         try:

@@ -12,9 +12,9 @@ from dlora.cluster.migration.ilp import plan_migration
 from dlora.cluster.migration.queued import QueuedConfig, plan_queued
 from dlora.cluster.migration.simulated_gain import checked
 from dlora.cluster.migration.trigger import TriggerConfig, check_trigger
-from dlora.cluster.snapshots import ClusterView
+from dlora.cluster.policy_views import ClusterView
 from dlora.config import ClusterConfig
-from dlora.sim.model_io import Job, ReplicaModel
+from dlora.sim.model_io import ReplicaModel, TraceRequest
 from dlora.sim.replica_model import TICK, WAITED, ModelledCluster, SimReplica
 from dlora.slo.config import SloConfig
 
@@ -35,7 +35,7 @@ class Static(ModelledCluster):
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,
@@ -61,7 +61,7 @@ class LateBinding(ModelledCluster):
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,
@@ -90,7 +90,7 @@ class Moves(ModelledCluster):
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,
@@ -142,7 +142,7 @@ class Balancer(SoonestStart):
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,
@@ -190,7 +190,7 @@ class BalancerEvents(Balancer):
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,

@@ -27,7 +27,7 @@ from dlora.cluster.autoscale import Autoscaler, DrainCost, LoadSample, drain_cho
 from dlora.cluster.dispatch import NoEligibleReplica
 from dlora.config import AutoscaleConfig
 from dlora.sim.disciplines import SoonestStart
-from dlora.sim.model_io import Job, Outcome, ReplicaModel
+from dlora.sim.model_io import Outcome, ReplicaModel, TraceRequest
 from dlora.sim.replica_model import TICK, SimReplica
 from dlora.slo.config import SloConfig
 
@@ -56,7 +56,7 @@ class ElasticOutcome:
 class _Elastic(SoonestStart):
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         model: ReplicaModel,
         cfg: AutoscaleConfig,
         initial: int,
@@ -223,7 +223,7 @@ class _Window:
 
 
 def simulate_elastic(
-    jobs: Sequence[Job],
+    jobs: Sequence[TraceRequest],
     model: ReplicaModel,
     cfg: AutoscaleConfig,
     initial: int | None = None,

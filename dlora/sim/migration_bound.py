@@ -74,7 +74,7 @@ machine here runs:
 - `dispatch: slo_feasible | best_fit`: dispatch at arrival by Aladdin's feasibility checks
   (`dlora.cluster.feasible_dispatch.choose`) over the same views, each running request's seconds
   since its first token as its decode time, and each request's SLO as the accounting sets it.
-- `kv_quotas`: MuxServe's per-adapter KV quotas (`dlora.slo.kv_quota.KvQuotas`, one per replica,
+- `kv_quotas`: MuxServe's per-adapter KV quotas (`dlora.slo.kv_shares.KvQuotas`, one per replica,
   fed with each request dispatched there and re-adapted every `quota_period_s`). Once a period has
   set quotas, `plan_admissions` decides each step which queued requests may start: every request
   its adapter's quota covers first, in the replica's order, then borrowers while blocks are free.
@@ -107,7 +107,7 @@ from dlora.sim.disciplines import (
     SoonestStart,
     Static,
 )
-from dlora.sim.model_io import Job, Outcome, ReplicaModel
+from dlora.sim.model_io import Outcome, ReplicaModel, TraceRequest
 from dlora.sim.replica_model import ModelledCluster
 from dlora.slo.config import SloConfig
 
@@ -121,7 +121,7 @@ CHECK_DRAWS = ClusterConfig().migration_check_draws  # the server's default
 
 
 def make_model(
-    jobs: Sequence[Job],
+    jobs: Sequence[TraceRequest],
     replicas: int,
     model: ReplicaModel,
     discipline: str,
@@ -165,7 +165,7 @@ _Model = make_model  # the name the simulators' tests build models by
 
 
 def simulate(
-    jobs: Sequence[Job],
+    jobs: Sequence[TraceRequest],
     replicas: int,
     model: ReplicaModel,
     discipline: str,
@@ -178,7 +178,7 @@ def simulate(
     return make_model(jobs, replicas, model, discipline, oracle_lengths, move_after_s, homes, slo).run()
 
 
-def capacity_rps(model: ReplicaModel, replicas: int, jobs: Sequence[Job]) -> float:
+def capacity_rps(model: ReplicaModel, replicas: int, jobs: Sequence[TraceRequest]) -> float:
     """Requests per second `replicas` modelled replicas complete on `jobs`' lengths with every
     running slot busy: a full batch's steps for the mean output, plus each request's prefill."""
     c = model.costs
@@ -192,12 +192,16 @@ def capacity_rps(model: ReplicaModel, replicas: int, jobs: Sequence[Job]) -> flo
     return replicas * b / per_batch
 
 
-def queue_delays(jobs: Sequence[Job], replicas: int, model: ReplicaModel, discipline: str, **kw) -> list[float]:
+def queue_delays(
+    jobs: Sequence[TraceRequest], replicas: int, model: ReplicaModel, discipline: str, **kw
+) -> list[float]:
     """Each job's seconds from arrival to its first admission under `discipline`."""
     return simulate(jobs, replicas, model, discipline, **kw).queue_s
 
 
-def bound(jobs: Sequence[Job], replicas: int, model: ReplicaModel, homes: Mapping[str, int] | None = None) -> dict:
+def bound(
+    jobs: Sequence[TraceRequest], replicas: int, model: ReplicaModel, homes: Mapping[str, int] | None = None
+) -> dict:
     """Mean queueing delay and latency under each discipline on `jobs` (and the static baseline,
     given `homes`), each migrating discipline's gain over dispatch alone, and the best of them."""
     runs = {d: simulate(jobs, replicas, model, d) for d in DISCIPLINES}

@@ -11,7 +11,7 @@ from dlora.slo.accounting import SloAccounting
 
 
 @dataclass(frozen=True)
-class Job:
+class TraceRequest:
     """One request of the trace: arrival second, adapter, prompt tokens, the tokens it will generate."""
 
     arrival: float

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from dlora.cluster import feasible_dispatch
 from dlora.cluster.dispatch import NoEligibleReplica, ProactiveDispatch
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator, length_stats
-from dlora.cluster.snapshots import ReplicaView, RequestLoad
-from dlora.sim.model_io import Job, Outcome, ReplicaModel
+from dlora.cluster.policy_views import ReplicaView, RequestLoad
+from dlora.sim.model_io import Outcome, ReplicaModel, TraceRequest
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.attainment import tpot_s
 from dlora.slo.config import SloConfig
-from dlora.slo.kv_quota import AdapterName, KvQuotas, plan_admissions
+from dlora.slo.kv_shares import AdapterName, KvQuotas, plan_admissions
 from dlora.slo.priority import LengthStats, sort_key
 
 # Event kinds, in the order events at one instant are handled: steps end and requests arrive
@@ -51,7 +51,7 @@ class ModelledCluster:
 
     def __init__(
         self,
-        jobs: Sequence[Job],
+        jobs: Sequence[TraceRequest],
         replicas: int,
         model: ReplicaModel,
         *,

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dlora.bench.adapter_slo import slo_summary
-from dlora.sim.migration_bound import Job, Outcome, ReplicaModel, simulate
+from dlora.sim.migration_bound import Outcome, ReplicaModel, TraceRequest, simulate
 from dlora.slo.config import SloConfig
 
 CONFIGS: dict[str, SloConfig] = {
@@ -37,7 +37,7 @@ CONFIGS: dict[str, SloConfig] = {
 }
 
 
-def report(jobs: Sequence[Job], outcome: Outcome) -> dict[str, Any]:
+def report(jobs: Sequence[TraceRequest], outcome: Outcome) -> dict[str, Any]:
     """bench/slo's per-run numbers for `outcome`, a run of `jobs` (every job finishes in the model)."""
     assert outcome.slo is not None  # `simulate` always judges its jobs
     slo = slo_summary(outcome.slo, Counter(j.adapter for j in jobs), None)
@@ -57,13 +57,13 @@ def report(jobs: Sequence[Job], outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def run(jobs: Sequence[Job], replicas: int, model: ReplicaModel, slo: SloConfig) -> dict[str, Any]:
+def run(jobs: Sequence[TraceRequest], replicas: int, model: ReplicaModel, slo: SloConfig) -> dict[str, Any]:
     """`jobs` dispatched at arrival over `replicas` modelled replicas under `slo`, reported."""
     return report(jobs, simulate(jobs, replicas, model, "at_arrival", slo=slo))
 
 
 def replicas_for(
-    traces: Sequence[Sequence[Job]],
+    traces: Sequence[Sequence[TraceRequest]],
     model: ReplicaModel,
     slo: SloConfig,
     target: float = 0.99,

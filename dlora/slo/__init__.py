@@ -5,7 +5,7 @@
 - `attainment`: per-request attainment (TTFT and TPOT both met), per-adapter counters, SeaLLM's
   normalized latency (Eq. 1);
 - `priority`: SeaLLM's preemptive doubling-budget order (§4.2, Algorithm 2);
-- `kv_quota`: MuxServe's per-adapter KV block quotas with lending (ADBS, Algorithm 3);
+- `kv_shares`: MuxServe's per-adapter KV block quotas with lending (ADBS, Algorithm 3);
 - `reopt_period`: SeaLLM's adaptive re-optimisation period (Eq. 8);
 - `accounting`: which SLO each finished request is held to and the per-adapter counts (what the
   router exports to /metrics and `dlora bench` reports);

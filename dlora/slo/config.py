@@ -17,7 +17,7 @@ yields the two targets dispatch and attainment use.
 Which policies run: `order` (fcfs: dLoRA's arrival order; seallm: the doubling-budget priority of
 `dlora.slo.priority`), `dispatch` (least_pending: dLoRA's proactive dispatch; slo_feasible and
 best_fit: `dlora.cluster.feasible_dispatch`), `kv_quotas` (MuxServe's per-adapter KV quotas,
-`dlora.slo.kv_quota`), and the re-optimisation period (SeaLLM Eq. 8, `dlora.slo.reopt_period`).
+`dlora.slo.kv_shares`), and the re-optimisation period (SeaLLM Eq. 8, `dlora.slo.reopt_period`).
 
 A bad value raises ValueError naming the key (`slo.<name>`) and the value.
 """

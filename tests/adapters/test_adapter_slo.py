@@ -14,7 +14,7 @@ from dlora.config import AdapterSpec
 from dlora.replica.messages import GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import ToyReplica
 from dlora.slo.config import AdapterSlo
-from tests.adapters.test_placement import manager
+from tests.adapters.test_registration_placement import manager
 
 INFO = AdapterInfo(path="/x/a", rank=8, alpha=16.0, target_modules=("q_proj",), size_bytes=10)
 OWN = AdapterSlo(ttft_s=0.5, tpot_s=0.05)

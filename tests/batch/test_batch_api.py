@@ -310,7 +310,7 @@ def test_lines_wait_out_a_cluster_with_no_replica_up_and_then_finish(tiny_model,
             # The lines in flight fail over, find no replica up and, past the router's grace, are
             # answered 503 (an online client would get it); batch lines wait for the replica.
             await asyncio.sleep(state.router.cfg.recovery_grace_s + 2)
-            assert not state.router.healthy_ids()
+            assert not state.router.serving_ids()
             assert (await client.batches.retrieve(batch.id)).request_counts.failed == 0
             replica.back.set()
             done = await until(client, batch.id, ("completed",), timeout=60)

@@ -14,10 +14,10 @@ from dlora.adapters.validate import BaseModelShapes
 from dlora.batch.cli import PlanEta
 from dlora.batch.execute import ServerPlanner, merge_prior
 from dlora.batch.lines import BatchLine
-from dlora.batch.predict import Work
+from dlora.batch.predict import RequestWork
 from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
-from dlora.cluster.snapshots import IterationSample
+from dlora.cluster.policy_views import IterationSample
 from dlora.config import BatchConfig
 from dlora.scheduling.config import MERGED_COST_PRIORS, BatchingConfig, einsum_merged_cost
 
@@ -74,18 +74,18 @@ def state(backend="einsum", ratio=None, router=None):
 
 def test_the_prior_is_the_mean_fraction_of_the_batchs_requests():
     big = SMOLLM2.lora_fraction(64, ALL)
-    works = [[Work("big", 10, 5)], [Work(None, 10, 5), Work("gone", 10, 5)]]
+    works = [[RequestWork("big", 10, 5)], [RequestWork(None, 10, 5), RequestWork("gone", 10, 5)]]
     # "big", the base model and an adapter no longer registered (its line fails on its own): 0
     assert merge_prior(state(), works) == pytest.approx(einsum_merged_cost(big / 3))
-    assert merge_prior(state(), [[Work("big", 1, 1)]]) == pytest.approx(einsum_merged_cost(big))
+    assert merge_prior(state(), [[RequestWork("big", 1, 1)]]) == pytest.approx(einsum_merged_cost(big))
 
 
 @pytest.mark.parametrize(
     "s, works",
     [
-        (state(backend="vllm"), [[Work("big", 1, 1)]]),  # another backend keeps its own prior
-        (state(ratio=0.7), [[Work("big", 1, 1)]]),  # so does one the operator set
-        (state(), [[Work(None, 1, 1)]]),  # nothing to merge
+        (state(backend="vllm"), [[RequestWork("big", 1, 1)]]),  # another backend keeps its own prior
+        (state(ratio=0.7), [[RequestWork("big", 1, 1)]]),  # so does one the operator set
+        (state(), [[RequestWork(None, 1, 1)]]),  # nothing to merge
     ],
 )
 def test_no_prior_where_the_backends_own_stands(s, works):
@@ -101,7 +101,7 @@ def router(*models: ReplicaCostModel):
     by_id = dict(enumerate(models))
     return SimpleNamespace(
         cost_models=by_id,
-        healthy_ids=lambda: list(by_id),
+        serving_ids=lambda: list(by_id),
         recount=lambda: None,
         views=lambda: [SimpleNamespace(replica_id=rid, requests=()) for rid in by_id],
         output_lengths=OutputLengthEstimator(),
@@ -117,7 +117,9 @@ class Recording(ServerPlanner):
 def planned_params(*models: ReplicaCostModel) -> CostParams:
     """The step costs the planner prices a batch of two rank-64 lines with (one set for all replicas)."""
     lines = [BatchLine(n, f"c{n}", "/v1/completions", {"model": "big", "prompt": "x"}) for n in (1, 2)]
-    planner = Recording(state(router=router(*models)), known_works={1: [Work("big", 1, 4)], 2: [Work("big", 1, 4)]})
+    planner = Recording(
+        state(router=router(*models)), known_works={1: [RequestWork("big", 1, 4)], 2: [RequestWork("big", 1, 4)]}
+    )
     asyncio.run(planner.plan(lines))
     shared = set(planner.params.values())
     assert len(shared) == 1
@@ -165,7 +167,7 @@ def test_the_progress_eta_prices_merged_steps_as_the_planner_does():
         tracker = PlanEta.__new__(PlanEta)  # its works given, not counted by a tokenizer
         tracker.state = state(router=router(*models))
         tracker.lines = [BatchLine(n, f"c{n}", "/v1/completions", {"model": adapter, "prompt": "x"}) for n in range(8)]
-        tracker.works = [[Work(adapter, 100, 50, exact=True)] for _ in tracker.lines]
+        tracker.works = [[RequestWork(adapter, 100, 50, exact=True)] for _ in tracker.lines]
         return tracker.eta_s({})
 
     big, small = eta("big"), eta("small")

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dlora.batch.plan import MERGED, UNMERGED, Job, choose_plan, dispatch_plan, plan_stages, simulate_s
+from dlora.batch.plan import MERGED, UNMERGED, PlannedLine, choose_plan, dispatch_plan, plan_stages, simulate_s
 from dlora.cluster.estimators.cost_model import CostParams
 
 
@@ -18,19 +18,19 @@ def params(it=1.0, dec=0.0, pre=0.0, batch=32, merged=0.5) -> CostParams:
     )
 
 
-def jobs_of(counts: dict[str, int], output: int = 10) -> list[Job]:
+def jobs_of(counts: dict[str, int], output: int = 10) -> list[PlannedLine]:
     """`counts` jobs per adapter, interleaved as a batch file would have them."""
     out, left = [], dict(counts)
     while any(left.values()):
         for a in counts:
             if left[a]:
-                out.append(Job(a, (0,), (output,)))
+                out.append(PlannedLine(a, (0,), (output,)))
                 left[a] -= 1
     return out
 
 
 def test_two_large_adapters_run_merged_one_per_replica():
-    jobs = [Job(a, (0,), (10,)) for _ in range(32) for a in ("a", "a", "b", "b")]
+    jobs = [PlannedLine(a, (0,), (10,)) for _ in range(32) for a in ("a", "a", "b", "b")]
     p = params()
     plan = plan_stages(jobs, [p, p])
     assert sorted((s.mode, s.adapter) for s in plan.segments) == [(MERGED, "a"), (MERGED, "b")]
@@ -59,7 +59,7 @@ def test_small_adapters_share_one_unmerged_batch_adapter_by_adapter():
 
 def test_a_replica_takes_its_next_segment_when_its_last_one_ends():
     rng = random.Random(1)
-    jobs = [Job(f"a{rng.choice(range(6))}", (rng.randint(1, 50),), (rng.randint(1, 80),)) for _ in range(600)]
+    jobs = [PlannedLine(f"a{rng.choice(range(6))}", (rng.randint(1, 50),), (rng.randint(1, 80),)) for _ in range(600)]
     ps = [params(it=0.01, dec=0.001, pre=0.0001, batch=8), params(it=0.02, dec=0.001, pre=0.0001, batch=8)]
     plan = plan_stages(jobs, ps)
     assert sorted(i for s in plan.segments for i in s.jobs) == list(range(len(jobs)))  # each job once
@@ -91,7 +91,7 @@ def test_the_plan_beats_sending_at_once_on_skewed_adapters():
     rng = random.Random(0)
     weights = [1 / (k + 1) for k in range(16)]
     jobs = [
-        Job(f"a{rng.choices(range(16), weights)[0]}", (rng.randint(10, 400),), (rng.randint(1, 300),))
+        PlannedLine(f"a{rng.choices(range(16), weights)[0]}", (rng.randint(10, 400),), (rng.randint(1, 300),))
         for _ in range(2000)
     ]
     ps = [params(it=0.004, dec=0.001, pre=0.0002, batch=32, merged=0.6)] * 2
@@ -101,7 +101,7 @@ def test_the_plan_beats_sending_at_once_on_skewed_adapters():
 def test_a_replica_busy_with_what_it_holds_starts_its_first_segment_after_it():
     # The test above's two merged adapters, with replica 0 busy for 25 s (the lines of an earlier
     # plan): replica 1 runs both adapters, one after the other (2 x 10 s), and ends first (20 s).
-    jobs = [Job(a, (0,), (10,)) for _ in range(32) for a in ("a", "a", "b", "b")]
+    jobs = [PlannedLine(a, (0,), (10,)) for _ in range(32) for a in ("a", "a", "b", "b")]
     p = params()
     plan = plan_stages(jobs, [p, p], busy_s=[25.0, 0.0])
     assert {s.replica for s in plan.segments} == {1}
@@ -128,8 +128,8 @@ def test_sent_at_once_new_jobs_share_the_batches_of_what_a_replica_holds():
     # request with 100 tokens left (1 s); one new 10-token job. With a free slot the engine runs
     # the two side by side: done at 1 s, not 1.1 s as back to back after the held work.
     p = CostParams(per_iteration_s=0.01, per_decode_token_s=0.0, per_prefill_token_s=0.0, max_batch=2, merged_ratio=1)
-    held = [[Job("h", (0,), (100,))]]
-    new = [Job("a", (0,), (10,))]
+    held = [[PlannedLine("h", (0,), (100,))]]
+    new = [PlannedLine("a", (0,), (10,))]
     assert dispatch_plan(new, [p], busy_s=[1.0], held=held).makespan_s == pytest.approx(1.0)
     assert dispatch_plan(new, [p], busy_s=[1.0]).makespan_s == pytest.approx(1.1)
     # With one slot the held request keeps it to the end: back to back after all.
@@ -139,4 +139,4 @@ def test_sent_at_once_new_jobs_share_the_batches_of_what_a_replica_holds():
 
 def test_no_replica_is_an_error():
     with pytest.raises(ValueError):
-        plan_stages([Job("a", (1,), (1,))], [])
+        plan_stages([PlannedLine("a", (1,), (1,))], [])

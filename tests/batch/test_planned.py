@@ -13,7 +13,7 @@ import pytest
 from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
 from dlora.batch.planned import ANY_REPLICA, LinePlan, QueuedSegment, line_plan, run_planned
-from dlora.batch.predict import Work
+from dlora.batch.predict import RequestWork
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.router import preferred_replica
@@ -126,7 +126,7 @@ def test_a_stop_starts_nothing_more_and_cancels_the_running_lines():
 
 def test_line_plan_groups_lines_and_orders_by_replica_ids():
     lines = [line(n) for n in range(1, 9)]
-    works = [[Work("a" if n % 4 in (1, 2) else "b", 10, 16)] for n in range(1, 9)]  # a a b b a a b b
+    works = [[RequestWork("a" if n % 4 in (1, 2) else "b", 10, 16)] for n in range(1, 9)]  # a a b b a a b b
     p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)
     plan = line_plan(lines, works, {3: p, 5: p}, lambda a: [], per_replica=4)
     assert set(plan.queues) == {3, 5} and plan.mode == "stages"
@@ -345,7 +345,7 @@ def test_a_plan_made_while_requests_run_starts_each_replica_after_what_it_holds(
 
     state = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4), batch=BatchConfig()))
     lines = [line(n) for n in range(1, 5)]
-    works = [[Work("a", 0, 16)] for _ in lines]
+    works = [[RequestWork("a", 0, 16)] for _ in lines]
     p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)
     # Replica 3 runs four requests of adapter "b" with 40 tokens each still to go (the only
     # longer length seen is 50, they have 10): 40 steps, merged (one adapter runs): 20 s.
@@ -370,7 +370,7 @@ def test_a_request_that_stopped_at_its_cap_only_says_its_length_is_longer():
 
     state = SimpleNamespace(cfg=SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4), batch=BatchConfig()))
     lines = [line(n) for n in range(1, 5)]
-    works = [[Work("a", 0, 64)] for _ in lines]
+    works = [[RequestWork("a", 0, 64)] for _ in lines]
     p = CostParams(per_iteration_s=1, per_decode_token_s=0, per_prefill_token_s=0, max_batch=4, merged_ratio=0.5)
     idle = {3: (), 5: ()}
     # One earlier request of "a" ended by itself after 16 tokens: each line is drawn at 16, 16

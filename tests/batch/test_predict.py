@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dlora.batch.predict import Prediction, Work, predict, sample_lengths, simulate_replica, works_of
+from dlora.batch.predict import Prediction, RequestWork, predict, sample_lengths, simulate_replica, works_of
 from dlora.cluster.estimators.cost_model import CostParams
 
 
@@ -80,16 +80,16 @@ def test_the_event_jumps_equal_a_step_by_step_simulation(seed):
 
 
 def test_lengths_are_drawn_from_the_adapters_history_and_capped():
-    works = [Work("a", 10, 3), Work("a", 10, 100), Work("b", 10, 7)]
+    works = [RequestWork("a", 10, 3), RequestWork("a", 10, 100), RequestWork("b", 10, 7)]
     seen = {"a": [5], "b": []}
     assert sample_lengths(works, lambda a: seen[a], random.Random(0)) == [3, 5, 7]
-    exact = [Work("a", 10, 3, exact=True), Work("a", 10, 100, exact=True)]
+    exact = [RequestWork("a", 10, 3, exact=True), RequestWork("a", 10, 100, exact=True)]
     assert sample_lengths(exact, lambda a: seen[a], random.Random(0)) == [3, 100]  # runs to max_tokens
 
 
 def test_requests_spread_over_replicas_as_dispatch_would_and_the_makespan_is_the_slowest():
     p = params(it=1, batch=1)
-    works = [Work(None, 0, 4) for _ in range(4)]
+    works = [RequestWork(None, 0, 4) for _ in range(4)]
     one = predict(works[:2], [p], lambda a: [])
     two = predict(works, [p, p], lambda a: [])
     assert one.makespan_s == 8 and two.makespan_s == 8
@@ -110,17 +110,17 @@ def test_a_line_becomes_its_engine_requests_with_their_prompt_sizes_and_caps():
         return len(text.split())
 
     one = works_of("/v1/completions", {"model": "base", "prompt": "a b c", "max_tokens": 5}, count, "base", 100)
-    assert one == [Work(None, 3, 5)]
+    assert one == [RequestWork(None, 3, 5)]
     fanned = works_of("/v1/completions", {"model": "x", "prompt": ["a", "a b"], "n": 2}, count, "base", 10)
-    assert fanned == [Work("x", 1, 9), Work("x", 1, 9), Work("x", 2, 8), Work("x", 2, 8)]
+    assert fanned == [RequestWork("x", 1, 9), RequestWork("x", 1, 9), RequestWork("x", 2, 8), RequestWork("x", 2, 8)]
     ids = works_of("/v1/completions", {"model": "x", "prompt": [1, 2, 3, 4], "max_tokens": 50}, count, "base", 20)
-    assert ids == [Work("x", 4, 16)]  # the context caps max_tokens
+    assert ids == [RequestWork("x", 4, 16)]  # the context caps max_tokens
     messages = [{"role": "user", "content": "a b"}, {"role": "user", "content": [{"text": "c"}]}]
     chat = {"model": "x", "messages": messages}
     assert works_of("/v1/chat/completions", chat | {"max_completion_tokens": 7}, count, "base", 100) == [
-        Work("x", 4 + 2 + 4 + 1, 7)
+        RequestWork("x", 4 + 2 + 4 + 1, 7)
     ]
     to_the_end = {"model": "x", "prompt": "a", "max_tokens": 6, "ignore_eos": True}
-    assert works_of("/v1/completions", to_the_end, count, "base", 100) == [Work("x", 1, 6, exact=True)]
+    assert works_of("/v1/completions", to_the_end, count, "base", 100) == [RequestWork("x", 1, 6, exact=True)]
     stops = to_the_end | {"stop": ["."]}  # a stop string can still end it early: its length is drawn
-    assert works_of("/v1/completions", stops, count, "base", 100) == [Work("x", 1, 6)]
+    assert works_of("/v1/completions", stops, count, "base", 100) == [RequestWork("x", 1, 6)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.autoscale_sim.run import fixed_mean, parse_args, per_minute, summarize
-from dlora.sim.migration_bound import Job
+from dlora.sim.migration_bound import TraceRequest
 
 
 def test_quick_is_small_and_written_outside_the_repository():
@@ -23,13 +23,15 @@ def test_bad_flags_are_refused_by_name(argv, needle, capsys):
 
 
 def test_fixed_mean_sizes_for_the_mean_rate_at_the_utilization_target():
-    jobs = [Job(float(i), "a", 1, 1, 1) for i in range(3600)]  # 1 req/s all day
+    jobs = [TraceRequest(float(i), "a", 1, 1, 1) for i in range(3600)]  # 1 req/s all day
     assert fixed_mean(jobs, per_replica=0.25, period=3600.0, most=32) == 5  # 1 / (0.25 * 0.8)
     assert fixed_mean(jobs, per_replica=0.25, period=3600.0, most=3) == 3
 
 
 def test_arrivals_per_minute():
-    got = per_minute([Job(1.0, "a", 1, 1, 1), Job(59.0, "a", 1, 1, 1), Job(130.0, "a", 1, 1, 1)])
+    got = per_minute(
+        [TraceRequest(1.0, "a", 1, 1, 1), TraceRequest(59.0, "a", 1, 1, 1), TraceRequest(130.0, "a", 1, 1, 1)]
+    )
     assert got == {"t": [30.0, 90.0, 150.0], "rps": [2 / 60, 0.0, 1 / 60]}
 
 

@@ -21,10 +21,10 @@ def test_last_progress_ignores_other_bars_and_waits_for_its_own() -> None:
 
 def test_replay_at_replan_censors_running_lines_so_they_run_to_their_cap() -> None:
     from bench.batch.replay import at_replan
-    from dlora.batch.predict import Work
+    from dlora.batch.predict import RequestWork
     from dlora.cluster.estimators.survival import UNBOUNDED
 
-    works = [Work("a", 10, 100)] * 4
+    works = [RequestWork("a", 10, 100)] * 4
     lengths = [5, 100, 100, 100]  # one stopped early; three will run to their max_tokens
     ended = [True, False, False, False]
     # after 10 tokens: one line ended at 5, three run on, only known to be longer than 10

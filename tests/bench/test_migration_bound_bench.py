@@ -8,7 +8,7 @@ import pytest
 
 from bench.cluster_balancing import run as cb
 from bench.migration_bound.run import REGIMES, draw_lengths, homes, parse_args, trace
-from dlora.sim.migration_bound import Job, ReplicaModel, capacity_rps
+from dlora.sim.migration_bound import ReplicaModel, TraceRequest, capacity_rps
 from dlora.sim.step_costs import StepCosts
 
 
@@ -41,7 +41,7 @@ def test_capacity_is_full_batches_of_the_mean_output_plus_prefill():
         lora_per_seq_s=0.0,
         lora_per_prefill_token_s=0.0,
     )
-    jobs = [Job(0, "x", 4, 3, 8), Job(0, "x", 4, 5, 8)]
+    jobs = [TraceRequest(0, "x", 4, 3, 8), TraceRequest(0, "x", 4, 5, 8)]
     # a batch of 2: 4 steps of 1 s for the mean output, plus 2 prompts x 4 tokens x 0.25 s = 6 s per 2 requests
     assert capacity_rps(ReplicaModel(max_running=2, costs=costs), 3, jobs) == pytest.approx(3 * 2 / 6)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.slo_sim.run import at_rate, parse_args, summarize
-from dlora.sim.migration_bound import Job
+from dlora.sim.migration_bound import TraceRequest
 
 
 def test_quick_is_one_small_scale_written_outside_the_repository():
@@ -23,8 +23,8 @@ def test_bad_flags_are_refused_by_name(capsys):
 
 
 def test_a_rate_rescales_the_arrival_times_only():
-    jobs = [Job(0.0, "a", 5, 3, 8), Job(2.0, "b", 6, 4, 8)]
-    assert at_rate(jobs, 4.0) == [Job(0.0, "a", 5, 3, 8), Job(0.5, "b", 6, 4, 8)]
+    jobs = [TraceRequest(0.0, "a", 5, 3, 8), TraceRequest(2.0, "b", 6, 4, 8)]
+    assert at_rate(jobs, 4.0) == [TraceRequest(0.0, "a", 5, 3, 8), TraceRequest(0.5, "b", 6, 4, 8)]
 
 
 def test_summary_is_taken_at_the_highest_load():

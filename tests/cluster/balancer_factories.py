@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dlora.cluster.migration.ilp import MigrationPlan
-from dlora.cluster.snapshots import ClusterView, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import ClusterView, ReplicaView, RequestLoad
 
 
 def make_request(

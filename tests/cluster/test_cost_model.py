@@ -12,7 +12,7 @@ from dlora.cluster.estimators.cost_model import (
     recompute_s,
     request_work,
 )
-from dlora.cluster.snapshots import IterationSample
+from dlora.cluster.policy_views import IterationSample
 from tests.cluster.balancer_factories import make_replica, make_request
 
 P = CostParams(per_iteration_s=0.0032, per_decode_token_s=0.001, per_prefill_token_s=0.0002, max_batch=32)

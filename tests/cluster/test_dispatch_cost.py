@@ -11,8 +11,8 @@ import pytest
 from dlora.cluster import router as router_mod
 from dlora.cluster.dispatch import estimate
 from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.policy_views import LoadTotals, ReplicaView, RequestLoad
 from dlora.cluster.router import Router, RouterConfig
-from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import ToyReplica
 

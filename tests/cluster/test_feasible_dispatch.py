@@ -17,7 +17,7 @@ from dlora.cluster.feasible_dispatch import (
     prefill_slack,
     ttft_bound,
 )
-from dlora.cluster.snapshots import LoadTotals, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import LoadTotals, ReplicaView, RequestLoad
 from dlora.slo.config import AdapterSlo
 
 # a step: 10 ms fixed + 5 ms per sequence; a prefill: 10 ms + 1 ms per token; adapter load 20 ms

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from dlora.batch.held_jobs import held_jobs
-from dlora.batch.plan import Job, simulate_s
+from dlora.batch.plan import PlannedLine, simulate_s
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining, planning_lengths
 from dlora.cluster.estimators.output_lengths import LengthHistory
@@ -23,7 +23,7 @@ def test_held_requests_run_running_first_then_the_queue_in_arrival_order():
     ]
     # No lengths observed: each runs its expected remainder.
     jobs = held_jobs(reqs, lambda a: [])
-    assert jobs == [Job("a", (0,), (50,)), Job("a", (200,), (30,)), Job("a", (100,), (50,))]
+    assert jobs == [PlannedLine("a", (0,), (50,)), PlannedLine("a", (200,), (30,)), PlannedLine("a", (100,), (50,))]
     # "run" and "early" (200-token prefill, 0.2 s) share the first steps; "early" ends after 30
     # steps (0.5 s), "late" takes its slot (0.1 s prefill) and runs 50 steps (0.5 s): 1.1 s;
     # "run" ended at 0.7 s.
@@ -34,7 +34,7 @@ def test_held_requests_run_running_first_then_the_queue_in_arrival_order():
 def test_a_running_requests_remaining_output_is_drawn_from_longer_observed_lengths():
     run = make_request("run", prompt=0, output=40, expected=41, running=True)
     # Only 100 is longer than the 40 generated: 60 steps left, whatever the seed.
-    assert [held_jobs([run], lambda a: [100, 5, 10], seed=s) for s in range(5)] == [[Job("a", (0,), (60,))]] * 5
+    assert [held_jobs([run], lambda a: [100, 5, 10], seed=s) for s in range(5)] == [[PlannedLine("a", (0,), (60,))]] * 5
 
 
 def test_running_requests_are_censored_at_what_they_have_generated():

@@ -10,7 +10,7 @@ from dlora.cluster.migration.greedy import greedy_moves
 from dlora.cluster.migration.ilp import plan_migration
 from dlora.cluster.migration.lp_solve import SolveResult, highs_available
 from dlora.cluster.migration.problem import MigrationConfig, build_problem, check_moves, evaluate
-from dlora.cluster.snapshots import ClusterView
+from dlora.cluster.policy_views import ClusterView
 from tests.cluster.balancer_factories import check_plan, make_replica, many
 
 SOLVERS = ["cbc"] + (["highs"] if highs_available() else [])

@@ -8,8 +8,8 @@ from dlora.cluster.dispatch import ProactiveDispatch
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
 from dlora.cluster.migration.problem import MigrationConfig, build_problem
+from dlora.cluster.policy_views import ClusterView
 from dlora.cluster.router import RequestState
-from dlora.cluster.snapshots import ClusterView
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from tests.cluster.balancer_factories import make_replica
 

@@ -127,7 +127,7 @@ def snapshot(router: Router, replicas: list[HeldReplica], views: bool = True) ->
         "in_flight": sorted(router.requests),
         "inflight_by_adapter": dict(router.inflight_by_adapter),
         "routed_counts": router.routed_counts(),
-        "healthy_ids": router.healthy_ids(),
+        "serving_ids": router.serving_ids(),
         "may_serve_soon": router.may_serve_soon(),
         "next_replica_id": router.next_replica_id,
         "adapter_rates": router.adapter_rates(60.0),

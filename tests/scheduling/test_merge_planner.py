@@ -17,7 +17,7 @@ from dlora.scheduling.dlora_policy import DLoRAPolicy
 from dlora.scheduling.merge_planner import (
     FinishedLengths,
     LengthTail,
-    Work,
+    RemainingWork,
     remaining_output,
     rest_seconds,
     slice_gain,
@@ -41,10 +41,10 @@ def view(rid: str, adapter: str | None, *, prompt: int, computed: int = 0, out: 
 def test_work_seconds_by_hand():
     # 20 decode steps (the longest request) pay the fixed cost; 100 prompt and 40 output tokens
     # pay theirs: 0.01·20 + 0.003·100 + 0.004·40 = 0.2 + 0.3 + 0.16
-    assert work_seconds(UNMERGED, Work(100, 40, 20), max_batch=64) == pytest.approx(0.66)
+    assert work_seconds(UNMERGED, RemainingWork(100, 40, 20), max_batch=64) == pytest.approx(0.66)
     # 200 output tokens through 8 sequences a step: at least 25 steps, not 20
-    assert work_seconds(UNMERGED, Work(0, 200, 20), max_batch=8) == pytest.approx(0.01 * 25 + 0.004 * 200)
-    assert work_seconds(UNMERGED, Work(), max_batch=8) == 0.0
+    assert work_seconds(UNMERGED, RemainingWork(0, 200, 20), max_batch=8) == pytest.approx(0.01 * 25 + 0.004 * 200)
+    assert work_seconds(UNMERGED, RemainingWork(), max_batch=8) == 0.0
 
 
 def test_remaining_output_is_conditioned_on_what_a_request_has_generated():
@@ -70,12 +70,12 @@ def test_work_by_adapter_sums_prompt_and_output_tokens():
         view("n1", None, prompt=10, cap=2),
     ]
     w = work_by_adapter(rs, None)
-    assert w == {"a": Work(100, 16, 10), "b": Work(30, 3, 3), None: Work(10, 2, 2)}
+    assert w == {"a": RemainingWork(100, 16, 10), "b": RemainingWork(30, 3, 3), None: RemainingWork(10, 2, 2)}
 
 
 def test_slice_gain_by_hand():
     # Two adapters, each 1,000 prompt tokens and 10 requests x 10 output tokens (longest 10).
-    works = {"a": Work(1000, 100, 10), "b": Work(1000, 100, 10)}
+    works = {"a": RemainingWork(1000, 100, 10), "b": RemainingWork(1000, 100, 10)}
     # all unmerged: 0.01·10 + 0.003·2000 + 0.004·200 = 0.1 + 6 + 0.8 = 6.9
     # a merged: 0.01·10 + 0.001·1000 + 0.001·100 = 1.2; b alone unmerged 0.1 + 3 + 0.4 = 3.5,
     # b merged 1.2 + a switch 0.05 = 1.25: R(rest) = 1.25
@@ -92,7 +92,7 @@ def test_slicing_short_decodes_does_not_pay_when_the_fixed_cost_dominates():
     # Decode only, 4 adapters x 2 requests x 32 tokens; a step's fixed cost dominates (0.05 s vs
     # 0.002 per sequence), so running one adapter's 2 requests alone costs almost a full step each.
     unmerged, merged = StepLine(0.05, 0.0, 0.002), StepLine(0.045, 0.0, 0.001)
-    works = {a: Work(0, 64, 32) for a in "abcd"}
+    works = {a: RemainingWork(0, 64, 32) for a in "abcd"}
     plan = slice_gain(works, "a", unmerged, merged, 0.002, 64)
     assert plan.gain_s < 0 and not plan.pays(0.0)
     assert not stay_pays(works, "a", unmerged, merged, 0.002, 64)

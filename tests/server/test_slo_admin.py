@@ -24,7 +24,7 @@ from dlora.server.metrics import Metrics
 from dlora.sim.toy_replica import ToyReplica
 from dlora.slo.config import SloConfig
 from tests.adapters.conftest import make_adapter, make_base
-from tests.adapters.test_placement import manager
+from tests.adapters.test_registration_placement import manager
 
 LOOSE = {"ttft_s": 60, "tpot_s": 10}  # met by any toy request
 TIGHT = {"ttft_s": 60, "tpot_s": 1e-6}  # no toy step is that short

@@ -7,13 +7,13 @@ import pytest
 
 from dlora.cluster.autoscale import AutoscaleConfig
 from dlora.sim.elastic import simulate_elastic
-from dlora.sim.migration_bound import Job, ReplicaModel, simulate
+from dlora.sim.migration_bound import ReplicaModel, TraceRequest, simulate
 
 
-def burst_then_lull(n_burst: int = 120, gap_s: float = 0.05) -> list[Job]:
+def burst_then_lull(n_burst: int = 120, gap_s: float = 0.05) -> list[TraceRequest]:
     """A burst of `n_burst` requests, then one request a minute for ten minutes."""
-    burst = [Job(i * gap_s, f"a{i % 4}", 64, 32, 32) for i in range(n_burst)]
-    lull = [Job(n_burst * gap_s + 60.0 * (k + 1), "a0", 64, 32, 32) for k in range(10)]
+    burst = [TraceRequest(i * gap_s, f"a{i % 4}", 64, 32, 32) for i in range(n_burst)]
+    lull = [TraceRequest(n_burst * gap_s + 60.0 * (k + 1), "a0", 64, 32, 32) for k in range(10)]
     return burst + lull
 
 
@@ -41,7 +41,9 @@ def test_a_burst_scales_out_and_the_lull_drains_back_to_the_minimum():
 
 def test_drains_move_running_requests_which_then_finish_whole():
     # a long burst keeps every replica busy when the scale-in comes
-    jobs = [Job(i * 0.01, f"a{i % 2}", 32, 400, 400) for i in range(40)] + [Job(200.0, "a0", 32, 4, 4)]
+    jobs = [TraceRequest(i * 0.01, f"a{i % 2}", 32, 400, 400) for i in range(40)] + [
+        TraceRequest(200.0, "a0", 32, 4, 4)
+    ]
     got = simulate_elastic(
         jobs, MODEL, cfg(max_replicas=3, scale_in_cooldown_s=5.0, capacity_rps_prior=100.0), initial=3, startup_s=0.0
     )

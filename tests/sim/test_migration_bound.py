@@ -2,7 +2,7 @@
 
 import pytest
 
-from dlora.sim.migration_bound import Job, ReplicaModel, bound, queue_delays, simulate
+from dlora.sim.migration_bound import ReplicaModel, TraceRequest, bound, queue_delays, simulate
 from dlora.sim.step_costs import StepCosts
 
 
@@ -20,8 +20,8 @@ def model(**kw) -> ReplicaModel:
     return ReplicaModel(**kw)
 
 
-def job(at: float, length: int, adapter: str = "x", cap: int = 10) -> Job:
-    return Job(at, adapter, prompt_len=4, output_len=length, max_tokens=cap)
+def job(at: float, length: int, adapter: str = "x", cap: int = 10) -> TraceRequest:
+    return TraceRequest(at, adapter, prompt_len=4, output_len=length, max_tokens=cap)
 
 
 @pytest.mark.parametrize("discipline", ["at_arrival", "late_binding"])
@@ -102,7 +102,7 @@ def test_a_full_kv_preempts_the_latest_arrival_which_recomputes_later():
     # blocks of 4 tokens, 2 per replica: A and B (3-token prompts) start with one block each; after
     # one token each needs 2, so B is preempted at t=1; A finishes at t=3, then B restarts
     # (re-prefilling its prompt and its token) and ends at t=5. Queueing counts its first start only.
-    jobs = [Job(0, "x", 3, 3, 8), Job(0, "x", 3, 3, 8)]
+    jobs = [TraceRequest(0, "x", 3, 3, 8), TraceRequest(0, "x", 3, 3, 8)]
     kv = model(max_running=2, kv_blocks=2, block_tokens=4)
     got = simulate(jobs, 1, kv, "at_arrival")
     assert (got.queue_s, got.latency_s, got.preemptions) == ([0.0, 0.0], [3.0, 5.0], 1)
@@ -110,7 +110,10 @@ def test_a_full_kv_preempts_the_latest_arrival_which_recomputes_later():
     got = simulate(jobs, 2, kv, "late_binding")
     assert (got.queue_s, got.latency_s, got.preemptions) == ([0.0, 0.0], [3.0, 3.0], 1)
     # a request whose KV does not fit waits although a running slot is free
-    assert queue_delays([Job(0, "x", 7, 2, 8), Job(0, "x", 7, 1, 8)], 1, kv, "at_arrival") == [0.0, 2.0]
+    assert queue_delays([TraceRequest(0, "x", 7, 2, 8), TraceRequest(0, "x", 7, 1, 8)], 1, kv, "at_arrival") == [
+        0.0,
+        2.0,
+    ]
 
 
 def test_the_balancers_own_planner_moves_a_request_queued_a_tick_to_a_free_replica():
@@ -177,7 +180,7 @@ def test_the_shipped_dispatch_sends_a_request_to_the_replica_whose_step_ends_fir
     # of 10, B to 100), so dLoRA's dispatch sends C there, to wait out A's prefill (4.5 s); the
     # shipped dispatch sees that replica 1 starts its next step 4 s sooner and sends C there.
     costs = step_costs(per_prefill_token_s=0.001)
-    jobs = [Job(0, "x", 4000, 1, 10), Job(0, "x", 4, 100, 100), Job(0.5, "x", 4, 1, 10)]
+    jobs = [TraceRequest(0, "x", 4000, 1, 10), TraceRequest(0, "x", 4, 100, 100), TraceRequest(0.5, "x", 4, 1, 10)]
     two_slots = model(max_running=2, costs=costs)
     assert queue_delays(jobs, 2, two_slots, "at_arrival") == [0.0, 0.0, pytest.approx(4.5)]
     assert queue_delays(jobs, 2, two_slots, "soonest_start") == [0.0, 0.0, pytest.approx(0.504)]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dlora.sim.migration_bound import Job, _Model, simulate
+from dlora.sim.migration_bound import TraceRequest, _Model, simulate
 from dlora.sim.slo_study import CONFIGS, replicas_for, report, run
 from dlora.slo.config import SloConfig
 from dlora.slo.priority import LengthStats
@@ -18,7 +18,7 @@ from tests.sim.test_migration_bound import job, model
 SEALLM = SloConfig(order="seallm")
 
 
-def seallm_model(jobs: list[Job], replicas: int, **kw) -> _Model:
+def seallm_model(jobs: list[TraceRequest], replicas: int, **kw) -> _Model:
     """A SeaLLM-ordered model whose estimator already knows adapter `s` (8 finished requests of 2
     tokens: O_r = 2 x 2 = 4 for a fresh one) and `l` (8 of 8 tokens: O_r = 8 x 8 = 64)."""
     m = _Model(jobs, replicas, model(**kw), "at_arrival", False, 0.1, None, SEALLM)
@@ -54,7 +54,7 @@ def test_seallm_order_picks_the_request_a_full_kv_preempts():
     # each after one token (t=1), so one is preempted. FCFS: the latest arrival (the second,
     # adapter s), which ends at 5; SeaLLM's order: the one last in its order, l's (O 7 x 8 = 56
     # against s's 1 x 2 = 2), so s ends at 3 and l, recomputed, at 5.
-    jobs = [Job(0, "l", 3, 3, 8), Job(0, "s", 3, 3, 8)]
+    jobs = [TraceRequest(0, "l", 3, 3, 8), TraceRequest(0, "s", 3, 3, 8)]
     kv = {"max_running": 2, "kv_blocks": 2, "block_tokens": 4}
     fcfs = simulate(jobs, 1, model(**kv), "at_arrival")
     assert (fcfs.latency_s, fcfs.preemptions) == ([3.0, 5.0], 1)
@@ -85,19 +85,19 @@ def test_best_fit_packs_where_slo_feasible_spreads(dispatch, second_on, second_w
     assert got.queue_s == [0.0, second_waits] and got.infeasible_dispatches == 0
 
 
-def quota_run(jobs: list[Job], kv_quotas: bool):
+def quota_run(jobs: list[TraceRequest], kv_quotas: bool):
     """One replica with 4 KV blocks of 4 tokens (a 1-token prompt holds one for its first 3 tokens)
     and running slots to spare, quotas re-adapted every 2 s."""
     slo = SloConfig(kv_quotas=kv_quotas, quota_period_s=2.0)
     return simulate(jobs, 1, model(max_running=8, kv_blocks=4, block_tokens=4), "at_arrival", slo=slo)
 
 
-def hot(at: float, length: int = 3) -> Job:
-    return Job(at, "h", 1, length, 8)
+def hot(at: float, length: int = 3) -> TraceRequest:
+    return TraceRequest(at, "h", 1, length, 8)
 
 
-def cold(at: float, length: int = 1) -> Job:
-    return Job(at, "c", 1, length, 8)
+def cold(at: float, length: int = 1) -> TraceRequest:
+    return TraceRequest(at, "c", 1, length, 8)
 
 
 def test_kv_quotas_make_a_hot_adapters_borrower_wait():
@@ -143,7 +143,7 @@ def test_attainment_is_judged_against_the_relative_slo():
 def test_the_configurations_run_and_the_search_finds_the_fewest_replicas():
     # six one-token requests at t=0, one slot per replica: one replica gives TTFTs 1..6 s (the sixth
     # misses 5 s), two give 1, 1, 2, 2, 3, 3 s
-    jobs = [Job(0, "x", 1, 1, 8) for _ in range(6)]
+    jobs = [TraceRequest(0, "x", 1, 1, 8) for _ in range(6)]
     kv = model(kv_blocks=4, block_tokens=4)
     for slo in CONFIGS.values():
         assert run(jobs, 1, kv, slo)["slo_attainment"] == pytest.approx(5 / 6)

@@ -31,7 +31,7 @@ from collections import deque
 
 import numpy as np
 
-from dlora.cluster.snapshots import AdapterName, IterationSample, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import AdapterName, IterationSample, ReplicaView, RequestLoad
 from dlora.cost_params import CostParams, step_seconds
 
 MIN_SAMPLES = 8  # steps needed before the fit replaces the priors

@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.estimators.replica_sim import simulate_replica
 from dlora.cluster.estimators.survival import UNBOUNDED, Observation, quantile_lengths
-from dlora.cluster.snapshots import AdapterName, RequestLoad
+from dlora.cluster.policy_views import AdapterName, RequestLoad
 from dlora.cost_params import CostParams
 
 

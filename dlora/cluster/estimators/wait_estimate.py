@@ -24,7 +24,7 @@ import dataclasses
 import heapq
 
 from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
-from dlora.cluster.snapshots import ReplicaView, RequestLoad
+from dlora.cluster.policy_views import ReplicaView, RequestLoad
 from dlora.cost_params import CostParams, step_seconds
 
 

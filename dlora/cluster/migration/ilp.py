@@ -40,7 +40,7 @@ from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.migration.greedy import greedy_moves
 from dlora.cluster.migration.lp_solve import Clock, resolve_solver, solve
 from dlora.cluster.migration.problem import MigrationConfig, MigrationProblem, build_problem, evaluate
-from dlora.cluster.snapshots import AdapterName, ClusterView
+from dlora.cluster.policy_views import AdapterName, ClusterView
 
 Move = tuple[int, int, int]  # (group index, request index in the group, receiver index)
 

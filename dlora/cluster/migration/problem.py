@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.estimators.cost_model import CostParams, pending_time, recompute_s, request_work
-from dlora.cluster.snapshots import AdapterName, ClusterView, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import AdapterName, ClusterView, ReplicaView, RequestLoad
 
 PLANNERS = ("auto", "highs", "cbc", "greedy")  # auto = HiGHS if highspy is installed, else CBC
 

@@ -30,7 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.migration.trigger import Trigger
-from dlora.cluster.snapshots import AdapterName, ReplicaView, RequestLoad
+from dlora.cluster.policy_views import AdapterName, ReplicaView, RequestLoad
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.wait_estimate import queue_order, start_times, total_wait
 from dlora.cluster.migration.queued import QueuedPlan, is_queued, main_source
 from dlora.cluster.migration.trigger import Trigger
-from dlora.cluster.snapshots import ReplicaView, RequestLoad
+from dlora.cluster.policy_views import ReplicaView, RequestLoad
 
 
 @dataclass(frozen=True, slots=True)

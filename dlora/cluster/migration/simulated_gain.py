@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining, finish_times
 from dlora.cluster.migration.ilp import MigrationPlan
-from dlora.cluster.snapshots import AdapterName, ReplicaView
+from dlora.cluster.policy_views import AdapterName, ReplicaView
 
 
 @dataclass(frozen=True)

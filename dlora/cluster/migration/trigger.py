@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlora.cluster.snapshots import ReplicaView
+from dlora.cluster.policy_views import ReplicaView
 
 
 @dataclass(frozen=True, slots=True)

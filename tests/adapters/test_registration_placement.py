@@ -1,6 +1,6 @@
 """Registration places an adapter by demand: one replica checks it (refused: never recorded), pinned
 ones go everywhere, a new version goes where the old one is, an unload leaves no replica holding it
-(router over simulated replicas; the real server: tests/server/test_placement.py)."""
+(router over simulated replicas; the real server: tests/server/test_host_lora_cache.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dlora.slo.kv_quota import (
+from dlora.slo.kv_shares import (
     Admission,
     KvQuotas,
     admit,

@@ -33,9 +33,6 @@ from dlora.config import BatchConfig
 
 log = logging.getLogger(__name__)
 
-# Lines handled between two chances for everything else to run (a few ms of work: a file of 50,000
-# refused lines would otherwise hold every stream for about a second), paced.
-YIELD_EVERY = 256
 SAVE_EVERY_S = 1.0  # how often a running batch's counts are written (the journal has every line anyway)
 
 
@@ -80,8 +77,8 @@ class BatchRun:
         record, shared = self.record, self.shared
         try:
             path = shared.files.content_path(record.input_file_id)
-            limit, pause = shared.cfg.max_requests, self._pacer().pause
-            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, shared.rules, pause)
+            limit, step = shared.cfg.max_requests, self._pacer().step
+            parsed = await asyncio.to_thread(read_batch_file, path, record.endpoint, limit, shared.rules, step)
         except (FileNotFound, FileNotFoundError):
             await self._fail("file_not_found", f"the input file {record.input_file_id} no longer exists")
             return None
@@ -106,11 +103,11 @@ class BatchRun:
         journal = Journal(lambda group: shared.store.append_results(record.id, group))
         try:
             pacer = self._pacer()
-            for k, item in enumerate(parsed):
+            # A file of 50,000 refused lines would otherwise hold every stream for about a second.
+            for item in parsed:
                 if isinstance(item, LineError) and item.line not in done:
                     self._finish_line(done, journal, item.line, error_output(item))
-                if k % YIELD_EVERY == YIELD_EVERY - 1:
-                    await pacer.apause()
+                await pacer.astep()
             todo = [item for item in parsed if isinstance(item, BatchLine) and item.line not in done]
 
             def stopping() -> bool:
@@ -149,9 +146,8 @@ class BatchRun:
         outputs: list[dict] = []
         errors: list[dict] = []
         pacer = self._pacer()
-        for k, item in enumerate(parsed):
-            if k % YIELD_EVERY == YIELD_EVERY - 1:
-                await pacer.apause()
+        for item in parsed:
+            await pacer.astep()
             output = done.get(item.line)
             if output is None and ending == "expired":
                 why = "the batch expired before this request ran"
@@ -173,14 +169,13 @@ class BatchRun:
         never lost; it counts)."""
         record, shared = self.record, self.shared
         owner, keep = record.owner, shared.cfg.retention_s
-        pause = self._pacer().pause
+        step = self._pacer().step
 
         def write():  # encoding a large file takes a while: off the event loop too, and paced
             parts = []
-            for k, line in enumerate(lines):
+            for line in lines:
                 parts.append(json.dumps(line) + "\n")
-                if k % YIELD_EVERY == YIELD_EVERY - 1:
-                    pause()
+                step()
             content = "".join(parts).encode()
             return shared.files.create(content, f"{record.id}_{kind}.jsonl", "batch_output", owner, keep)
 

@@ -16,21 +16,38 @@ from collections.abc import Callable
 
 SHARE_WHILE_ONLINE = 0.25  # of the time batch bookkeeping may work while online requests are in flight
 MAX_WAIT_S = 0.5  # one wait at most: a slow slice (a disk stall) does not hold batch work for long
+SLICE_ITEMS = 256  # items (lines) of a slice: a few ms of work between two chances for anything else
 
 
 class Pacer:
-    """Call `pause()` (in a worker thread) or `await apause()` (on the event loop) between slices."""
+    """Call `step()` (in a worker thread) or `await astep()` (on the event loop) after each item: every
+    `every` items it pauses (`pause()`, `apause()`), which ends a slice."""
 
     def __init__(
         self,
         online: Callable[[], bool],
         share: float = SHARE_WHILE_ONLINE,
         clock: Callable[[], float] = time.perf_counter,
+        every: int = SLICE_ITEMS,
     ) -> None:
         self.online = online
         self.share = share
         self.clock = clock
+        self.every = every
+        self._items = 0
         self._since = clock()
+
+    def _slice_ends(self) -> bool:
+        self._items += 1
+        return self._items % self.every == 0
+
+    def step(self) -> None:
+        if self._slice_ends():
+            self.pause()
+
+    async def astep(self) -> None:
+        if self._slice_ends():
+            await self.apause()
 
     def wait_s(self) -> float:
         """How long to wait now for the work done since the last pause (0 with no online request)."""

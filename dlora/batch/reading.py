@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 ENVELOPE_BYTES = 4096
 SKIP_CHUNK_BYTES = 1 << 20  # read at a time while skipping the rest of an over-long line
 BODY_CAP_KEY = "server.max_body_bytes"
-PAUSE_EVERY = 256  # lines read between two pauses
 
 Check = Callable[[BatchLine], LineError | None]
 
@@ -50,18 +49,17 @@ def read_batch_file(
     endpoint: str | None,
     max_requests: int | None,
     rules: LineRules = LineRules(),
-    pause: Callable[[], None] = lambda: None,
+    step: Callable[[], None] = lambda: None,
 ) -> list[BatchLine | LineError]:
     """Every non-blank line of the file at `path`, in order. Raises TooManyRequests at the first
-    line past `max_requests` (None: no limit), OSError when the file cannot be read. `pause()` runs
-    every PAUSE_EVERY lines (a Pacer's: online requests first)."""
+    line past `max_requests` (None: no limit), OSError when the file cannot be read. `step()` runs
+    after each line (a Pacer's: online requests first)."""
     parser = LineParser(endpoint)
     items: list[BatchLine | LineError] = []
     cap = None if rules.max_body_bytes is None else rules.max_body_bytes + ENVELOPE_BYTES
     with open(path, "rb") as f:
         for number, raw in enumerate(split_lines(f, cap), start=1):
-            if number % PAUSE_EVERY == 0:
-                pause()
+            step()
             if raw is not None and not raw.strip(BLANK.encode()):
                 continue
             if max_requests is not None and len(items) >= max_requests:

@@ -24,3 +24,12 @@ def test_pause_measures_the_next_slice_from_the_end_of_its_wait():
     pacer.pause()  # waits 1 ms (a real sleep), then starts the next slice at the clock's reading
     now[0] = 0.003
     assert abs(pacer.wait_s() - 0.002) < 1e-9
+
+
+def test_a_step_pauses_once_every_slice_of_items():
+    pauses = []
+    pacer = Pacer(lambda: False, every=3)
+    pacer.pause = lambda: pauses.append(pacer._items)  # type: ignore[method-assign]
+    for _ in range(7):
+        pacer.step()
+    assert pauses == [3, 6]

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from dlora import env
 from dlora.batch.predict import RequestWork, predict
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import planning_lengths
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.estimators.survival import quantile_lengths
 from dlora.cluster.policy_views import RequestLoad
 

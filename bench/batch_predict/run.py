@@ -30,7 +30,7 @@ from pathlib import Path
 from dlora.batch.plan import PlannedLine, dispatch_plan, plan_stages
 from dlora.batch.predict import RequestWork, predict, sample_lengths
 from dlora.bench.provenance import provenance
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 
 HERE = Path(__file__).resolve().parent
 

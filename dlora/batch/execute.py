@@ -28,8 +28,8 @@ from dlora.batch.prompt_sizes import PromptSizes
 from dlora.batch.reading import LineRules
 from dlora.batch.service import BatchService
 from dlora.batch.store import BatchStore
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import planning_lengths
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.config import ServerConfig
 from dlora.scheduling.config import einsum_merged_cost
 from dlora.server.errors import APIError, as_api_error, error_body

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlora.batch.predict import RequestWork, dispatch, simulate_replica
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 
 MERGED = "merged"
 UNMERGED = "unmerged"

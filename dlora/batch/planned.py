@@ -37,7 +37,7 @@ from dlora.batch.lines import BatchLine
 from dlora.batch.plan import Plan, PlannedLine, choose_plan, job_work, simulate_s
 from dlora.batch.predict import RequestWork, sample_lengths
 from dlora.batch.runner import Execute, line_choices, run_lines
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.router import preferred_replica
 
 ANY_REPLICA = -1  # the queue key of a `dispatch` plan: its lines go wherever the router sends them

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.estimators.replica_sim import simulate_replica
 
 

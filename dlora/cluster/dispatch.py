@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dlora.cluster.errors import ClusterError
-from dlora.cluster.estimators.cost_model import (
+from dlora.cluster.estimators.replica_cost import (
     CostParams,
     batch_slot_wait,
     load_time,
@@ -88,7 +88,7 @@ def _group_work(p: CostParams, g: AdapterTotals) -> float:
 
 
 def _from_totals(p: CostParams, view: ReplicaView, totals: LoadTotals, adapter) -> float:
-    """pending_time + merge_disruption + batch_slot_wait of estimators/cost_model.py, from the replica's sums."""
+    """pending_time + merge_disruption + batch_slot_wait of estimators/replica_cost.py, from the replica's sums."""
     merged = view.merged_adapter
     pending = disruption = 0.0
     for name, g in totals.by_adapter.items():

@@ -59,9 +59,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlora.cluster.dispatch import NoEligibleReplica, estimate
-from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
+from dlora.cluster.estimators.replica_cost import batch_slot_wait, load_time
 from dlora.cluster.policy_views import ReplicaView, RequestLoad
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 from dlora.slo.config import AdapterSlo
 
 MODES = ("slo_feasible", "best_fit")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dlora.cluster import feasible_dispatch
 from dlora.cluster.adapter_residency import AdapterResidency
 from dlora.cluster.dispatch import make_dispatch_policy
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.policy_views import ReplicaView
 from dlora.cluster.replica_pool import ReplicaPool
 from dlora.cluster.replica_slot import ReplicaSlot

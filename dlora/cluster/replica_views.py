@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dlora.cluster.estimators.cost_model import step_left
+from dlora.cluster.estimators.replica_cost import step_left
 from dlora.cluster.policy_views import LoadTotals, ReplicaView, RequestLoad
 from dlora.cluster.replica_pool import ReplicaPool
 from dlora.cluster.replica_slot import ReplicaSlot

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from dlora.cluster.adapter_residency import AdapterResidency, static_home
 from dlora.cluster.deadlines import Deadlines
 from dlora.cluster.errors import NoReplicaError, RequestTimeout, ResubmissionLimit
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.policy_views import ReplicaView
 from dlora.cluster.queue_time import QueueTimes
 from dlora.cluster.replica_choice import ReplicaChooser

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig
-from dlora.cost_params import MERGED_RATIO_PRIOR
+from dlora.cost.params import MERGED_RATIO_PRIOR
 from dlora.slo.config import SloConfig
 
 

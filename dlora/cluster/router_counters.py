@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.policy_views import IterationSample
 from dlora.cluster.request_state import RequestState
 from dlora.cluster.router_config import RouterConfig

@@ -158,7 +158,7 @@ class DloraScheduler(Scheduler):
         self._dlora_step: _Step | None = None
         self._dlora_stalled = False
         self._dlora_preemptions = 0  # running requests vLLM preempted for KV room (each recomputes on resume)
-        # Each step's cost (the router's per-replica cost model, dlora/cluster/estimators/cost_model.py)
+        # Each step's cost (the router's per-replica cost model, dlora/cluster/estimators/replica_cost.py)
         # and each request's wait before its first step (queue_waits.py), numbered (samples.py).
         self._dlora_samples = SampleLog()
         self._dlora_warm = False  # whether a step has run (the first one is not a cost sample)

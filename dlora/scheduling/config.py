@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dlora.cost_params import MERGED_RATIO_PRIOR as DEFAULT_MERGED_COST_RATIO
+from dlora.cost.params import MERGED_RATIO_PRIOR as DEFAULT_MERGED_COST_RATIO
 from dlora.kinds import kind_error
 
 # Bounds the tuned thresholds stay inside. The ratio is at most 1, so alpha = 1.0 means "never merge"

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dlora.scheduling.config import BatchingConfig
-from dlora.scheduling.cost_model import IterationCostModel
 from dlora.scheduling.credits import CreditLedger, Transfer, transfer_for
 from dlora.scheduling.dynamic_batching import (
     Queues,
@@ -31,6 +30,7 @@ from dlora.scheduling.dynamic_batching import (
     request_ids,
     starvation_batch,
 )
+from dlora.scheduling.iteration_time import IterationTimeModel
 from dlora.scheduling.merge_planner import (
     DEFAULT_OUTPUT_TOKENS,
     FinishedLengths,
@@ -67,7 +67,7 @@ class DLoRAPolicy(BatchingPolicy):
         c = self.config
         self.mode = Mode.UNMERGED
         self.merged: str | None = None
-        self.cost = IterationCostModel(c.merged_cost_prior)
+        self.cost = IterationTimeModel(c.merged_cost_prior)
         # Token-aware, for the merge planner; merged steps priced optimistically until measured.
         self.steps = StepTimeModel(min(c.merged_cost_prior, PLANNER_MERGED_PRIOR))
         self.lengths = FinishedLengths()

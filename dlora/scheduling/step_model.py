@@ -3,7 +3,7 @@
     t(step) = fixed + per_prefill_token · prompt tokens computed + per_seq · sequences scheduled
 
 one line per weight state (UNMERGED: every LoRA term applied; MERGED: one adapter in the weights,
-its requests with no LoRA term). Why tokens and not only the batch size (`cost_model.py`): a step
+its requests with no LoRA term). Why tokens and not only the batch size (`iteration_time.py`): a step
 that prefills 2,000 prompt tokens costs 30-60x a decode step of the same requests on a CPU, and
 merging pays most on exactly those tokens (a merged prefill runs at base-model speed, while LoRA
 adds 0.3 ms per prompt token at rank 8 and 1.3 ms at rank 64 to a 1.7 ms base on one core,
@@ -17,8 +17,8 @@ coefficients (decode-only steps say nothing about the prompt-token cost, and dec
 batch size cannot split their fixed and per-sequence costs; `StepTimeModel.line` says which prior
 each mode gets). Coefficients are >= 0 (a constrained minimum, not a clamped one).
 
-Other step-time models, and why this one differs: `cost_model.IterationCostModel` (Alg. 2's
-IterationTime(B), batch size only), `dlora.cluster.estimators.cost_model` (the router's
+Other step-time models, and why this one differs: `iteration_time.IterationTimeModel` (Alg. 2's
+IterationTime(B), batch size only), `dlora.cluster.estimators.replica_cost` (the router's
 per-replica model, additive per request for the co-migration ILP) and `dlora.sim.step_costs`
 (the simulators' given coefficients). This one answers what the merge planner asks inside the
 engine: the time of known work in either weight state.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlora.scheduling.cost_model import FIXED_SHARE
+from dlora.scheduling.iteration_time import FIXED_SHARE
 from dlora.scheduling.types import Mode
 
 DECAY = 0.98  # weight of the past per new step (memory of roughly 50 steps)

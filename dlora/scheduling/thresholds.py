@@ -12,7 +12,7 @@ iterations. At a break point the threshold of the period's mode is tuned from it
     otherwise            ->  threshold *= gamma_mul      (merge later / unmerge sooner)
 
 The batches that ran use their measured compute time; the other mode's batches are estimated by
-`IterationCostModel`. t_M is the current switching-cost estimate (measured, seconds). The paper
+`IterationTimeModel`. t_M is the current switching-cost estimate (measured, seconds). The paper
 gives only the alpha rule and says beta is "similar"; we apply the same rule, in the same
 direction, to beta. alpha stays in [beta + gap, 1], beta in [THRESHOLD_MIN, alpha - gap].
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlora.scheduling.config import THRESHOLD_MAX, THRESHOLD_MIN, BatchingConfig
-from dlora.scheduling.cost_model import IterationCostModel
+from dlora.scheduling.iteration_time import IterationTimeModel
 from dlora.scheduling.types import Mode
 
 
@@ -59,7 +59,7 @@ class TuneResult:
 def period_throughputs(
     samples: list[PeriodSample],
     mode: Mode,
-    cost: IterationCostModel,
+    cost: IterationTimeModel,
     switch_cost: float,
     held_back_only: bool = False,
 ) -> tuple[float, float] | None:
@@ -94,7 +94,7 @@ def period_throughputs(
 class AdaptiveThresholds:
     """alpha/beta plus the current period's samples; `record` handles the break points."""
 
-    def __init__(self, config: BatchingConfig, cost: IterationCostModel) -> None:
+    def __init__(self, config: BatchingConfig, cost: IterationTimeModel) -> None:
         self.alpha, self.beta = config.alpha, config.beta
         self.gamma_dec, self.gamma_mul = config.gamma_dec, config.gamma_mul
         self.held_back_only = not config.mixed_merged  # which merged steps tune beta (NOTE)

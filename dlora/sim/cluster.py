@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from dlora.bench.popularity import zipf_weights
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.estimators.cost_model import ReplicaCostModel
+from dlora.cluster.estimators.replica_cost import ReplicaCostModel
 from dlora.cluster.from_config import router_config
 from dlora.cluster.router import Replica, Router, static_home
 from dlora.config import ClusterConfig, DloraConfig, EngineConfig
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import VOCAB, ToyReplica
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 from dlora.sim.step_costs import StepCosts, preset
 from dlora.slo.accounting import SloAccounting
 

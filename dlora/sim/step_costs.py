@@ -21,9 +21,9 @@ noise (and with it, through `noise_sd`):
   143-161).
 - `gpu-like`: a GPU-shaped regime: merged at 0.6 of unmerged cost, a 20 ms switch.
 
-Other step-time models, and why this one differs: `dlora.scheduling.cost_model` is fitted inside
+Other step-time models, and why this one differs: `dlora.scheduling.iteration_time` is fitted inside
 the engine, online, per weight state over batch size only (what Alg. 2 compares), and
-`dlora.cluster.estimators.cost_model` is the router's per-replica fit of per-step, per-decode-token
+`dlora.cluster.estimators.replica_cost` is the router's per-replica fit of per-step, per-decode-token
 and per-prefill-token seconds, summed per request so the co-migration ILP stays linear. Both learn
 from measured steps; a simulator must instead *produce* step times from fixed coefficients, with
 the LoRA term and switch costs separate, so this model is given, not fitted.

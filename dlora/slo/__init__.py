@@ -13,7 +13,7 @@
 
 Aladdin's SLO-feasible dispatch checks replicas' views, so it is the cluster's
 (`dlora.cluster.feasible_dispatch`); this package imports only the leaves `dlora.kinds` and
-`dlora.cost_params`.
+`dlora.cost.params`.
 
 Each "LLM service" of those papers is one adapter here: adapters share the base model, its KV
 layout and its per-token cost; they differ in popularity, lengths and SLO.

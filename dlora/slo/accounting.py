@@ -18,7 +18,7 @@ A request that produced no token has no TTFT and is not counted.
 
 from __future__ import annotations
 
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 from dlora.slo.attainment import AdapterCounts, AdapterName, AttainmentCounter
 from dlora.slo.config import AdapterSlo, SloConfig
 from dlora.slo.isolated import isolated_times

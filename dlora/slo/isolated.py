@@ -3,7 +3,7 @@
 SeaLLM measures latency against it: the normalized latency (Eq. 1) divides a request's latency by
 its service's average isolated execution time L̂_s, and the evaluation's SLO is 5x the execution
 time. With one base model every adapter has the same per-token cost, so the isolated time follows
-from the replica's step-time model (`dlora.cost_params.CostParams`) and the
+from the replica's step-time model (`dlora.cost.params.CostParams`) and the
 request's lengths:
 
     TTFT_iso = per_iteration_s + per_prefill_token_s * prompt_tokens    (one prefill step)
@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlora.cost_params import CostParams, step_seconds
+from dlora.cost.params import CostParams, step_seconds
 
 # The coefficients isolated times are made of (what `mean_params` averages and the admin API shows).
 ISOLATED_COEFFICIENTS = ("per_iteration_s", "per_decode_token_s", "per_prefill_token_s")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.config import AdapterSlo, SloConfig
 from dlora.slo.isolated import ISOLATED_COEFFICIENTS

@@ -15,8 +15,8 @@ from dlora.batch.cli import PlanEta
 from dlora.batch.execute import ServerPlanner, merge_prior
 from dlora.batch.lines import BatchLine
 from dlora.batch.predict import RequestWork
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
+from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.policy_views import IterationSample
 from dlora.config import BatchConfig
 from dlora.scheduling.config import MERGED_COST_PRIORS, BatchingConfig, einsum_merged_cost

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dlora.batch.plan import MERGED, UNMERGED, PlannedLine, choose_plan, dispatch_plan, plan_stages, simulate_s
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 
 
 def params(it=1.0, dec=0.0, pre=0.0, batch=32, merged=0.5) -> CostParams:

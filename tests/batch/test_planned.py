@@ -14,8 +14,8 @@ from dlora.batch.gate import BatchGate
 from dlora.batch.lines import BatchLine
 from dlora.batch.planned import ANY_REPLICA, LinePlan, QueuedSegment, line_plan, run_planned
 from dlora.batch.predict import RequestWork
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import LengthHistory
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.router import preferred_replica
 
 

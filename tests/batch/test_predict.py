@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dlora.batch.predict import Prediction, RequestWork, predict, sample_lengths, simulate_replica, works_of
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 
 
 def params(it=0.0, dec=0.0, pre=0.0, batch=1, merged=1.0) -> CostParams:

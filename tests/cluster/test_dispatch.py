@@ -6,7 +6,7 @@ from dlora.cluster.dispatch import (
     ProactiveDispatch,
     make_dispatch_policy,
 )
-from dlora.cluster.estimators.cost_model import CostParams, merge_disruption, pending_time, request_work, step_left
+from dlora.cluster.estimators.replica_cost import CostParams, merge_disruption, pending_time, request_work, step_left
 from tests.cluster.balancer_factories import make_replica, make_request, many
 
 P = CostParams(adapter_load_s=0.02)

@@ -10,7 +10,7 @@ import pytest
 
 from dlora.cluster import router as router_mod
 from dlora.cluster.dispatch import estimate
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.policy_views import LoadTotals, ReplicaView, RequestLoad
 from dlora.cluster.router import Router, RouterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec

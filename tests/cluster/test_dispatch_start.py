@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.router import Router, RouterConfig, preferred_replica
 from dlora.replica.messages import GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import ToyReplica, reference_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dlora.cluster.dispatch import NoEligibleReplica, estimate
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.feasible_dispatch import (
     Check,
     SloReplica,

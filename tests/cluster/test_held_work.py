@@ -5,9 +5,9 @@ import pytest
 
 from dlora.batch.held_jobs import held_jobs
 from dlora.batch.plan import PlannedLine, simulate_s
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining, planning_lengths
 from dlora.cluster.estimators.output_lengths import LengthHistory
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.estimators.survival import UNBOUNDED
 from tests.cluster.balancer_factories import make_request
 

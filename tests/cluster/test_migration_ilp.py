@@ -4,7 +4,7 @@ import time
 import pytest
 
 from dlora.bench.synthetic_cluster import skewed_cluster
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration import ilp
 from dlora.cluster.migration.greedy import greedy_moves
 from dlora.cluster.migration.ilp import plan_migration

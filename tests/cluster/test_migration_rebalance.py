@@ -7,7 +7,7 @@ request now, which is when the queued-request planner (migration/queued.py) give
 
 import dataclasses
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration.queued import QueuedConfig, plan_queued
 from dlora.cluster.migration.rebalance import RebalanceConfig, plan_rebalance, rebalance_trigger
 from tests.cluster.balancer_factories import make_replica, make_request

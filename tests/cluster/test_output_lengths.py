@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dlora.cluster.dispatch import ProactiveDispatch
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.output_lengths import OutputLengthConfig, OutputLengthEstimator
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration.problem import MigrationConfig, build_problem
 from dlora.cluster.policy_views import ClusterView
 from dlora.cluster.router import RequestState

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dlora.cluster.balancer import Balancer
-from dlora.cluster.estimators.cost_model import ReplicaCostModel
+from dlora.cluster.estimators.replica_cost import ReplicaCostModel
 from dlora.cluster.router import Router, RouterConfig, preferred_replica
 from dlora.config import ClusterConfig
 from dlora.replica.errors import ReplicaFailure

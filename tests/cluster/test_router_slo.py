@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import CostParams, ReplicaCostModel
+from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.router import Router, RouterConfig
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from dlora.sim.toy_replica import ToyReplica

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration.simulated_gain import simulated_gain
 from tests.cluster.balancer_factories import make_replica, make_request
 

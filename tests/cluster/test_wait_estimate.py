@@ -1,7 +1,7 @@
 """Estimated queue waits, worked out by hand: one second per token, prefill free, loads free
 unless a test says otherwise."""
 
-from dlora.cluster.estimators.cost_model import CostParams, step_seconds
+from dlora.cluster.estimators.replica_cost import CostParams, step_seconds
 from dlora.cluster.estimators.wait_estimate import queue_order, start_times, total_wait
 from tests.cluster.balancer_factories import make_replica, make_request
 

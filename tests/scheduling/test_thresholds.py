@@ -5,23 +5,23 @@ from __future__ import annotations
 import pytest
 
 from dlora.scheduling import BatchingConfig, DLoRAPolicy, IterationStats, Mode
-from dlora.scheduling.cost_model import IterationCostModel
+from dlora.scheduling.iteration_time import IterationTimeModel
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample, period_throughputs
 from tests.scheduling.simlib import StepSim, flat_cost
 
 U, M = Mode.UNMERGED, Mode.MERGED
 
 
-def cost_with(mode: Mode, per_req: float) -> IterationCostModel:
+def cost_with(mode: Mode, per_req: float) -> IterationTimeModel:
     """A cost model that has only seen `mode`, at batch size 10 taking 10 * `per_req` seconds."""
-    cost = IterationCostModel(merged_cost_ratio=0.6)
+    cost = IterationTimeModel(merged_cost_ratio=0.6)
     for _ in range(3):
         cost.observe(mode, 10, 10 * per_req)
     return cost
 
 
 def test_cost_model_fits_affine_and_scales_the_unseen_mode():
-    cost = IterationCostModel(merged_cost_ratio=0.5)
+    cost = IterationTimeModel(merged_cost_ratio=0.5)
     assert cost.estimate(U, 4) is None
     for n in (2, 4, 8, 2, 4, 8):
         cost.observe(U, n, 0.01 + 0.002 * n)
@@ -33,7 +33,7 @@ def test_cost_model_fits_affine_and_scales_the_unseen_mode():
 def test_one_cold_sample_borrows_the_other_modes_shape_not_proportional():
     # Scaling one lone merged request (n=1, 0.03 s) proportionally would predict 10 x 0.03 = 0.3 s for
     # n=10, slower than unmerged, and Alg. 2 would never merge again. Unmerged: t = 0.05 + 0.004 n.
-    cost = IterationCostModel(merged_cost_ratio=0.6)
+    cost = IterationTimeModel(merged_cost_ratio=0.6)
     for n in (4, 8, 12, 16):
         cost.observe(U, n, 0.05 + 0.004 * n)
     cost.observe(M, 1, 0.03)
@@ -44,7 +44,7 @@ def test_one_cold_sample_borrows_the_other_modes_shape_not_proportional():
 
 
 def test_one_batch_size_and_no_shape_anywhere_assumes_half_fixed_cost():
-    cost = IterationCostModel(merged_cost_ratio=0.6)
+    cost = IterationTimeModel(merged_cost_ratio=0.6)
     cost.observe(M, 2, 0.04)
     assert cost.estimate(M, 2) == pytest.approx(0.04)
     assert cost.estimate(M, 6) == pytest.approx(0.04 * (0.5 + 0.25 * 6))  # 0.02 fixed + 0.01 per request

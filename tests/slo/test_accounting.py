@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.config import AdapterSlo, SloConfig
 from dlora.slo.isolated import isolated_times, mean_params

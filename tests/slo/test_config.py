@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.slo.config import MIN_RELATIVE_SLO_S, AdapterSlo, SloConfig, from_dict, parse_adapter_slo
 from dlora.slo.isolated import isolated_times
 

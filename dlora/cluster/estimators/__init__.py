@@ -1,6 +1,6 @@
 """What the router expects of a replica and a request, learned from what it measured.
 
-- `cost_model`: seconds of engine work a replica has outstanding (dispatch, the co-migration ILP);
+- `replica_cost`: seconds of engine work a replica has outstanding (dispatch, the co-migration ILP);
 - `output_lengths`: how many tokens a request will still generate, per adapter;
 - `wait_estimate`: how long each queued request still waits on a replica before it starts;
 - `held_work`: what a replica's held requests still take, simulated from sampled lengths;

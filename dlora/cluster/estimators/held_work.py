@@ -26,7 +26,7 @@ from dlora.cluster.estimators.output_lengths import LengthHistory
 from dlora.cluster.estimators.replica_sim import simulate_replica
 from dlora.cluster.estimators.survival import UNBOUNDED, Observation, quantile_lengths
 from dlora.cluster.policy_views import AdapterName, RequestLoad
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 
 
 def draw_remaining(r: RequestLoad, lengths: Sequence[int], rng: random.Random) -> int:

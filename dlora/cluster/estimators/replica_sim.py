@@ -1,6 +1,6 @@
 """One replica's continuous batching, simulated: when each of a queue of requests finishes.
 
-Each step costs the step-time model (`dlora.cost_params.CostParams`):
+Each step costs the step-time model (`dlora.cost.params.CostParams`):
 
     step time = per_iteration_s + per_decode_token_s * running + per_prefill_token_s * prefill tokens
 
@@ -17,7 +17,7 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from dlora.cost_params import CostParams
+from dlora.cost.params import CostParams
 
 
 def simulate_replica(

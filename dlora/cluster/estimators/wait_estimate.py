@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from dlora.cluster.estimators.cost_model import batch_slot_wait, load_time
+from dlora.cluster.estimators.replica_cost import batch_slot_wait, load_time
 from dlora.cluster.policy_views import ReplicaView, RequestLoad
-from dlora.cost_params import CostParams, step_seconds
+from dlora.cost.params import CostParams, step_seconds
 
 
 def queue_order(view: ReplicaView) -> list[RequestLoad]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration.greedy import greedy_moves
 from dlora.cluster.migration.lp_solve import Clock, resolve_solver, solve
 from dlora.cluster.migration.problem import MigrationConfig, MigrationProblem, build_problem, evaluate

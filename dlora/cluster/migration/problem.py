@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dlora.cluster.estimators.cost_model import CostParams, pending_time, recompute_s, request_work
+from dlora.cluster.estimators.replica_cost import CostParams, pending_time, recompute_s, request_work
 from dlora.cluster.policy_views import AdapterName, ClusterView, ReplicaView, RequestLoad
 
 PLANNERS = ("auto", "highs", "cbc", "greedy")  # auto = HiGHS if highspy is installed, else CBC

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dlora.cluster.estimators.cost_model import CostParams
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.estimators.wait_estimate import queue_order, start_times, total_wait
 from dlora.cluster.migration.queued import QueuedPlan, is_queued, main_source
 from dlora.cluster.migration.trigger import Trigger

@@ -26,8 +26,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dlora.cluster.estimators.cost_model import CostParams
 from dlora.cluster.estimators.held_work import draw_remaining, finish_times
+from dlora.cluster.estimators.replica_cost import CostParams
 from dlora.cluster.migration.ilp import MigrationPlan
 from dlora.cluster.policy_views import AdapterName, ReplicaView
 

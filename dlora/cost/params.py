@@ -5,7 +5,7 @@ A step of continuous batching costs roughly
     t(step) = per_iteration_s + per_decode_token_s * decode_tokens + per_prefill_token_s * prefill_tokens
 
 and a step that runs merged costs `merged_ratio` of that. The router fits these coefficients per
-replica (`dlora.cluster.estimators.cost_model`); a request's isolated time (`dlora.slo.isolated`),
+replica (`dlora.cluster.estimators.replica_cost`); a request's isolated time (`dlora.slo.isolated`),
 the batch planner and the simulators read them. A leaf module (no dlora imports) because the SLO
 policies, which sit below the cluster, price requests with them too.
 """

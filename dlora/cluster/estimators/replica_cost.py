@@ -15,9 +15,9 @@ Requests of the replica's merged adapter run at `merged_ratio` (the LoRA backend
 refitted from merged steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
 waits for one (`batch_slot_wait`). The coefficients start from priors and are refitted from the
 replica's measured steps (`IterationSample`) by least squares pulled towards the priors, so one
-step size seen so far cannot produce a wild fit. The coefficients themselves are `dlora.cost_params.CostParams`.
+step size seen so far cannot produce a wild fit. The coefficients themselves are `dlora.cost.params.CostParams`.
 
-Other step-time models, and why this one differs: `dlora.scheduling.cost_model` runs inside each
+Other step-time models, and why this one differs: `dlora.scheduling.iteration_time` runs inside each
 engine and prices a whole step per weight state over batch size (Alg. 2 compares two batches);
 `dlora.sim.step_costs` holds the simulators' fixed coefficients. The router sees only the steps a
 replica reports and needs each request's work on its own, additive, so the ILP stays linear: hence
@@ -32,7 +32,7 @@ from collections import deque
 import numpy as np
 
 from dlora.cluster.policy_views import AdapterName, IterationSample, ReplicaView, RequestLoad
-from dlora.cost_params import CostParams, step_seconds
+from dlora.cost.params import CostParams, step_seconds
 
 MIN_SAMPLES = 8  # steps needed before the fit replaces the priors
 MIN_MERGED_SAMPLES = 3

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from dlora.cluster.estimators.cost_model import (
+from dlora.cluster.estimators.replica_cost import (
     MIN_SAMPLES,
     CostParams,
     ReplicaCostModel,

@@ -13,7 +13,7 @@ step would make every larger merged batch look slow and Alg. 2 would never merge
 the other mode's shape, scaled through its own point; with no shape anywhere, a step is assumed to
 be half fixed cost and half per-request cost at the size seen (`FIXED_SHARE`).
 
-Other step-time models, and why this one differs: `dlora.cluster.estimators.cost_model` is the
+Other step-time models, and why this one differs: `dlora.cluster.estimators.replica_cost` is the
 router's per-replica model (per-token coefficients, additive per request, for dispatch and the
 co-migration ILP) and `dlora.sim.step_costs` holds the simulators' fixed coefficients. This one
 answers only what Alg. 2 asks inside the engine, the time of a step of n requests in a mode, and
@@ -77,7 +77,7 @@ class _LinearFit:
         return mean_t * (a + b * n) / (a + b * mean_n)
 
 
-class IterationCostModel:
+class IterationTimeModel:
     def __init__(self, merged_cost_ratio: float) -> None:
         self.merged_cost_ratio = merged_cost_ratio
         self._fits = {Mode.UNMERGED: _LinearFit(), Mode.MERGED: _LinearFit()}

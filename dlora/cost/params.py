@@ -1,13 +1,12 @@
-"""The coefficients of the step-time model that dispatch, SLOs, batch plans and simulators price work with.
+"""The step line as the router, SLOs, batch plans and simulators price requests with it.
 
-A step of continuous batching costs roughly
+A step of continuous batching costs `line` (`dlora.cost.line.StepLine`):
 
     t(step) = per_iteration_s + per_decode_token_s * decode_tokens + per_prefill_token_s * prefill_tokens
 
-and a step that runs merged costs `merged_ratio` of that. The router fits these coefficients per
-replica (`dlora.cluster.estimators.replica_cost`); a request's isolated time (`dlora.slo.isolated`),
-the batch planner and the simulators read them. A leaf module (no dlora imports) because the SLO
-policies, which sit below the cluster, price requests with them too.
+and a step that runs merged costs `merged_ratio` of that; an adapter load costs `adapter_load_s`.
+The router fits these per replica (`dlora.cluster.estimators.replica_cost`); a request's isolated
+time (`dlora.slo.isolated`), the batch planner and the simulators read them.
 """
 
 from __future__ import annotations
@@ -15,9 +14,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Merged step cost over unmerged until merged steps are measured: a GPU-shaped prior (the triton
-# backend's); the server passes its LoRA backend's (dlora.scheduling.config.MERGED_COST_PRIORS).
+from dlora.cost.line import StepLine
+
+# Merged step cost over unmerged until merged steps are measured, where the LoRA backend is not
+# known: a GPU-shaped prior (the triton backend's).
 MERGED_RATIO_PRIOR = 0.6
+# How much cheaper a merged step is than an unmerged one of the same size, per LoRA backend, until
+# both are measured. A prior far below the truth makes Alg. 2 lower alpha on imagined merged speed
+# and pay real switches to learn otherwise (8 rank-8 q/k/v/o adapters, SmolLM2-135M bf16, 1 core):
+#   vllm:   vLLM's CPU LoRA ops make unmerged decode ~2.5-3x slower than merged;
+#   einsum: live-rank packing + oneDNN GEMMs leave unmerged 1.14-1.25x a base-model step
+#           (16 decodes, in-engine); a 0.4 prior makes 4 needless switches at uniform
+#           popularity in bench/dynamic_batching_skew;
+#   triton: a GPU-shaped default (merged at 0.6 of unmerged cost).
+MERGED_COST_PRIORS = {"vllm": 0.4, "einsum": 0.85, "triton": MERGED_RATIO_PRIOR}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,11 @@ class CostParams:
                 raise ValueError(f"CostParams.{f.name} must be >= 0")
         if self.max_batch < 1:
             raise ValueError("CostParams.max_batch must be >= 1")
+
+    @property
+    def line(self) -> StepLine:
+        """The unmerged step line: a step's fixed cost, per prompt token and per decoded sequence."""
+        return StepLine(self.per_iteration_s, self.per_prefill_token_s, self.per_decode_token_s)
 
 
 def step_seconds(p: CostParams, batch: int) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dlora.cost.params import MERGED_COST_PRIORS
 from dlora.cost.params import MERGED_RATIO_PRIOR as DEFAULT_MERGED_COST_RATIO
 from dlora.kinds import kind_error
 
@@ -18,15 +19,6 @@ ORDERS = ("fcfs", "seallm")  # service orders of the dlora policy (`order`)
 THRESHOLD_MIN = 0.05
 THRESHOLD_MAX = 1.0
 
-# How much cheaper a merged step is than an unmerged one of the same size, per LoRA backend, until
-# both are measured. A prior far below the truth makes Alg. 2 lower alpha on imagined merged speed
-# and pay real switches to learn otherwise (8 rank-8 q/k/v/o adapters, SmolLM2-135M bf16, 1 core):
-#   vllm:   vLLM's CPU LoRA ops make unmerged decode ~2.5-3x slower than merged;
-#   einsum: live-rank packing + oneDNN GEMMs leave unmerged 1.14-1.25x a base-model step
-#           (16 decodes, in-engine); a 0.4 prior makes 4 needless switches at uniform
-#           popularity in bench/dynamic_batching_skew;
-#   triton: a GPU-shaped default (merged at 0.6 of unmerged cost).
-MERGED_COST_PRIORS = {"vllm": 0.4, "einsum": 0.85, "triton": DEFAULT_MERGED_COST_RATIO}
 # The einsum kernels' unmerged step over a merged one grows with the adapters' size, as
 # 1 + FIXED + PER_FRACTION x lora_fraction (LoRA multiply-adds over the base projections',
 # `BaseModelShapes.lora_fraction`). Two anchors on SmolLM2-135M, one core per replica: rank 8 on

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from dlora.cost.line import StepLine
 from dlora.scheduling.config import BatchingConfig
 from dlora.scheduling.credits import CreditLedger, Transfer, transfer_for
 from dlora.scheduling.dynamic_batching import (
@@ -41,7 +42,7 @@ from dlora.scheduling.merge_planner import (
     work_by_adapter,
 )
 from dlora.scheduling.policies import BatchingPolicy
-from dlora.scheduling.step_model import StepLine, StepTimeModel
+from dlora.scheduling.step_model import StepTimeModel
 from dlora.scheduling.thresholds import AdaptiveThresholds, PeriodSample
 from dlora.scheduling.types import AdapterKey, Decision, IterationStats, Mode, PolicySnapshot, RequestView, Switch
 from dlora.slo.priority import LengthStats

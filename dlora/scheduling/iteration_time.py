@@ -3,8 +3,8 @@
 Alg. 2 compares the throughput of the batches that ran with that of the batches the other mode
 would have run, so it needs IterationTime(B) for a batch that did not run ("the iteration time
 can be profiled accurately", §4.2). Each mode keeps an exponentially weighted least-squares fit
-time ≈ a + b·n over (batch size n, compute seconds); a mode never measured is estimated from the
-other one scaled by the prior merged/unmerged cost ratio.
+time ≈ a + b·n, a, b >= 0, over (batch size n, compute seconds) (`dlora.cost.fit`); a mode
+never measured is estimated from the other one scaled by the prior merged/unmerged cost ratio.
 
 A mode seen at one batch size only (typically merged mode after one lone request) has no slope of
 its own. Extrapolating it proportionally (t ∝ n) is wrong by up to an order of magnitude: a step's
@@ -22,6 +22,7 @@ must estimate a mode from the other one when it has no data of its own.
 
 from __future__ import annotations
 
+from dlora.cost.fit import fit_nonnegative
 from dlora.scheduling.types import Mode
 
 DECAY = 0.9  # weight of the past per new sample (memory of roughly 10 steps)
@@ -48,18 +49,14 @@ class _LinearFit:
         return self.sn / self.w, self.st / self.w
 
     def line(self) -> tuple[float, float] | None:
-        """(intercept, slope) of the fit, or None while a single batch size has been seen."""
-        mean_n, mean_t = self.point
+        """(intercept, slope) >= 0 of the fit (`dlora.cost.fit`), or None while a single batch
+        size has been seen."""
+        mean_n, _ = self.point
         var = self.snn / self.w - mean_n * mean_n
         if var <= 1e-9 * max(1.0, mean_n * mean_n):
             return None
-        slope = (self.snt / self.w - mean_n * mean_t) / var
-        if slope < 0:  # noise: time does not fall with the batch; treat it as flat
-            return mean_t, 0.0
-        intercept = mean_t - slope * mean_n
-        if intercept < 0:  # through the origin instead
-            return 0.0, self.st / self.sn
-        return intercept, slope
+        fitted = fit_nonnegative([[self.w, self.sn], [self.sn, self.snn]], [self.st, self.snt])
+        return None if fitted is None else (fitted[0], fitted[1])
 
     def predict(self, n: float, shape: tuple[float, float] | None = None) -> float:
         """Seconds for a step of n requests; `shape` (another fit's line) stands in for a missing slope."""

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dlora.scheduling.step_model import StepLine
+from dlora.cost.line import StepLine
 from dlora.scheduling.types import AdapterKey, RequestView
 
 RECENT_LENGTHS = 64  # finished requests whose output lengths predict the next ones

@@ -9,13 +9,13 @@ merging pays most on exactly those tokens (a merged prefill runs at base-model s
 adds 0.3 ms per prompt token at rank 8 and 1.3 ms at rank 64 to a 1.7 ms base on one core,
 SmolLM2-135M), so a model of batch size alone cannot see where merging pays.
 
-Fit: exponentially weighted least squares of relative errors (each step weighted by 1/t², so a
+Fit (`dlora.cost.fit`): exponentially weighted least squares of relative errors (each step weighted by 1/t², so a
 30 s prefill step does not drown the 50 ms decode steps whose fixed cost the planner multiplies by
-every decode step), with a ridge pull toward a prior line, solved in closed form (3 x 3). The
+every decode step), with a ridge pull toward a prior line, solved as a small constrained least-squares problem. The
 prior keeps the fit defined before the steps have varied enough to separate the three
 coefficients (decode-only steps say nothing about the prompt-token cost, and decode steps of one
 batch size cannot split their fixed and per-sequence costs; `StepTimeModel.line` says which prior
-each mode gets). Coefficients are >= 0 (a constrained minimum, not a clamped one).
+each mode gets).
 
 Other step-time models, and why this one differs: `iteration_time.IterationTimeModel` (Alg. 2's
 IterationTime(B), batch size only), `dlora.cluster.estimators.replica_cost` (the router's
@@ -26,8 +26,8 @@ engine: the time of known work in either weight state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from dlora.cost.fit import fit_nonnegative
+from dlora.cost.line import StepLine
 from dlora.scheduling.iteration_time import FIXED_SHARE
 from dlora.scheduling.types import Mode
 
@@ -38,62 +38,6 @@ SHAPE_DECAY = 0.999
 # Feature scales, so the ridge pull weighs the three coefficients alike: a step's fixed cost, the
 # cost of 1,000 prompt tokens, the cost of 16 sequences.
 SCALES = (1.0, 1000.0, 16.0)
-
-
-@dataclass(frozen=True, slots=True)
-class StepLine:
-    """Seconds of a step: fixed + per_prefill_token · prompt tokens + per_seq · sequences."""
-
-    fixed_s: float
-    per_prefill_token_s: float
-    per_seq_s: float
-
-    def seconds(self, prefill_tokens: float, seqs: float) -> float:
-        return self.fixed_s + self.per_prefill_token_s * prefill_tokens + self.per_seq_s * seqs
-
-    def scaled(self, factor: float) -> StepLine:
-        return StepLine(self.fixed_s * factor, self.per_prefill_token_s * factor, self.per_seq_s * factor)
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solve the square system m·x = v (Gaussian elimination, partial pivoting); None if singular."""
-    n = len(v)
-    a = [row[:] + [rhs] for row, rhs in zip(m, v)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-15:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            for c in range(col, n + 1):
-                a[r][c] -= f * a[col][c]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
-    return x
-
-
-def _nonnegative_minimum(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """argmin over x >= 0 of xᵀ·m·x - 2·vᵀ·x (m positive definite): every subset of the three
-    coefficients left free, the others held at 0, the best solution that stays >= 0. Clamping the
-    unconstrained solution instead is wrong: a negative per-sequence cost set to 0 leaves the fixed
-    cost that compensated for it, and decode steps are then priced at twice their time."""
-    best: tuple[float, list[float]] | None = None
-    for mask in range(1, 8):
-        free = [i for i in range(3) if mask >> i & 1]
-        sub = _solve([[m[i][j] for j in free] for i in free], [v[i] for i in free])
-        if sub is None or min(sub) < 0:
-            continue
-        x = [0.0, 0.0, 0.0]
-        for i, value in zip(free, sub):
-            x[i] = value
-        objective = sum(x[i] * m[i][j] * x[j] for i in range(3) for j in range(3)) - 2 * sum(
-            a * b for a, b in zip(v, x)
-        )
-        if best is None or objective < best[0]:
-            best = (objective, x)
-    return None if best is None else best[1]
 
 
 class _RidgeFit:
@@ -134,9 +78,7 @@ class _RidgeFit:
         pull = [PRIOR_WEIGHT / max(v, floor) ** 2 for v in scaled]
         if data_only_prefill:
             pull[1] = 1e-6 * max(self.xx[i][i] for i in range(3))
-        m = [[self.xx[i][j] + (pull[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        v = [self.xt[i] + pull[i] * scaled[i] for i in range(3)]
-        x = _nonnegative_minimum(m, v)
+        x = fit_nonnegative(self.xx, self.xt, prior=scaled, pull=pull)
         if x is None:
             return prior
         return StepLine(x[0], x[1] / SCALES[1], x[2] / SCALES[2])

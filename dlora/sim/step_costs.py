@@ -21,12 +21,9 @@ noise (and with it, through `noise_sd`):
   143-161).
 - `gpu-like`: a GPU-shaped regime: merged at 0.6 of unmerged cost, a 20 ms switch.
 
-Other step-time models, and why this one differs: `dlora.scheduling.iteration_time` is fitted inside
-the engine, online, per weight state over batch size only (what Alg. 2 compares), and
-`dlora.cluster.estimators.replica_cost` is the router's per-replica fit of per-step, per-decode-token
-and per-prefill-token seconds, summed per request so the co-migration ILP stays linear. Both learn
-from measured steps; a simulator must instead *produce* step times from fixed coefficients, with
-the LoRA term and switch costs separate, so this model is given, not fitted.
+Why this model is given, not fitted (the others, `dlora.cost`, learn from measured steps): a
+simulator must *produce* step times, with the LoRA term and switch costs separate, so its step is
+two `StepLine`s, the base model's (`base`) and the LoRA term's (`lora`), plus a per-adapter cost.
 `model_io.ReplicaModel.cost_params` turns it into the router's `CostParams`.
 """
 
@@ -35,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dlora.cost.line import StepLine
 from dlora.models.projections import ALL_PROJECTIONS, QKVO
 
 
@@ -60,15 +58,20 @@ class StepCosts:
     def step(self, seqs: int, prefill_tokens: int, lora_seqs: int, lora_prefill_tokens: int, adapters: int) -> float:
         """Seconds of one step: `lora_*` count the sequences and prompt tokens that apply a LoRA
         term (none while their adapter is merged), `adapters` the distinct adapters among them."""
-        t = self.fixed_s + self.per_seq_s * seqs + self.per_prefill_token_s * prefill_tokens
+        t = self.base.seconds(prefill_tokens, seqs)
         if lora_seqs:
-            t += (
-                self.lora_fixed_s
-                + self.lora_per_seq_s * lora_seqs
-                + self.lora_per_prefill_token_s * lora_prefill_tokens
-                + self.lora_per_adapter_s * adapters
-            )
+            t += self.lora.seconds(lora_prefill_tokens, lora_seqs) + self.lora_per_adapter_s * adapters
         return t
+
+    @property
+    def base(self) -> StepLine:
+        """The base model's step: what a merged step, or one with no adapter token, costs."""
+        return StepLine(self.fixed_s, self.per_prefill_token_s, self.per_seq_s)
+
+    @property
+    def lora(self) -> StepLine:
+        """What the LoRA term adds to an unmerged step with adapter tokens (before the per-adapter cost)."""
+        return StepLine(self.lora_fixed_s, self.lora_per_prefill_token_s, self.lora_per_seq_s)
 
 
 PRESETS: dict[str, StepCosts] = {

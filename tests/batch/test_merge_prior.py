@@ -19,7 +19,8 @@ from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.policy_views import IterationSample
 from dlora.config import BatchConfig
-from dlora.scheduling.config import MERGED_COST_PRIORS, BatchingConfig, einsum_merged_cost
+from dlora.cost.params import MERGED_COST_PRIORS
+from dlora.scheduling.config import BatchingConfig, einsum_merged_cost
 
 # SmolLM2-135M's projections (hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536)
 SMOLLM2 = BaseModelShapes(

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from dlora.cost.line import StepLine
 from dlora.scheduling import BatchingConfig, Mode, Switch, make_policy
 from dlora.scheduling.dlora_policy import DLoRAPolicy
 from dlora.scheduling.merge_planner import (
@@ -25,7 +26,6 @@ from dlora.scheduling.merge_planner import (
     work_by_adapter,
     work_seconds,
 )
-from dlora.scheduling.step_model import StepLine
 from dlora.scheduling.types import IterationStats, RequestView
 from dlora.sim.batching_sim import BatchingSim, SimRequest
 from dlora.sim.step_costs import StepCosts, preset

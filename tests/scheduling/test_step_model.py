@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dlora.scheduling.step_model import (
-    FIXED_SHARE,
-    StepLine,
-    StepTimeModel,
-    _nonnegative_minimum,
-    decode_prior,
-)
+from dlora.cost.line import StepLine
+from dlora.scheduling.step_model import FIXED_SHARE, StepTimeModel, decode_prior
 from dlora.scheduling.types import Mode
 
 U, M = Mode.UNMERGED, Mode.MERGED
@@ -91,17 +86,6 @@ def test_decode_prior_goes_through_the_mean_step():
     # shape (fixed 0.02, 0.001/seq) -> 0.052 at 32 seqs, scaled to 0.2
     p = decode_prior((32.0, 0.2), (0.02, 0.001))
     assert p.fixed_s == pytest.approx(0.2 * 0.02 / 0.052) and p.seconds(0, 32) == pytest.approx(0.2)
-
-
-def test_nonnegative_minimum_is_constrained_not_clamped():
-    # minimise |x - (1, -1, 2)|² over x >= 0 (m = identity): the negative coordinate goes to 0.
-    assert _nonnegative_minimum([[1, 0, 0], [0, 1, 0], [0, 0, 1]], [1, -1, 2]) == pytest.approx([1, 0, 2])
-    # Coupled: m = [[2, 1, 0], [1, 1, 0], [0, 0, 1]]. With v = (1, 1, 0) the free minimum (0, 1, 0)
-    # is feasible. With v = (0, 1, 0) it is (-1, 2, 0); held at x0 = 0, x1² - 2·x1 is least at
-    # x1 = 1, where clamping the free minimum would give x1 = 2.
-    m = [[2.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
-    assert _nonnegative_minimum(m, [1.0, 1.0, 0.0]) == pytest.approx([0.0, 1.0, 0.0])
-    assert _nonnegative_minimum(m, [0.0, 1.0, 0.0]) == pytest.approx([0.0, 1.0, 0.0])
 
 
 def test_long_prefill_steps_do_not_drown_decode_steps():

@@ -15,7 +15,8 @@ Requests of the replica's merged adapter run at `merged_ratio` (the LoRA backend
 refitted from merged steps) of that. A request whose adapter would find every batch slot (vLLM's max_loras) taken also
 waits for one (`batch_slot_wait`). The coefficients start from priors and are refitted from the
 replica's measured steps (`IterationSample`) by least squares pulled towards the priors, so one
-step size seen so far cannot produce a wild fit. The coefficients themselves are `dlora.cost.params.CostParams`.
+step size seen so far cannot produce a wild fit (`dlora.cost.fit`, as every step-time fit in
+dlora). The coefficients themselves are `dlora.cost.params.CostParams`.
 
 Other step-time models, and why this one differs: `dlora.scheduling.iteration_time` runs inside each
 engine and prices a whole step per weight state over batch size (Alg. 2 compares two batches);
@@ -32,6 +33,7 @@ from collections import deque
 import numpy as np
 
 from dlora.cluster.policy_views import AdapterName, IterationSample, ReplicaView, RequestLoad
+from dlora.cost.fit import fit_nonnegative
 from dlora.cost.params import CostParams, step_seconds
 
 MIN_SAMPLES = 8  # steps needed before the fit replaces the priors
@@ -196,31 +198,36 @@ class ReplicaCostModel:
 
 
 def _features(s: IterationSample) -> tuple[float, float, float]:
-    return 1.0, float(s.decode_tokens), float(s.prefill_tokens)
+    """A step's features in `StepLine.coefficients` order: (1, prompt tokens, decode sequences)."""
+    return 1.0, float(s.prefill_tokens), float(s.decode_tokens)
 
 
 def _fit_linear(prior: CostParams, samples: list[IterationSample], scale: float = 1.0) -> CostParams:
-    """Least squares with a weak ridge towards the prior (0.1% of the data's weight), clamped >= 0;
-    each step's seconds are multiplied by `scale` first.
+    """Least squares of the steps' seconds (each multiplied by `scale` first) with coefficients
+    >= 0 and a weak ridge towards the prior (0.1% of the data's weight), by `dlora.cost.fit`.
 
     Why the ridge: steps often all have the same batch size, which makes the plain normal
     equations singular; the prior then decides how the time splits between the coefficients,
     while directions the data does determine are fitted almost as plain least squares.
     """
-    x = np.array([_features(s) for s in samples])
-    y = np.array([s.seconds * scale for s in samples])
-    theta0 = np.array([prior.per_iteration_s, prior.per_decode_token_s, prior.per_prefill_token_s])
-    reg = np.diag(np.maximum(RIDGE * (x * x).sum(axis=0), 1e-12))
-    theta = np.linalg.solve(x.T @ x + reg, x.T @ y + reg @ theta0)
-    a, b, c = (max(0.0, float(v)) for v in theta)
-    return dataclasses.replace(prior, per_iteration_s=a, per_decode_token_s=b, per_prefill_token_s=c)
+    rows = [_features(s) for s in samples]
+    xx = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+    xt = [sum(r[i] * s.seconds * scale for r, s in zip(rows, samples)) for i in range(3)]
+    pull = [max(RIDGE * xx[i][i], 1e-12) for i in range(3)]
+    theta = fit_nonnegative(xx, xt, prior=prior.line.coefficients(), pull=pull)
+    if theta is None:
+        return prior
+    fixed, per_prefill, per_decode = theta
+    return dataclasses.replace(
+        prior, per_iteration_s=fixed, per_decode_token_s=per_decode, per_prefill_token_s=per_prefill
+    )
 
 
 def _fit_merged_ratio(p: CostParams, merged: list[IterationSample]) -> float:
     """Median of measured merged step time over the unmerged model's prediction for that step."""
     ratios = []
     for s in merged:
-        predicted = float(np.dot(_features(s), [p.per_iteration_s, p.per_decode_token_s, p.per_prefill_token_s]))
+        predicted = p.line.seconds(s.prefill_tokens, s.decode_tokens)
         if predicted > 0:
             ratios.append(s.seconds / predicted)
     return float(np.clip(np.median(ratios), RATIO_FLOOR, 1.5)) if ratios else p.merged_ratio

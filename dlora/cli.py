@@ -16,10 +16,10 @@ import sys
 from dlora.config import ConfigError
 
 SUBCOMMANDS = (
-    "dlora.server.serve_cmd",  # dlora serve
+    "dlora.app.serve_cmd",  # dlora serve
     "dlora.models.cli",  # dlora make-test-model, dlora prepare-model
     "dlora.bench.cli",  # dlora bench
-    "dlora.batch.cli",  # dlora batch run
+    "dlora.app.batch_cmd",  # dlora batch run
 )
 
 

@@ -7,8 +7,8 @@ import contextlib
 
 import httpx
 
-from dlora.server.app import attach, create_app
-from dlora.server.state import build_state
+from dlora.app.asgi import attach, create_app
+from dlora.app.state import build_state
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,6 @@
 """docs/configuration.md and docs/metrics.md against the code they document.
 
-The configuration reference must list every field of the config dataclasses (dlora/config.py, and
+The configuration reference must list every field of the config dataclasses (dlora/config/, and
 the batching policy's `BatchingConfig` that the `scheduling:` section extends) with its type and
 default, and nothing else; the metrics reference must list every metric dlora/server/metrics.py
 exports, and nothing else. A key or metric added without docs fails here.
@@ -122,7 +122,7 @@ def rows() -> dict[str, DocRow]:
 def test_every_config_key_is_documented_and_nothing_else(rows):
     assert set(rows) == set(code_fields()), (
         f"missing from docs/configuration.md: {sorted(set(code_fields()) - set(rows))}; "
-        f"documented but not in dlora/config.py: {sorted(set(rows) - set(code_fields()))}"
+        f"documented but not in dlora/config/: {sorted(set(rows) - set(code_fields()))}"
     )
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 
 from dlora import cli
-from dlora.server import serve_cmd
+from dlora.app import serve_cmd
 from dlora.sim.toy_replica import ToyReplica
 
 TOKEN_S = 0.01  # a 450-token stream takes ~5 s, as on a real tiny-model replica
 
 
 async def toy_state(cfg):
-    from dlora.server.state import build_state
+    from dlora.app.state import build_state
 
     replicas = [
         ToyReplica(i, step_s=TOKEN_S, max_running=cfg.engine.max_num_seqs) for i in range(cfg.cluster.num_replicas)

@@ -42,9 +42,13 @@ from pathlib import Path
 import httpx
 
 from dlora import env
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.poller import MetricsPoller
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import metric_by_label, metric_total, start_dlora, stop, wait_healthy, write_result
+from dlora.bench.results import write_result
+from dlora.bench.scrape import metric_by_label, metric_total, scrape
+from dlora.bench.servers import dlora_server
+from dlora.bench.stats import percentile
 from dlora.models.tiny import ensure_test_model
 
 HERE = Path(__file__).resolve().parent
@@ -243,7 +247,7 @@ def arrivals(args, capacity: float) -> list[Outcome]:
     return out
 
 
-def scrape(text: str, t: float) -> dict:
+def sample(text: str, t: float) -> dict:
     """One /metrics scrape during the load: replicas by state and the running totals."""
     slo = metric_by_label(text, "dlora_slo_requests_total", "outcome")
     return {
@@ -268,13 +272,6 @@ def reference_texts(url: str, outcomes: list[Outcome], max_tokens: int) -> dict[
     return {(r.prompt, r.adapter): r.text for r in refs}
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def attainment_between(samples: list[dict], start: float, end: float) -> float | None:
     """Share of the requests that finished between two times (as /metrics counted them) that met their SLO."""
     inside = [s for s in samples if start <= s["t"] <= end]
@@ -295,8 +292,8 @@ def summarize(outcomes, samples, refs, phase_s, capacity, drained: dict | None =
         ttfts = [o.ttft_s for o in outcomes if o.phase == name and o.ttft_s is not None]
         per_phase[name] = {
             "requests": sum(1 for o in outcomes if o.phase == name),
-            "ttft_p50_s": pct(ttfts, 0.5),
-            "ttft_p99_s": pct(ttfts, 0.99),
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
             "slo_attainment": attainment_between(samples, edges[i], edges[i + 1]),
         }
     serving = [(s["t"], s["replicas"].get("serving", 0.0)) for s in samples]
@@ -327,10 +324,7 @@ def summarize(outcomes, samples, refs, phase_s, capacity, drained: dict | None =
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     samples, outcomes = result["samples"], result["requests"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
@@ -383,8 +377,7 @@ def plot(result: dict, path: Path) -> None:
         f"{'-' if saved is None else f'{saved:.0%}'}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -393,10 +386,7 @@ def main() -> int:
     work = env.cache_dir() / "bench-run" / "autoscale"
     work.mkdir(parents=True, exist_ok=True)
     cfg = server_config(args, model, work)
-    url = f"http://127.0.0.1:{PORT}"
-    proc = start_dlora(cfg, work, "autoscale")
-    try:
-        wait_healthy(url, proc, work / "autoscale.log")
+    with dlora_server(cfg, work, "autoscale") as url:
         capacity = calibrate(url, args)
         print(f"one replica serves {capacity:.2f} req/s", flush=True)
         outcomes = arrivals(args, capacity)
@@ -404,18 +394,16 @@ def main() -> int:
         # the calibration burst may have scaled out: start from one replica, as a quiet period would
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            text = httpx.get(f"{url}/metrics", timeout=5).text
+            text = scrape(url, timeout=5)
             states = metric_by_label(text, "dlora_replicas", "state")
             if states.get("serving", 0) <= 1 and not states.get("starting") and not states.get("draining"):
                 break
             time.sleep(2)
-        with MetricsPoller(url, scrape) as poller:
+        with MetricsPoller(url, sample) as poller:
             drained = asyncio.run(drive(url, outcomes, args.max_tokens, args.operator_drain_at))
             print(f"operator drain: {drained}", flush=True)
             time.sleep(max(0.0, sum(args.phase_s) - (time.monotonic() - poller.t0)))
         refs = reference_texts(url, outcomes, args.max_tokens)
-    finally:
-        stop(proc)
     summary = summarize(outcomes, poller.samples, refs, args.phase_s, capacity, drained)
     result = {
         **provenance("bench.autoscale.run"),

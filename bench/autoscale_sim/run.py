@@ -41,11 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.slo_sim.run import sharegpt_jobs
 from dlora import env
 from dlora.bench.adapter_slo import slo_summary
+from dlora.bench.cluster_bench import CHAT_TEMPLATE, sharegpt_chat_workload
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import write_result
+from dlora.bench.results import write_result
+from dlora.bench.stats import percentile
 from dlora.cluster.autoscale import AutoscaleConfig
 from dlora.sim.elastic import simulate_elastic
 from dlora.sim.migration_bound import Outcome, ReplicaModel, TraceRequest, capacity_rps, simulate
@@ -100,10 +102,15 @@ def day(replicas: int, seed: int, args, tokenizer, model: ReplicaModel) -> tuple
 
 
 def _jobs(adapters: int, n: int, rate: float, seed: int, args, tokenizer, diurnal: bool) -> list[TraceRequest]:
+    """ShareGPT chat requests over Zipf(1.0) adapters as modelled jobs (prompts with the chat
+    template, outputs cut at --max-tokens), as bench/slo_sim counts them."""
     spec = {"diurnal_amplitude": args.amplitude, "diurnal_period": args.period} if diurnal else {}
-    return sharegpt_jobs(
-        adapters, n, seed, tokenizer, alpha=1.0, cv=args.cv, max_tokens=args.max_tokens, request_rate=rate, **spec
-    )
+    cap = args.max_tokens
+    requests = sharegpt_chat_workload(adapters, n, seed, tokenizer, alpha=1.0, cv=args.cv, request_rate=rate, **spec)
+    return [
+        TraceRequest(r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, cap), cap)
+        for r in requests
+    ]
 
 
 def report(jobs: list[TraceRequest], outcome: Outcome, replica_seconds: float) -> dict[str, Any]:
@@ -113,8 +120,8 @@ def report(jobs: list[TraceRequest], outcome: Outcome, replica_seconds: float) -
     return {
         "replica_seconds": replica_seconds,
         "slo_attainment": slo["slo_attainment"],
-        "median_ttft_ms": float(np.percentile(ttft_ms, 50)),
-        "p99_ttft_ms": float(np.percentile(ttft_ms, 99)),
+        "median_ttft_ms": percentile(ttft_ms, 50),
+        "p99_ttft_ms": percentile(ttft_ms, 99),
         "preemptions": outcome.preemptions,
     }
 
@@ -169,10 +176,7 @@ def summarize(scales: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     scales = result["scales"]
     fig, axes = plt.subplots(len(scales), 2, figsize=(14, 3.6 * len(scales)), squeeze=False)
@@ -204,8 +208,7 @@ def plot(result: dict, path: Path) -> None:
         f"{result['amplitude']}, peak {result['peak_load']} x capacity, replica start {result['startup_s']:.0f} s",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def per_minute(jobs: list[TraceRequest]) -> dict[str, list[float]]:

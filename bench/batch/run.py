@@ -47,8 +47,10 @@ import yaml
 
 from dlora import env
 from dlora.bench.memory import rss_gib
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import make_random_adapters, write_result
+from dlora.bench.results import write_result
+from dlora.bench.servers import make_random_adapters
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.sim.step_costs import ALL_PROJECTIONS, QKVO
 
@@ -353,10 +355,7 @@ def summarize(points: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     kinds = sorted(result["summary"])
     systems = [s for s in SYSTEMS if any(f"makespan_s_{s}" in result["summary"][k] for k in kinds)]
@@ -377,8 +376,7 @@ def plot(result: dict, path: Path) -> None:
     w = result["workload"]
     ax.set_title(f"{w['requests']} ShareGPT requests over {w['adapters']} adapters (Zipf 1.0)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

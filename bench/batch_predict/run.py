@@ -30,6 +30,7 @@ from pathlib import Path
 from dlora.batch.plan import PlannedLine, dispatch_plan, plan_stages
 from dlora.batch.predict import RequestWork, predict, sample_lengths
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.cluster.estimators.replica_cost import CostParams
 
 HERE = Path(__file__).resolve().parent
@@ -124,7 +125,7 @@ def main() -> None:
             "predicted_makespan_spread": (max(makespans) - min(makespans)) / statistics.median(makespans),
         },
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(result, args.out, indent=1, print_summary=False)
     print(json.dumps(result["summary"]))
 
 

@@ -24,9 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from dlora.bench.cost_presets import BACKEND_OF
 from dlora.bench.palette import BATCHING_POLICY_COLORS
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import shipped_config, write_result
+from dlora.bench.results import write_result
+from dlora.bench.shipped import shipped_batching_parameters
 from dlora.scheduling import BatchingConfig
 from dlora.sim.skew import SkewWorkload, simulate
 from dlora.sim.step_costs import PRESETS
@@ -34,19 +37,14 @@ from dlora.sim.step_costs import PRESETS
 HERE = Path(__file__).resolve().parent
 
 POLICIES = ("unmerged", "merged", "dlora")
-BACKEND_OF = {"cpu-einsum": "einsum", "cpu-vllm-ops": "vllm", "gpu-like": "triton"}  # for the cost priors
-
-
-def shipped_scheduling() -> dict:
-    section = dict(shipped_config("scheduling"))
-    section.pop("policy", None)
-    return section
 
 
 def run_point(preset: str, alpha: float, args) -> dict:
     costs = PRESETS[preset]
     configs = {
-        p: BatchingConfig(**(shipped_scheduling() if p == "dlora" else {})).for_lora_backend(BACKEND_OF[preset])
+        p: BatchingConfig(**(shipped_batching_parameters() if p == "dlora" else {})).for_lora_backend(
+            BACKEND_OF[preset]
+        )
         for p in POLICIES
     }
     lat: dict[str, list[float]] = {p: [] for p in POLICIES}
@@ -87,10 +85,7 @@ def summarize(points: list[dict], alphas: list[float]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     presets = list(PRESETS)
     fig, axes = plt.subplots(1, len(presets), figsize=(4.3 * len(presets), 3.5))
@@ -119,8 +114,7 @@ def plot(result: dict, path: Path) -> None:
         f"step noise sd {w['noise_sd']}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -157,7 +151,7 @@ def main() -> int:
             "output_len": 64,
             "adapters": 8,
         },
-        "dlora_scheduling": shipped_scheduling(),
+        "dlora_scheduling": shipped_batching_parameters(),
         "presets": {name: vars(c) for name, c in PRESETS.items()},
         "points": points,
         "summary": summarize(points, args.alphas),

@@ -24,8 +24,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import write_result
+from dlora.bench.results import write_result
 from dlora.sim.cluster import POLICIES, ClusterSimSpec, simulate, static_shares
 
 HERE = Path(__file__).resolve().parent
@@ -68,10 +69,7 @@ def run_load(spec: ClusterSimSpec, load: float, args, t0: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     points = result["points"]
@@ -87,8 +85,7 @@ def plot(result: dict, path: Path) -> None:
         fontsize=8,
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def parse_args() -> argparse.Namespace:

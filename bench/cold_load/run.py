@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 
 from dlora import config, env
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import make_random_adapters, write_result
+from dlora.bench.results import write_result
+from dlora.bench.servers import make_random_adapters
 from dlora.models.smollm2 import resolve_model_path
 from dlora.replica.engine import EngineHost
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
@@ -184,10 +186,7 @@ def summarize(runs: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     kinds = list(result["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -209,8 +208,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("Cold adapter load beside a running stream (SmolLM2-135M, 1 core; medians)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def _line(r: dict) -> str:

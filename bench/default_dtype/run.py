@@ -18,10 +18,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from dlora.bench import servers
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.bench.runner import run_benchmark
 from dlora.bench.server_configs import shipped_server_config
+from dlora.bench.servers import dlora_server
 from dlora.bench.workload import WorkloadSpec, generate_workload
 
 HERE = Path(__file__).resolve().parent
@@ -49,10 +51,7 @@ def one_rep(url: str, requests) -> float:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, workload in enumerate(WORKLOADS):
@@ -69,8 +68,7 @@ def plot(result: dict, png: Path) -> None:
         fontsize=10,
     )
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,15 +93,11 @@ def main(argv: list[str] | None = None) -> None:
             with tempfile.TemporaryDirectory(prefix="dlora-dtype-") as tmp:
                 cfg = shipped_server_config(args.port, f"{tmp}/state")
                 cfg["model"]["dtype"] = dtype
-                proc = servers.start_dlora(cfg, Path(tmp), "server")
-                try:
-                    servers.wait_healthy(url, proc, Path(tmp) / "server.log")
+                with dlora_server(cfg, Path(tmp), "server"):
                     one_rep(url, workloads["mixed"][:8])  # warm-up: adapter loads, first-shape kernels
                     for _ in range(args.reps):
                         for name, reqs in workloads.items():
                             runs[dtype][name].append(one_rep(url, reqs))
-                finally:
-                    servers.stop(proc)
             print(
                 f"round {rnd} {dtype}: " + ", ".join(f"{w} {v[-args.reps :]}" for w, v in runs[dtype].items()),
                 flush=True,
@@ -124,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         "median_output_tok_s": med,
         "summary": {f"bf16_vs_fp32_{w}": med["bfloat16"][w] / med["float32"][w] for w in WORKLOADS},
     }
-    servers.write_result(result, args.out, plot)
+    write_result(result, args.out, plot)
 
 
 if __name__ == "__main__":

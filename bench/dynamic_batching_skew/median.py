@@ -25,7 +25,7 @@ from bench.dynamic_batching_skew.run import (
     summarize,
 )
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import write_result
+from dlora.bench.results import write_result
 
 
 def main() -> int:

@@ -43,24 +43,19 @@ import yaml
 
 from dlora import env
 from dlora.bench.palette import BATCHING_POLICY_COLORS
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.policy_servers import run_point as run_policy_point
-from dlora.bench.policy_servers import shipped_scheduling
 from dlora.bench.policy_servers import warm_up as shared_warm_up
 from dlora.bench.popularity import popularity_shares
 from dlora.bench.provenance import machine, provenance
+from dlora.bench.results import write_result
 from dlora.bench.server_configs import (
     EngineSettings,
     single_replica_config,
     vllm_server_command,
 )
-from dlora.bench.servers import (
-    make_random_adapters,
-    shipped_config,
-    start,
-    stop,
-    wait_healthy,
-    write_result,
-)
+from dlora.bench.servers import make_random_adapters, serving, start
+from dlora.bench.shipped import shipped_config, shipped_scheduling
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.models.smollm2 import prepare_smollm2
 
@@ -191,10 +186,7 @@ def summarize(points: list[dict], skews: list[float], base_reference: dict | Non
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, key, label in zip(
@@ -226,8 +218,7 @@ def plot(result: dict, path: Path) -> None:
         f"{w['output_len']} tokens",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def schedule(k: int, reps: int) -> list[tuple[int | None, str]]:
@@ -296,20 +287,18 @@ def main() -> int:
     work = Path(env.cache_dir()) / "bench-run" / "skew"
     work.mkdir(parents=True, exist_ok=True)
     procs = {}
-    try:
-        for policy in POLICIES:
-            cfg = work / f"{policy}.yaml"
-            cfg.write_text(yaml.safe_dump(dlora_config(args, policy, base, adapters, work / f"state-{policy}")))
-            procs[policy] = start(
-                [sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg)], work / f"{policy}.log", {}
-            )
-        procs["vllm"] = start(
-            vllm_command(args, base, adapters),
-            work / "vllm.log",
-            {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    for policy in POLICIES:
+        cfg = work / f"{policy}.yaml"
+        cfg.write_text(yaml.safe_dump(dlora_config(args, policy, base, adapters, work / f"state-{policy}")))
+        procs[policy] = start(
+            [sys.executable, "-m", "dlora.cli", "serve", "--config", str(cfg)], work / f"{policy}.log", {}
         )
-        for system, proc in procs.items():
-            wait_healthy(url(system), proc, work / f"{system}.log", timeout=600)
+    procs["vllm"] = start(
+        vllm_command(args, base, adapters),
+        work / "vllm.log",
+        {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    )
+    with serving(procs, {system: url(system) for system in procs}, work, timeout=600):
         print(f"[{time.monotonic() - t_start:5.0f}s] all four servers are up", flush=True)
 
         names = tuple(f"a{i}" for i in range(NUM_ADAPTERS))
@@ -366,9 +355,6 @@ def main() -> int:
             f"{base_reference['avg_latency_per_output_token_ms']:8.1f} ms",
             flush=True,
         )
-    finally:
-        for proc in procs.values():
-            stop(proc)
 
     result = {
         **provenance("bench.dynamic_batching_skew.run"),

@@ -26,8 +26,11 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import machine as provenance_machine
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
+from dlora.bench.stats import percentile
 from dlora.bench.synthetic_cluster import skewed_cluster
 from dlora.cluster.migration.ilp import plan_migration
 from dlora.cluster.migration.lp_solve import highs_available
@@ -37,13 +40,6 @@ HERE = Path(__file__).resolve().parent
 SIZES = [(100, 4, 16), (250, 8, 32), (500, 16, 64), (1000, 16, 128), (1000, 32, 128)]
 EXTREME_SKEW = 0.05  # an extra run at the largest size: nearly all requests on a few replicas
 TARGET_P95_MS = 50.0
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def variants(largest: bool) -> list[tuple[str, MigrationConfig]]:
@@ -82,7 +78,7 @@ def run_size(size: tuple[int, int, int], seeds: int, reps: int, skew: float = 0.
                 "seeds": seeds,
                 "samples": len(plans),
                 "p50_ms": round(statistics.median(total), 2),
-                "p95_ms": round(percentile(total, 0.95), 2),
+                "p95_ms": round(percentile(total, 95), 2),
                 "max_ms": round(max(total), 2),
                 "solver_p50_ms": round(statistics.median(solver), 2),
                 "fallbacks": sum(p.status.startswith("fallback") for p in plans),
@@ -111,10 +107,7 @@ def machine(load_at_start: tuple[float, ...]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in result["rows"] if r["planner"] in ("highs", "cbc", "greedy") and r["skew"] == 0.7]
     labels = [f"{r}x{j}x{k}" for r, j, k in SIZES if any(x["requests"] == r and x["replicas"] == j for x in rows)]
@@ -132,8 +125,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("plan_migration wall time (ms)")
     ax.set_title(f"Co-migration planning time, top-K=2, {result['machine']['cores']} vCPU (shared)", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
@@ -166,9 +158,7 @@ def main() -> None:
         },
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    write_result(result, args.out, plot, indent=1, print_summary=False)
     print(f"{'size':>14} {'skew':>5} {'planner':>16} {'p50':>7} {'p95':>7} {'max':>7} {'solver':>7} fb  moves makespan")
     for r in rows:
         size = f"{r['requests']}x{r['replicas']}x{r['adapters']}"

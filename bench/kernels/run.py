@@ -19,7 +19,6 @@ CUDA) and a PNG next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import machine as provenance_machine
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora_kernels import (
     LoRABatchMeta,
     PackedLoRA,
@@ -312,10 +313,7 @@ def cases(quick: bool) -> list[BenchCase]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in result["lora"] if r["ranks_label"] == "mixed8-64"]
     settings = [(m, t) for m, t in TOKEN_SETTINGS if any(r["mode"] == m and r["num_tokens"] == t for r in rows)]
@@ -349,8 +347,7 @@ def plot(result: dict, path: Path) -> None:
         f"{result['machine']['torch_threads']} thread(s)",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -397,9 +394,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[merge] {model} r={rank}: {row['median_ms']}", flush=True)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     result["loadavg_end"] = os.getloadavg()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out.with_suffix(".png"))
+    write_result(result, out, plot, indent=1, print_summary=False)
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['wall_s']}s")
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.cli import main as dlora_main
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / "result.json"
     result = json.loads(path.read_text())
     made = provenance("bench.load_harness_example.run", argv)  # its date replaces the harness's own
-    path.write_text(json.dumps({**made, **{k: v for k, v in result.items() if k not in made}}, indent=2))
+    write_result({**made, **{k: v for k, v in result.items() if k not in made}}, path, print_summary=False)
     (out_dir / "result.latency_vs_rate.png").replace(out_dir / "result.png")
     return 0
 

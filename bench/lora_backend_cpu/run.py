@@ -13,28 +13,24 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
-import statistics
 import sys
 from pathlib import Path
 
-from bench.vs_vllm_server.run import (
-    METRICS,
-    dlora_config,
-    mixed_adapter_workload,
-    plot,
-    run_once,
-)
 from dlora import env
+from dlora.bench.plot import plot_server_comparison
 from dlora.bench.provenance import machine as provenance_machine
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import (
+from dlora.bench.results import write_result
+from dlora.bench.server_comparison import (
+    METRICS,
     alternate_runs,
-    make_random_adapters,
-    start_dlora,
-    stop,
-    wait_healthy,
-    write_result,
+    dlora_config,
+    mixed_adapter_workload,
+    run_once,
+    workload_record,
 )
+from dlora.bench.servers import make_random_adapters, serving, start_dlora
+from dlora.bench.stats import medians
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
@@ -74,22 +70,17 @@ def main() -> int:
         args.lora_backend = name  # the one difference between the two servers' configs
         configs[name] = dlora_config(args, base, adapters, ports[name], work / f"state-{name}")
     procs = {name: start_dlora(configs[name], work, name) for name in BACKENDS}
-    try:
-        for name, proc in procs.items():
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", proc, work / f"{name}.log")
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in BACKENDS}
+    with serving(procs, urls, work):
         requests = mixed_adapter_workload(args)
-        urls = {name: f"http://127.0.0.1:{ports[name]}" for name in BACKENDS}
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
-    finally:
-        for proc in procs.values():
-            stop(proc)
     in_use = {
         name: f"Using PunicaWrapper{'Einsum' if name == 'einsum' else 'CPU'}."
         in (work / f"{name}.log").read_text(errors="replace")
         for name in BACKENDS
     }
 
-    median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
+    median = medians(runs, METRICS)
     per_rep = [e["output_throughput"] / v["output_throughput"] for e, v in zip(runs["einsum"], runs["vllm"])]
     result = {
         **provenance("bench.lora_backend_cpu.run"),
@@ -100,17 +91,7 @@ def main() -> int:
             "note": "shared 2-core machine with other CPU-heavy work running; both engines on core 0, "
             "runs alternate so both see the same background load on average",
         },
-        "workload": {
-            "num_prompts": args.num_prompts,
-            "num_adapters": args.num_adapters,
-            "rank": args.rank,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "request_rate": "inf",
-            "popularity": "distinct (round-robin)",
-            "ignore_eos": True,
-            "stream": True,
-        },
+        "workload": workload_record(args),
         "wrapper_in_use_per_log": in_use,
         "reps": args.reps,
         "runs": runs,
@@ -123,7 +104,9 @@ def main() -> int:
             "ttft_ratio_vllm_over_einsum": median["vllm"]["median_ttft_ms"] / median["einsum"]["median_ttft_ms"],
         },
     }
-    write_result(result, args.out, functools.partial(plot, title="dlora LoRA backend, einsum vs vllm"))
+    write_result(
+        result, args.out, functools.partial(plot_server_comparison, title="dlora LoRA backend, einsum vs vllm")
+    )
     return 0
 
 

@@ -24,15 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from dlora import env
 from dlora.bench.adapter_copies import copies_of
 from dlora.bench.memory import rss_gib
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.bench.runner import run_benchmark
 from dlora.bench.server_configs import shipped_engine_settings, shipped_server_config, vllm_server_command
-from dlora.bench.servers import make_random_adapters, start, start_dlora, stop, wait_healthy, write_result
+from dlora.bench.servers import make_random_adapters, start, start_dlora, stop, wait_healthy
+from dlora.bench.stats import percentile
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.models.smollm2 import prepare_smollm2
 
@@ -100,10 +101,10 @@ def measure(url: str, requests) -> dict:
         "completed": r["completed"],
         "failed": len(requests) - r["completed"],
         "output_throughput": r["output_throughput"],
-        "ttft_p50_ms": float(np.percentile(ttfts, 50)) if ttfts else None,
-        "ttft_p99_ms": float(np.percentile(ttfts, 99)) if ttfts else None,
-        "cold_ttft_p50_ms": float(np.percentile(cold, 50)) if cold else None,
-        "cold_ttft_p99_ms": float(np.percentile(cold, 99)) if cold else None,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "cold_ttft_p50_ms": percentile(cold, 50),
+        "cold_ttft_p99_ms": percentile(cold, 99),
         "cold_requests": len(cold),
     }
 
@@ -178,10 +179,7 @@ def summary_of(sizes: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for name, color in (("dlora", "#4477aa"), ("vllm", "#cc6677")):
@@ -199,8 +197,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("Many adapters, Zipf 1.0 popularity, max_loras 8 (medians of alternating runs)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:

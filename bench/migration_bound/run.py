@@ -28,15 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cluster_balancing import run as cb
+from dlora.bench.cluster_bench import CHAT_TEMPLATE, make_workload, parse_settings
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import write_result
+from dlora.bench.results import write_result
+from dlora.bench.stats import percentile
 from dlora.cluster.router import static_home
 from dlora.sim.migration_bound import ReplicaModel, TraceRequest, bound, capacity_rps
 
 HERE = Path(__file__).resolve().parent
 
-CHAT_TEMPLATE = 30  # tokens SmolLM2's chat template adds to a ShareGPT prompt (system turn + markers)
 TARGET = 1.4  # the target gain of migration over proactive dispatch alone
 
 
@@ -89,8 +90,8 @@ def draw_lengths(n: int, seed: int, args) -> np.ndarray:
 
 
 def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[TraceRequest]:
-    bargs = cb.parse_args([*regime.bench_args, "--max-tokens", str(args.max_tokens)])
-    work = cb.make_workload(bargs, rate, seed, args.num_prompts, tokenizer)
+    bargs = parse_settings([*regime.bench_args, "--max-tokens", str(args.max_tokens)])
+    work = make_workload(bargs, rate, seed, args.num_prompts, tokenizer)
     if bargs.workload == "fixed":
         return [TraceRequest(r.arrival_time, r.adapter, r.prompt_len, r.output_len, r.output_len) for r in work]
     lengths = draw_lengths(len(work), seed, args)
@@ -103,7 +104,7 @@ def trace(regime: Regime, rate: float, seed: int, args, tokenizer) -> list[Trace
 def homes(regime: Regime, replicas: int) -> dict[str, int]:
     """Static placement's home of each adapter: the cluster benchmark registers a0, a1, ... with
     ids 1, 2, ..."""
-    n = cb.parse_args(list(regime.bench_args)).adapters
+    n = parse_settings(list(regime.bench_args)).adapters
     return {f"a{i}": static_home(i + 1, replicas) for i in range(n)}
 
 
@@ -148,7 +149,7 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
                 r["mean_latency_s"]["at_arrival"] / r["mean_latency_s"]["late_binding"] for r in runs
             ),
             "late_binding_gain_median": statistics.median(ratios),
-            "late_binding_gain_quartiles": [float(x) for x in np.percentile(ratios, [25, 75])],
+            "late_binding_gain_quartiles": [percentile(ratios, 25), percentile(ratios, 75)],
             "late_binding_gain_max": max(ratios),
             "best_gain_median": statistics.median(best),
             "seeds_best_at_or_above_target": sum(r >= TARGET for r in best),
@@ -188,10 +189,7 @@ def run_regime(regime: Regime, args, tokenizer, t0: float) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     labels, data, moves, soonest, balancer, events, static = [], [], [], [], [], [], []
@@ -237,8 +235,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("queueing: static / at arrival")
     ax2.tick_params(axis="x", labelsize=7)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,17 +15,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 import yaml
 
-from bench.vs_vllm_server.run import METRICS, plot, run_once
 from dlora import env
+from dlora.bench.plot import plot_server_comparison
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
+from dlora.bench.server_comparison import METRICS, alternate_runs, run_once
 from dlora.bench.server_configs import shipped_engine_settings, shipped_server_config, vllm_server_command
-from dlora.bench.servers import alternate_runs, start, start_dlora, stop, wait_healthy, write_result
+from dlora.bench.servers import serving, start, start_dlora
+from dlora.bench.stats import medians
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.models.smollm2 import prepare_smollm2
 
@@ -91,17 +93,12 @@ def main() -> int:
             "server": {**dlora_cfg["server"], "port": PORTS["dlora-1x2"], "state_dir": str(work / "state-1x2")},
         }
         procs["dlora-1x2"] = start_dlora(one_replica_cfg, work, "dlora-1x2")
-    try:
-        for name, proc in procs.items():
-            wait_healthy(f"http://127.0.0.1:{PORTS[name]}", proc, work / f"{name}.log")
+    urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in procs}
+    with serving(procs, urls, work):
         requests = base_model_workload(args)
-        urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in procs}
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=4)
-    finally:
-        for proc in procs.values():
-            stop(proc)
 
-    median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
+    median = medians(runs, METRICS)
     d, v = median["dlora"], median["vllm"]
     result = {
         **provenance("bench.overhead.run"),
@@ -132,7 +129,9 @@ def main() -> int:
         result["dlora_one_replica_config"] = one_replica_cfg
         result["summary"]["two_single_core_over_one_two_core"] = d["output_throughput"] / one["output_throughput"]
         result["summary"]["one_two_core_vs_vllm"] = one["output_throughput"] / v["output_throughput"]
-    write_result(result, args.out, lambda r, p: plot(r, p, title="dlora vs vLLM server, base model only"))
+    write_result(
+        result, args.out, lambda r, p: plot_server_comparison(r, p, title="dlora vs vLLM server, base model only")
+    )
     return 0
 
 

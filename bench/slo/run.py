@@ -35,11 +35,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cluster_balancing import run as cluster
 from dlora import env
+from dlora.bench import cluster_bench as cluster
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.poller import MetricsPoller
 from dlora.bench.provenance import machine, provenance
-from dlora.bench.servers import make_random_adapters, start_dlora, stop, wait_healthy, write_result
+from dlora.bench.results import write_result
+from dlora.bench.runner import run_benchmark
+from dlora.bench.scrape import metric_values
+from dlora.bench.servers import dlora_server, make_random_adapters
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
@@ -91,14 +95,14 @@ def cluster_args(args) -> argparse.Namespace:
         f"--kv-blocks={args.kv_blocks}",
         "--max-loras=8",
     ]
-    return cluster.parse_args(argv)
+    return cluster.parse_settings(argv)
 
 
 def fairness_gap(text: str, t: float = 0.0) -> float | None:
     """The largest `dlora_kv_fairness_gap` over the replicas in a /metrics scrape (None: none
     reports it). The gauge is the engine's last step, so it is sampled during each run: a scrape
     after the run reads an idle engine (0)."""
-    gaps = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dlora_kv_fairness_gap{")]
+    gaps = metric_values(text, "dlora_kv_fairness_gap")
     return max(gaps) if gaps else None
 
 
@@ -144,10 +148,7 @@ def _fmt(x: float | None) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     per_load = result["per_load"]
     loads = sorted(per_load, key=float)
@@ -177,8 +178,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(label, fontsize=9)
     axes[0].legend(fontsize=7)
     fig.suptitle("Per-adapter SLOs on two replicas: ShareGPT lengths, Gamma CV 3, Zipf 1.0 over 8 adapters", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -214,12 +214,7 @@ def main() -> int:
         port = 8331 + i
         cfg = cluster.server_config(cargs, base, adapters, port, work / f"state-{name}", CONFIGS[name])
         server_cfgs[name] = {"cluster": cfg["cluster"], "scheduling": cfg["scheduling"]}
-        proc = start_dlora(cfg, work, name)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, proc, work / f"{name}.log")
-            from dlora.bench.runner import run_benchmark
-
+        with dlora_server(cfg, work, name) as url:
             run_benchmark(url, workloads[rates[0]][:8], **run_kw, print_result=False, disable_tqdm=True)
             for rate in rates:
                 with MetricsPoller(url, fairness_gap) as poller:
@@ -234,8 +229,6 @@ def main() -> int:
                     flush=True,
                 )
                 time.sleep(5)
-        finally:
-            stop(proc)
     result = {
         **provenance("bench.slo.run"),
         "machine": {**machine(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},

@@ -36,12 +36,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.cluster_balancing.run import CHAT_TEMPLATE_TOKENS, MAX_MODEL_LEN
-from bench.migration_bound.run import CHAT_TEMPLATE
 from dlora import env
+from dlora.bench.cluster_bench import CHAT_TEMPLATE, sharegpt_chat_workload
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
-from dlora.bench.servers import write_result
-from dlora.bench.workload import WorkloadSpec, generate_workload
+from dlora.bench.results import write_result
 from dlora.sim.migration_bound import ReplicaModel, TraceRequest, capacity_rps
 from dlora.sim.slo_study import CONFIGS, replicas_for, run
 
@@ -118,22 +117,11 @@ def sharegpt_jobs(
 ) -> list[TraceRequest]:
     """`n` ShareGPT chat requests over Zipf(`alpha`) adapters as modelled jobs, outputs cut at
     `max_tokens`; `spec` sets other `WorkloadSpec` fields (default: 1 request/s)."""
-    ws = WorkloadSpec(
-        num_prompts=n,
-        adapters=tuple(f"a{i}" for i in range(adapters)),
-        distribution="zipf",
-        alpha=alpha,
-        cv=cv,
-        dataset="sharegpt",
-        max_model_len=MAX_MODEL_LEN - CHAT_TEMPLATE_TOKENS,
-        seed=seed,
-        **{"request_rate": 1.0, **spec},
-    )
     return [
         TraceRequest(
             r.arrival_time, str(r.adapter), r.prompt_len + CHAT_TEMPLATE, min(r.output_len, max_tokens), max_tokens
         )
-        for r in generate_workload(ws, tokenizer=tokenizer, with_prompts=False)
+        for r in sharegpt_chat_workload(adapters, n, seed, tokenizer, alpha=alpha, cv=cv, **spec)
     ]
 
 
@@ -257,10 +245,7 @@ def summarize(scales: list[dict[str, Any]], configs: list[str]) -> dict[str, Any
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     scales, configs = result["scales"], result["configs_run"]
     panels = (
@@ -293,8 +278,7 @@ def plot(result: dict, path: Path) -> None:
         f"KV-bound, SLO = 5 x isolated; mean over {result['seeds']} seeds",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -40,16 +40,21 @@ from pathlib import Path
 import httpx
 
 from bench.under_attack.batch_attacker import Limits, batch_attacker_process
-from dlora.bench import servers
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.bench.runner import run_benchmark
 from dlora.bench.server_configs import shipped_server_config
+from dlora.bench.servers import serving, start_dlora
+from dlora.bench.stats import percentile
 from dlora.bench.workload import WorkloadSpec, generate_workload
 from dlora.config import BatchConfig, ServerConfig
 
 HERE = Path(__file__).resolve().parent
 ADAPTERS = ("upper", "json", "pirate")
 MODES = ("alone", "attack", "batch_attack")
+# tails are compared as observed latencies (the sample of the nearest rank), never values between two
+NEAREST = "nearest"
 
 
 def modes_arg(text: str) -> list[str]:
@@ -224,11 +229,6 @@ def machine_busy_s() -> tuple[float, float]:
     return (sum(ticks) - idle) / hz, sum(ticks) / hz
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 # ---- one rep ---------------------------------------------------------------------------------------
 
 
@@ -336,7 +336,8 @@ def bootstrap_ratio(
     rng = random.Random(seed)
     alone, attacked = pooled(reps, "alone"), pooled(reps, mode)
     ratios = sorted(
-        percentile(rng.choices(attacked, k=len(attacked)), q) / percentile(rng.choices(alone, k=len(alone)), q)
+        percentile(rng.choices(attacked, k=len(attacked)), q, NEAREST)
+        / percentile(rng.choices(alone, k=len(alone)), q, NEAREST)
         for _ in range(draws)
     )
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
@@ -349,7 +350,7 @@ def summarise(reps: list[dict]) -> dict:
         return statistics.median(r[key] for r in reps if r["mode"] == mode)
 
     def pooled_p(mode: str, q: float) -> float:
-        return percentile(pooled(reps, mode), q)
+        return percentile(pooled(reps, mode), q, NEAREST)
 
     def cpu_share(mode: str) -> float:
         return sum(r["api_process_cpu_s"] for r in reps if r["mode"] == mode) / sum(
@@ -396,10 +397,7 @@ COLOURS = {"alone": "tab:blue", "attack": "tab:red", "batch_attack": "tab:purple
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     reps = result["reps"]
     colours = {m: c for m, c in COLOURS.items() if any(r["mode"] == m for r in reps)}
@@ -409,7 +407,7 @@ def plot(result: dict, png: Path) -> None:
         cdf.plot(
             ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], color=colour, label=f"{mode} (n={len(ttfts)})"
         )
-        cdf.axvline(percentile(ttfts, 99), color=colour, linestyle=":", linewidth=1)
+        cdf.axvline(percentile(ttfts, 99, NEAREST), color=colour, linestyle=":", linewidth=1)
     cdf.set_xlabel("good request TTFT (ms), dotted: p99")
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("good traffic TTFT, pooled over reps")
@@ -426,8 +424,7 @@ def plot(result: dict, png: Path) -> None:
     health.set_title("/health latency (s), per rep and median")
     health.legend()
     fig.suptitle(_headline(result["summary"]))
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png)
 
 
 def _headline(s: dict) -> str:
@@ -480,9 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dlora-under-attack-") as tmp:
         cfg = shipped_server_config(args.port, f"{tmp}/state")
         limits = batch_limits(cfg, args.batch_valid_fanout)
-        proc = servers.start_dlora(cfg, Path(tmp), "server")
-        try:
-            servers.wait_healthy(url, proc, Path(tmp) / "server.log")
+        proc = start_dlora(cfg, Path(tmp), "server")
+        with serving({"server": proc}, {"server": url}, Path(tmp)):
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
             models = [model, *ADAPTERS]
             requests = generate_workload(spec)  # adapter "" = the base model
@@ -503,8 +499,6 @@ def main(argv: list[str] | None = None) -> None:
                     r["rep"] = rep
                     reps.append(r)
                     print_rep(rep, r)
-        finally:
-            servers.stop(proc)
     result = {
         "question": "does a hostile client slow down or break good traffic?",
         **provenance("bench.under_attack.run", argv),
@@ -527,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         "reps": reps,
         "summary": summarise(reps),
     }
-    servers.write_result(result, args.out, plot)
+    write_result(result, args.out, plot)
 
 
 if __name__ == "__main__":

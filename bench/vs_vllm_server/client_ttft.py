@@ -26,15 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from bench.vs_vllm_server.frontend_cost import workload_args
-from bench.vs_vllm_server.run import METRICS, dlora_config, workload_record
 from dlora import env
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
 from dlora.bench.runner import run_benchmark
-from dlora.bench.servers import make_random_adapters, metric_total, start_dlora, stop, wait_healthy, write_result
-from dlora.bench.workload import WorkloadSpec, generate_workload
+from dlora.bench.scrape import metric_total, scrape
+from dlora.bench.server_comparison import METRICS, dlora_config, mixed_adapter_workload, workload_args, workload_record
+from dlora.bench.servers import dlora_server, make_random_adapters
+from dlora.bench.stats import medians
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
@@ -80,23 +80,8 @@ def run_vllm_bench(args, url: str, base: Path, endpoint: str, seed: int, work: P
     return {k: r[k] for k in KEPT} | {"saved_result": str(out)}
 
 
-def harness_workload(args, seed: int):
-    """run.py's mixed-adapter workload with its prompts drawn from `seed`."""
-    spec = WorkloadSpec(
-        num_prompts=args.num_prompts,
-        adapters=tuple(f"a{i}" for i in range(args.num_adapters)),
-        distribution="distinct",
-        input_len=args.input_len,
-        output_len=args.output_len,
-        request_rate=float("inf"),
-        max_model_len=args.max_model_len,
-        seed=seed,
-    )
-    return generate_workload(spec)
-
-
 def run_harness(args, url: str, endpoint: str, seed: int) -> dict:
-    requests = harness_workload(args, seed)
+    requests = mixed_adapter_workload(args, seed)
     r = run_benchmark(
         url,
         requests,
@@ -124,7 +109,7 @@ def clients(args, url: str, base: Path, work: Path) -> dict:
 def server_ttft(url: str) -> tuple[float, float]:
     """(sum in seconds, count) of dlora's server-side TTFT histogram: from the request reaching the
     router to its first token reaching the API process."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = scrape(url)
     return metric_total(text, f"{SERVER_TTFT}_sum"), metric_total(text, f"{SERVER_TTFT}_count")
 
 
@@ -181,10 +166,7 @@ def summarize(median: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
 def plot(result: dict, path: Path) -> None:
     """Per client and endpoint: median TTFT, what the client adds to the server's own mean TTFT,
     output throughput; bars the medians over reps, dots every run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["median"])
     colors = ["#4477aa", "#cc6677", "#88ccee", "#ee99aa"]
@@ -207,8 +189,7 @@ def plot(result: dict, path: Path) -> None:
         f"chat {s['chat_ttft_ratio_vllm_bench_over_harness']:.3f}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -226,16 +207,12 @@ def main() -> int:
     port = 8316
     url = f"http://127.0.0.1:{port}"
     cfg = dlora_config(args, base, adapters, port, work / "state")
-    proc = start_dlora(cfg, work, "dlora")
-    try:
-        wait_healthy(url, proc, work / "dlora.log")
+    with dlora_server(cfg, work, "dlora"):
         for endpoint in ENDPOINTS:  # first-shape oneDNN primitive builds, adapter loads
             run_harness(argparse.Namespace(**{**vars(args), "num_prompts": args.num_adapters * 2}), url, endpoint, 0)
         runs = alternate(clients(args, url, base, work), args.reps, url)
-    finally:
-        stop(proc)
 
-    median = {n: {k: statistics.median(r[k] for r in rs) for k in MEDIANS} for n, rs in runs.items()}
+    median = medians(runs, MEDIANS)
     result = {
         **provenance("bench.vs_vllm_server.client_ttft"),
         "question": "do dlora's harness and vllm bench serve measure the same median TTFT on the same server?",

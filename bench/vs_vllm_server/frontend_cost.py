@@ -21,11 +21,23 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.vs_vllm_server.run import METRICS, dlora_config, mixed_adapter_workload, plot, run_once, workload_record
 from dlora import env
+from dlora.bench.plot import plot_server_comparison
 from dlora.bench.provenance import git_commit, provenance
-from dlora.bench.servers import REPO_ROOT, alternate_runs, make_random_adapters, stop, wait_healthy, write_result
+from dlora.bench.results import write_result
+from dlora.bench.server_comparison import (
+    METRICS,
+    alternate_runs,
+    dlora_config,
+    mixed_adapter_workload,
+    run_once,
+    workload_args,
+    workload_record,
+)
+from dlora.bench.servers import make_random_adapters, serving
+from dlora.bench.shipped import REPO_ROOT
 from dlora.bench.source_tree import ensure_worktree, imported_from, serve_from, tree_sources
+from dlora.bench.stats import medians
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
@@ -34,20 +46,6 @@ TARGET = 0.97
 # Command names of the processes that run dlora's replica code (Ray's dashboard and runtime-env
 # agents start with an environment of Ray's own and run none of it).
 REPLICA_PROCESSES = ("ray::Replica", "VLLM::")
-
-
-def workload_args(ap: argparse.ArgumentParser, reps: int) -> None:
-    """run.py's workload and engine options, defaulting to dlora as configs/default.yaml runs it."""
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--num-adapters", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=reps)
-    ap.add_argument("--compile", action="store_true", help="let the engines use torch.compile (no --enforce-eager)")
-    ap.add_argument("--lora-backend", default="einsum", choices=("vllm", "einsum"), help="engine.lora_backend")
-    ap.add_argument("--policy", default="dlora", help="scheduling.policy")
 
 
 def responses_status(url: str) -> int:
@@ -110,20 +108,16 @@ def main() -> int:
         path.write_text(yaml.safe_dump(configs[name]))
         procs[name] = serve_from(source, path, work / f"{name}.log")
     urls = {n: f"http://127.0.0.1:{ports[n]}" for n in sources}
-    try:
+    with serving(procs, urls, work):
         served = {}
         for name, proc in procs.items():
-            wait_healthy(urls[name], proc, work / f"{name}.log")
             served[name] = check_source(name, sources[name], proc, work / f"{name}.log")
             served[name]["responses_status"] = responses_status(urls[name])
             print(f"{name}: dlora from {served[name]['dlora_imported_from']}", flush=True)
         requests = mixed_adapter_workload(args)
         runs = alternate_runs(urls, requests, args.reps, run_once, warmup=args.num_adapters * 2)
-    finally:
-        for proc in procs.values():
-            stop(proc)
 
-    median = {n: {k: statistics.median(r[k] for r in rs) for k in METRICS} for n, rs in runs.items()}
+    median = medians(runs, METRICS)
     result = {
         **provenance("bench.vs_vllm_server.frontend_cost"),
         "question": "does vLLM's serving frontend cost output throughput against the hand-written layer it replaced?",
@@ -138,7 +132,7 @@ def main() -> int:
     }
     ratio = result["summary"]["throughput_ratio_head_over_old"]
     title = f"dlora at HEAD / {args.old_commit} (hand-written frontend): throughput ratio {ratio:.3f}"
-    write_result(result, args.out, lambda r, p: plot(r, p, title))
+    write_result(result, args.out, lambda r, p: plot_server_comparison(r, p, title))
     return 0
 
 

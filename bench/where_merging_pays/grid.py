@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dlora.bench.plot import pyplot, save_figure
 from dlora.bench.workload import Request, WorkloadSpec, generate_workload
 from dlora.sim.step_costs import ALL_PROJECTIONS, QKVO
 
@@ -116,10 +117,7 @@ def heat_map_panels(cells: list[dict], modules: str) -> dict[int, tuple[list[int
 def plot(result: dict, path: Path) -> None:
     """Heat maps, skew x rank, one column per prompt length: for the real grid and each simulator
     preset, a row of dlora / better baseline and a row of dlora / unmerged."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     rows = []
@@ -154,4 +152,4 @@ def plot(result: dict, path: Path) -> None:
                 axes[2 * r + m][c].axis("off")
     fig.colorbar(im, ax=axes, shrink=0.5, label="ratio (> 1: dlora faster)")
     fig.suptitle("Where merging pays: dlora's throughput over the baselines", fontsize=10)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100, tight=False)

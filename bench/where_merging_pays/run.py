@@ -38,10 +38,12 @@ from bench.where_merging_pays import grid
 from bench.where_merging_pays.grid import ADAPTERS, MODULE_SETS, POLICIES, Cell
 from bench.where_merging_pays.step_fit import fit_traces
 from dlora import env
-from dlora.bench.policy_servers import run_point, shipped_scheduling, warm_up
+from dlora.bench.policy_servers import run_point, warm_up
 from dlora.bench.provenance import machine, provenance
+from dlora.bench.results import write_result
 from dlora.bench.server_configs import EngineSettings, single_replica_config, vllm_server_command
-from dlora.bench.servers import make_random_adapters, shipped_config, start, stop, wait_healthy, write_result
+from dlora.bench.servers import make_random_adapters, serving, start
+from dlora.bench.shipped import shipped_config, shipped_scheduling
 from dlora.bench.workload import Request, WorkloadSpec, generate_workload
 
 HERE = Path(__file__).resolve().parent
@@ -118,6 +120,7 @@ class Eta:
 
 
 def start_servers(rank: int, base: Path, adapters: list[Path], work: Path, with_vllm: bool) -> dict:
+    """Every policy's server (and vLLM's) for `rank`, started, not yet healthy."""
     procs = {}
     for policy in POLICIES:
         cfg = work / f"r{rank}-{policy}.yaml"
@@ -132,8 +135,6 @@ def start_servers(rank: int, base: Path, adapters: list[Path], work: Path, with_
             work / f"r{rank}-vllm.log",
             {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), "VLLM_CPU_OMP_THREADS_BIND": "0"},
         )
-    for system, proc in procs.items():
-        wait_healthy(url(system), proc, work / f"r{rank}-{system}.log", timeout=900)
     return procs
 
 
@@ -199,7 +200,8 @@ def run_real(args) -> dict:
             base, env.cache_dir() / "bench-adapters" / "smollm2", len(ADAPTERS), rank, target_modules=modules
         )
         procs = start_servers(rank, base, adapters, work, bool(with_vllm))
-        try:
+        logs = {system: work / f"r{rank}-{system}.log" for system in procs}
+        with serving(procs, {system: url(system) for system in procs}, work, timeout=900, logs=logs):
             print(f"{eta.line()} rank {rank}: servers up; warming up", flush=True)
             for system in procs:
                 warm(system, args)
@@ -224,9 +226,6 @@ def run_real(args) -> dict:
                         f"{system:8s} {m['output_throughput']:6.1f} tok/s{sw}",
                         flush=True,
                     )
-        finally:
-            for proc in procs.values():
-                stop(proc)
         fits[str(rank)] = fit_traces(work / f"trace-r{rank}", [p for p in points if p["rank"] == rank], TRACED)
     results = [cell_result(c, points) for c in cells]
     return {

@@ -17,9 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.batching_sim.run import BACKEND_OF, shipped_scheduling
 from bench.where_merging_pays import grid
 from bench.where_merging_pays.grid import MODULE_SETS, POLICIES, Cell
+from dlora.bench.cost_presets import BACKEND_OF
+from dlora.bench.shipped import shipped_batching_parameters
 from dlora.scheduling import BatchingConfig
 from dlora.sim.batching_sim import SimRequest
 from dlora.sim.skew import simulate
@@ -59,9 +60,9 @@ def run_cell(preset: str, cell: Cell, args, calibration: dict | None = None) -> 
     """Each policy, and dlora with each of `args.variants`, over `args.seeds` workload orders."""
     costs = cell_costs(preset, cell, args.output_len, calibration)
     backend = BACKEND_OF[preset]
-    configs = {p: BatchingConfig(**(shipped_scheduling() if p == "dlora" else {})) for p in POLICIES}
+    configs = {p: BatchingConfig(**(shipped_batching_parameters() if p == "dlora" else {})) for p in POLICIES}
     for v in getattr(args, "variants", []):
-        configs[dlora_variant(v)] = BatchingConfig(**(shipped_scheduling() | parse_variant(v)))
+        configs[dlora_variant(v)] = BatchingConfig(**(shipped_batching_parameters() | parse_variant(v)))
     tput: dict[str, list[float]] = {p: [] for p in configs}
     switches: dict[str, list[int]] = {p: [] for p in configs}
     for seed in range(args.seeds):
@@ -237,7 +238,7 @@ def run_sim(args) -> dict:
             "dlora_variants_also_run": args.variants,
             "arrivals": "all at once",
         },
-        "dlora_scheduling": shipped_scheduling(),
+        "dlora_scheduling": shipped_batching_parameters(),
         "presets": {p: vars(PRESETS[p]) for p in SIM_PRESETS},
         "cells_by_preset": by_preset,
         "calibration": {

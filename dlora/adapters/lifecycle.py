@@ -3,36 +3,31 @@
 Every path is checked (roots, PEFT files, shapes against the base model, rank) before the name
 is registered, and an engine load (`add_lora`) must succeed before the name becomes servable:
 a bad adapter is refused with a reason and never reaches a generate request. Engines are given an
-immutable snapshot of the validated files (`snapshot.py`), never the source directory.
+immutable snapshot of the validated files (`validated_copy.py`, `snapshot.py`), never the source
+directory. A name a request gives that nobody registered is looked up in `on_demand.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
-import shutil
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlora.adapters import snapshot
-from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
-from dlora.adapters.registry_store import RegistryPersistError
-from dlora.adapters.resolver import AdapterResolver, AdapterSourceError, is_resolvable_name
-from dlora.adapters.snapshot import Snapshot, SnapshotError
-from dlora.adapters.validate import (
-    AdapterInfo,
-    AdapterValidationError,
-    BaseModelShapes,
-    check_files,
-    inspect_adapter,
-    is_under_roots,
-    unreadable_as_invalid,
+from dlora.adapters.errors import (
+    AdapterBusyError,
+    AdapterForbiddenError,
+    AdapterResolveError,
+    AdapterUnavailableError,
+    described,
 )
+from dlora.adapters.on_demand import OnDemandRegistration
+from dlora.adapters.registry import AdapterExistsError, AdapterNotFoundError, AdapterRecord, AdapterRegistry
+from dlora.adapters.resolver import AdapterResolver, is_resolvable_name
+from dlora.adapters.snapshot import Snapshot
+from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, is_under_roots
+from dlora.adapters.validated_copy import ValidatedCopies
 from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
 from dlora.cluster.router import Router
 from dlora.replica.messages import AdapterRef
@@ -40,55 +35,12 @@ from dlora.slo.config import AdapterSlo
 
 log = logging.getLogger(__name__)
 
-
-class AdapterForbiddenError(PermissionError):
-    """An adapter path outside `server.adapter_roots`; the message names neither the path nor the roots."""
-
-
-class AdapterBusyError(RuntimeError):
-    pass
-
-
-class AdapterResolveError(RuntimeError):
-    """A resolver found the name, but the files it found failed validation (the reason is logged,
-    not told to the client: it may name server paths)."""
-
-
-class AdapterUnavailableError(AdapterNotFoundError):
-    """Registered, but its snapshot was damaged or removed: its requests are refused (as an unknown
-    model) rather than handed to an engine that would die re-reading it."""
-
-
 SNAPSHOT_SUBDIR = "adapters"
-# A name whose found files failed validation is not tried again for this long: a client repeating
-# it must not make the server copy and hash the same bad files on every request.
-RESOLVE_RETRY_S = 30.0
-# A name no resolver found is not looked up again for this long (at most MISSING_REMEMBERED names):
-# a client sending made-up names must not turn each request into disk or object-store lookups.
-MISSING_RETRY_S = 5.0
-MISSING_REMEMBERED = 10_000
 RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last request has finished
 
 
 def ref_of(rec: AdapterRecord) -> AdapterRef:
     return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version, size_bytes=rec.size_bytes)
-
-
-def described(e: BaseException) -> str:
-    """An adapter refusal for the server log: with what the client's message leaves out."""
-    return e.described() if isinstance(e, AdapterValidationError) else str(e)
-
-
-def _recent(memory: OrderedDict[str, float], name: str, for_s: float) -> bool:
-    return time.monotonic() - memory.get(name, -for_s) < for_s
-
-
-def _remember(memory: OrderedDict[str, float], name: str) -> None:
-    """When `name` last had this outcome; the oldest of more than MISSING_REMEMBERED names go."""
-    memory[name] = time.monotonic()
-    memory.move_to_end(name)
-    while len(memory) > MISSING_REMEMBERED:
-        memory.popitem(last=False)
 
 
 @dataclass
@@ -106,18 +58,24 @@ class AdapterManager:
     snapshot_root: Path | None = None
     # Tried in order for a name nobody registered (`server.resolve_adapters`); empty: never.
     resolvers: tuple[AdapterResolver, ...] = ()
-    # Told each resolution's outcome once ("registered", "not_found", "refused"), for /metrics.
+    # Told each resolution's outcome once ("registered", "not_found", "refused", "source_error"),
+    # for /metrics.
     on_resolve: Callable[[str], None] = field(default=lambda outcome: None, repr=False)
     _snapshots: dict[str, Snapshot] = field(default_factory=dict, repr=False)
-    _resolving: dict[str, asyncio.Future] = field(default_factory=dict, repr=False)
-    _failed_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
-    _missing_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
-    _unreachable_at: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
     _retiring: set[asyncio.Task] = field(default_factory=set, repr=False)  # replaced versions
     _reported: set[str] = field(default_factory=set, repr=False)  # names whose damage was logged
 
     def __post_init__(self) -> None:
         self._lock = asyncio.Lock()
+        self._copies = ValidatedCopies(self.base, self.max_rank, self.snapshot_root)
+        self._on_demand = OnDemandRegistration(
+            self.resolvers,
+            self.registry,
+            self._register_found,
+            self.lookup,
+            # Read at each outcome: the server sets on_resolve after building the manager.
+            lambda outcome: self.on_resolve(outcome),
+        )
 
     def pinned_refs(self) -> list[AdapterRef]:
         """What a (re)started replica loads first; a pinned adapter whose snapshot is damaged is
@@ -158,65 +116,12 @@ class AdapterManager:
         except AdapterNotFoundError:
             if not self.resolvers or name == self.base_model_name or not is_resolvable_name(name):
                 raise
-        pending = self._resolving.get(name)
-        if pending is None:
-            pending = asyncio.ensure_future(self._resolve(name))
-            self._resolving[name] = pending
-            pending.add_done_callback(lambda _: self._resolving.pop(name, None))
-        # Shielded: a waiter whose client went away must not cancel the others' registration.
-        return await asyncio.shield(pending)
+        return await self._on_demand.registered(name)
 
-    async def _resolve(self, name: str) -> AdapterRecord:
-        if _recent(self._failed_at, name, RESOLVE_RETRY_S):
-            raise AdapterResolveError(name)
-        if _recent(self._missing_at, name, MISSING_RETRY_S):
-            raise AdapterNotFoundError(name)
-        if _recent(self._unreachable_at, name, MISSING_RETRY_S):
-            raise AdapterSourceError(name)
-        found: tuple[str, AdapterResolver] | None = None
-        try:
-            found = await self._find(name)
-            if found is None:
-                _remember(self._missing_at, name)
-                self.on_resolve("not_found")
-                raise AdapterNotFoundError(name)
-            path, resolver = found
-            rec = await self.register(name, path, source="resolver", check_roots=resolver.local_roots_apply)
-        except AdapterExistsError:  # registered meanwhile by an admin call
-            return self.lookup(name)
-        except (AdapterValidationError, AdapterForbiddenError) as e:
-            _remember(self._failed_at, name)
-            self.on_resolve("refused")
-            log.warning("adapter %s was found but refused: %s", name, described(e))
-            raise AdapterResolveError(name) from None
-        except (AdapterSourceError, OSError, RegistryPersistError) as e:
-            _remember(self._unreachable_at, name)
-            self.on_resolve("source_error")
-            log.warning("adapter %s could not be looked up: %s", name, e)
-            raise AdapterSourceError(name) from None
-        finally:
-            if found is not None and not found[1].local_roots_apply:
-                self._discard_download(name, found[0])
-        for memory in (self._failed_at, self._missing_at, self._unreachable_at):
-            memory.pop(name, None)
-        self.on_resolve("registered")
-        return rec
-
-    def _discard_download(self, name: str, path: str) -> None:
-        """A downloading resolver's files once registration is over: engines read the snapshot,
-        so keeping them would let clients fill the disk by naming adapters. Without snapshots the
-        engines read the download itself, which then stays while the adapter is registered."""
-        rec = self.registry.get(name) if name in self.registry else None
-        if rec is None or Path(rec.path) != Path(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-    async def _find(self, name: str) -> tuple[str, AdapterResolver] | None:
-        """The first resolver's answer that is not None, and which resolver gave it."""
-        for resolver in self.resolvers:
-            path = await asyncio.to_thread(resolver.resolve, name)
-            if path is not None:
-                return path, resolver
-        return None
+    async def _register_found(self, name: str, path: str, resolver: AdapterResolver) -> AdapterRecord:
+        """Files a resolver found, registered as an admin call would; under the adapter roots only
+        when the resolver read them from there."""
+        return await self.register(name, path, source="resolver", check_roots=resolver.local_roots_apply)
 
     async def register(
         self,
@@ -244,7 +149,7 @@ class AdapterManager:
             if name in self.registry:
                 raise AdapterExistsError(name)
             self._check_pin_room(name, pinned)
-            info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
+            info, snap = await asyncio.to_thread(self._copies.take, name, path, roots)
             rec = await self._load_and_commit(self.registry.new_record(name, info, pinned, source, version, slo))
             if snap is not None:
                 self._snapshots[name] = snap
@@ -283,14 +188,14 @@ class AdapterManager:
         The new files get their own snapshot path, which keys vLLM's prefix cache and dlora's
         merged-weights cache, so nothing computed with the old weights serves the new version."""
         old = self.registry.get(name)
-        if self.snapshot_root is None or not self._writable(self.snapshot_root):
+        if not self._copies.enabled():
             raise AdapterValidationError(
                 "an in-place update needs adapter snapshots (a writable server.state_dir): without them "
                 "both versions would be read from one path; unload the adapter and register it again"
             )
         if old.pinned:
             self._check_pin_room(name, True)  # both versions are pinned until the old one is retired
-        info, snap = await asyncio.to_thread(self._validated_copy, name, path, roots)
+        info, snap = await asyncio.to_thread(self._copies.take, name, path, roots)
         new = await self._load_and_commit(self.registry.next_version(name, info, slo), replacing=old.int_id)
         if snap is not None:
             self._snapshots[name] = snap
@@ -313,59 +218,6 @@ class AdapterManager:
             log.info("unloaded version %d of adapter %s", old.version, old.name)
         except Exception:
             log.exception("version %d of adapter %s could not be unloaded", old.version, old.name)
-
-    def _validated_copy(
-        self, name: str, path: str, roots: tuple[str, ...] | None
-    ) -> tuple[AdapterInfo, Snapshot | None]:
-        """Validate the adapter at `path` and return what engines are to read: its snapshot (taken
-        first and validated itself, so a file changed mid-way cannot slip through), an existing
-        snapshot after verifying its hashes, or, with no writable state dir, the source itself."""
-        src = Path(path)
-        with unreadable_as_invalid(src):  # the client's path: one the OS cannot look up is the client's 400
-            check_files(src, roots)
-        root = self.snapshot_root
-        if root is not None and snapshot.is_snapshot_path(src, root):
-            try:
-                digest = snapshot.verify(src)
-            except SnapshotError as e:
-                raise AdapterValidationError(
-                    "the adapter's stored copy is missing, unreadable or changed; register the adapter again from "
-                    "its source",
-                    str(e),
-                ) from None
-            info = inspect_adapter(src, self.base, self.max_rank)
-            return info, Snapshot.of(Path(info.path), digest)
-        if root is None or not self._writable(root):
-            return inspect_adapter(src, self.base, self.max_rank, roots), None
-        for f in snapshot.SNAPSHOT_FILES:
-            if not (src / f).is_file():
-                raise AdapterValidationError(f"{f} not found in the adapter directory", f"{str(src)!r}")
-        try:
-            staged, digest = snapshot.stage(src, root)  # the source is read once, into the copy
-        except OSError as e:
-            raise AdapterValidationError(
-                f"cannot copy the adapter's files: {e.strerror or 'I/O error'}", str(e)
-            ) from None
-        try:
-            info = inspect_adapter(staged, self.base, self.max_rank)
-        except BaseException:
-            snapshot.discard(staged)
-            raise
-        snap = snapshot.commit(staged, root, name, digest)
-        return dataclasses.replace(info, path=str(snap.path)), snap
-
-    def _writable(self, root: Path) -> bool:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            log.warning("adapter snapshots disabled (%s): engines read adapters from their sources", e)
-            return False
-        if not os.access(root, os.W_OK | os.X_OK):
-            log.warning(
-                "adapter snapshots disabled (%s is not writable): engines read adapters from their sources", root
-            )
-            return False
-        return True
 
     def _check_pin_room(self, name: str, pinned: bool) -> None:
         if not pinned or self.max_pinned is None:
@@ -413,18 +265,8 @@ class AdapterManager:
                 )
             except (AdapterValidationError, AdapterExistsError) as e:
                 problems.append(f"persisted adapter {rec.name}: {described(e)}")
-        self._prune_snapshots()
+        self._copies.prune(r.path for r in self.registry.all())
         return problems
-
-    def _prune_snapshots(self) -> None:
-        """Drop snapshots no registered adapter uses (unloaded ones, failed or interrupted copies):
-        at start, before any engine could hold their paths."""
-        if self.snapshot_root is None:
-            return
-        keep = {Path(r.path).name for r in self.registry.all() if snapshot.is_snapshot_path(r.path, self.snapshot_root)}
-        removed = snapshot.prune(self.snapshot_root, keep)
-        if removed:
-            log.info("removed %d unused adapter snapshot(s) from %s", len(removed), self.snapshot_root)
 
 
 __all__ = [
@@ -433,6 +275,7 @@ __all__ = [
     "AdapterForbiddenError",
     "AdapterManager",
     "AdapterNotFoundError",
+    "AdapterResolveError",
     "AdapterUnavailableError",
     "AdapterValidationError",
     "ref_of",

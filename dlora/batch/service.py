@@ -31,6 +31,7 @@ from dlora.batch.runner import Execute
 from dlora.batch.store import ACTIVE, ENDED, BatchNotFound, BatchRecord, BatchStore, RecordSaver
 from dlora.config import BatchConfig
 from dlora.server.errors import APIError
+from dlora.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,13 @@ class BatchService:
         )
 
     # ---- life cycle ----------------------------------------------------------------------------
+    def counts_by_status(self) -> dict[str, int]:
+        """Batches per status, every status named (zeros included): what /metrics shows."""
+        counts = dict.fromkeys((*ACTIVE, *ENDED), 0)
+        for record in self.records.values():
+            counts[record.status] += 1
+        return counts
+
     def start(self) -> None:
         """Load every stored batch, count what each owner keeps, resume the unfinished batches and
         start the reaper (in the running event loop)."""
@@ -259,3 +267,11 @@ class BatchService:
         task = asyncio.create_task(BatchRun(self._shared, record, cancelled).run(), name=f"batch {record.id}")
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
+
+
+def batch_service(state: ServerState) -> BatchService:
+    """The batch service the app built on `state` (dlora.app.state)."""
+    service = state.batches
+    if not isinstance(service, BatchService):
+        raise RuntimeError("this server state has no batch service")
+    return service

@@ -10,8 +10,16 @@ Modules, one concept each:
 - `report`, `summary`, `plot`: metrics, the printed block, PNGs; `cli`, `command`: the subcommand;
 - `adapter_slo`: per-adapter SLO attainment and normalized latency against a dlora server's SLOs.
 
-Shared by the benchmark scripts under bench/ (one folder per question):
-- `servers`: random adapters, server processes, /metrics samples, result files;
-- `server_configs`: vLLM's server command and dlora configs built from one `EngineSettings`;
+Shared by the benchmark scripts under bench/ (one folder per question; no script imports another
+benchmark's):
+- `servers`: random adapters, server processes started, healthy and stopped (`serving`, `dlora_server`);
+- `scrape`: a server's /metrics text and the samples read from it; `poller`: scrapes during a run;
+- `stats`: `percentile` and medians over reps; `results`: the result JSON and its PNG;
+- `shipped`: configs/default.yaml's sections; `server_configs`: vLLM's server command and dlora
+  configs built from one `EngineSettings`;
+- `server_comparison`: servers compared on one mixed-adapter workload, runs alternated;
+- `policy_servers`: one point of a batching-policy comparison; `cost_presets`: the LoRA backend of
+  each simulated step-cost preset;
+- `cluster_bench`: the two-replica cluster benchmark's settings, configs, workloads and calibration;
 - `palette`: one colour per policy in every figure; `provenance`: date, commit, machine, command.
 """

@@ -4,7 +4,9 @@
   attainment against request rate, one point per rate of a sweep;
 - `plot_per_adapter`: per-adapter bars of requests, mean TTFT, mean TPOT and SLO attainment;
 - `plot_timeline`: one horizontal line per request from send to last token, coloured by adapter,
-  faint until the first token.
+  faint until the first token;
+- `plot_server_comparison`: servers compared on one workload, medians as bars and every run as a dot;
+- `save_figure`: how every benchmark's figure is written.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _plt():
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: figures are written to files, no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,7 +40,7 @@ def _tail_key(result: dict[str, Any], metric: str) -> str | None:
 
 
 def plot_latency_vs_rate(results: Sequence[dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
-    plt = _plt()
+    plt = pyplot()
     rs = sorted(results, key=_rate_of)
     x = [_rate_of(r) for r in rs]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -60,11 +63,11 @@ def plot_latency_vs_rate(results: Sequence[dict[str, Any]], path: str | Path, ti
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
     fig.suptitle(title or f"{rs[0].get('model_id')} — latency vs request rate")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_per_adapter(result: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
-    plt = _plt()
+    plt = pyplot()
     per = result["per_adapter"]
     names = sorted(per, key=lambda n: -(per[n]["completed"] + per[n]["failed"]))
     x = range(len(names))
@@ -86,12 +89,12 @@ def plot_per_adapter(result: dict[str, Any], path: str | Path, title: str | None
     for ax in axes.flat:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title or f"per adapter — {_rate_label(result)}")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_timeline(result: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """Needs the per-request arrays (start_times, ttfts, latencies, adapters, errors)."""
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.collections import LineCollection
 
     starts, ttfts, lats = result["start_times"], result["ttfts"], result["latencies"]
@@ -121,7 +124,29 @@ def plot_timeline(result: dict[str, Any], path: str | Path, title: str | None = 
     if handles:
         ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=2, title="adapter (faint = before first token)")
     ax.set_title(title or f"request timeline — {_rate_label(result)}")
-    return _save(fig, path)
+    return save_figure(fig, path)
+
+
+def plot_server_comparison(results: dict[str, Any], path: str | Path, title: str = "dlora vs vLLM server") -> Path:
+    """Medians as bars, every run as a dot, for each server of `results["median"]`."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, key, label in zip(
+        axes,
+        ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
+        ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms"),
+    ):
+        names = list(results["median"])
+        ax.bar(names, [results["median"][n][key] for n in names], color=["#4477aa", "#cc6677"])
+        for n_i, n in enumerate(names):
+            ax.scatter([n_i] * len(results["runs"][n]), [r[key] for r in results["runs"][n]], color="k", s=8)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(
+        f"{title}: {results['workload']['num_prompts']} streamed requests over "
+        f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)",
+        fontsize=9,
+    )
+    return save_figure(fig, path)
 
 
 def _rate_label(result: dict[str, Any]) -> str:
@@ -129,11 +154,14 @@ def _rate_label(result: dict[str, Any]) -> str:
     return f"{rate:g} req/s" if rate not in (None, "inf") else "all requests at t=0"
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def save_figure(fig: Any, path: str | Path, dpi: int = 110, tight: bool = True) -> Path:
+    """Lay out `fig` (`tight`: matplotlib's tight layout; off for figures laid out by hand, such as
+    those with a colorbar over several axes), write it as `path` (its folder made) and free it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -1,6 +1,6 @@
 """One point of a benchmark that compares dlora's batching policies (and vLLM's server) on one
-replica: the shipped scheduling section with another policy, the warm-up every server gets, and
-the run of one workload with the switch counters read from /metrics around it.
+replica: the warm-up every server gets, and the run of one workload with the switch counters read
+from /metrics around it.
 
 Used by bench/dynamic_batching_skew and bench/where_merging_pays."""
 
@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import re
 
-import httpx
-import numpy as np
-
 from dlora.bench.runner import first_errors, run_benchmark
-from dlora.bench.servers import shipped_config
+from dlora.bench.scrape import scrape
+from dlora.bench.stats import percentile
 from dlora.bench.workload import Request, WorkloadSpec, generate_workload
-
-
-def shipped_scheduling(policy: str, mixed_merged: bool = False) -> dict:
-    """The policy with the parameters of configs/default.yaml's `scheduling:` (what users get)."""
-    return {**shipped_config("scheduling"), "policy": policy, **({"mixed_merged": True} if mixed_merged else {})}
 
 
 def batching_metrics(base_url: str) -> dict:
     """Switch count and switch-time sums from a one-replica dlora server's /metrics (cumulative),
     and the dlora policy's current alpha/beta (why it did or did not merge)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    text = scrape(base_url)
     out = {"switches": 0.0, "merge_count": 0.0, "merge_sum_s": 0.0, "unmerge_count": 0.0, "unmerge_sum_s": 0.0}
     for line in text.splitlines():
         if m := re.fullmatch(r'dlora_switches_total\{replica="0"\} (\S+)', line):
@@ -42,7 +35,7 @@ def point_metrics(r: dict) -> dict:
     per_token_ms = [1000 * lat / n for lat, n in ok]
     return {
         "avg_latency_per_output_token_ms": r["avg_latency_per_output_token_ms"],
-        "p90_latency_per_output_token_ms": float(np.percentile(per_token_ms, 90)) if per_token_ms else None,
+        "p90_latency_per_output_token_ms": percentile(per_token_ms, 90),
         "mean_normalized_latency_ms": r["mean_normalized_latency_ms"],
         "output_throughput": r["output_throughput"],
         "median_ttft_ms": r["median_ttft_ms"],

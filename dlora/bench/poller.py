@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from dlora.bench.scrape import scrape
+
 
 class MetricsPoller:
     """`with MetricsPoller(url, read) as p: <run>`: every `every_s`, `read(text, t)` turns one scrape
@@ -38,7 +40,7 @@ class MetricsPoller:
     def _loop(self) -> None:
         while True:
             try:
-                text = httpx.get(f"{self.url}/metrics", timeout=5).text
+                text = scrape(self.url, timeout=5)
             except httpx.HTTPError:
                 text = None
             if text is not None:

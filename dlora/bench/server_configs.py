@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from dlora.bench.servers import REPO_ROOT
+from dlora.bench.shipped import REPO_ROOT
 
 
 @dataclass(frozen=True)

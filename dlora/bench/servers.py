@@ -1,15 +1,16 @@
-"""Shared pieces of the benchmark scripts (bench/<name>/run.py): random adapters for a base model,
-server processes, /metrics samples and result files."""
+"""Server processes of the benchmark scripts (bench/<name>/run.py), and random adapters for them to
+serve: start, wait until healthy, stop."""
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -57,33 +58,6 @@ def make_random_adapters(
     return paths
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def shipped_config(section: str) -> dict:
-    """A section of configs/default.yaml: what users get."""
-    return yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text()).get(section) or {}
-
-
-def metric_total(text: str, name: str) -> float:
-    """A Prometheus sample from /metrics text, summed over its label sets (0 when absent)."""
-    return sum(metric_by_label(text, name, None).values())
-
-
-def metric_by_label(text: str, name: str, label: str | None) -> dict[str, float]:
-    """A Prometheus sample from /metrics text, summed per value of one label (None: one "" key)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        key = ""
-        if label is not None:
-            m = re.search(rf'[{{,]{label}="([^"]*)"', line)
-            key = m.group(1) if m else ""
-        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def start(cmd: list[str], log: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     print(f"$ {shlex.join(cmd)}", flush=True)
     return subprocess.Popen(
@@ -125,32 +99,28 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def alternate_runs(urls: dict[str, str], requests, reps: int, run_once, warmup: int) -> dict[str, list[dict]]:
-    """Warm every server, then run the workload on each `reps` times, alternating the order so
-    every server sees the same background load on average."""
-    names = list(urls)
-    for name in names:  # first-shape oneDNN primitive builds, adapter loads
-        run_once(urls[name], requests[:warmup])
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            m = run_once(urls[name], requests)
-            m["loadavg_1m"] = os.getloadavg()[0]
-            runs[name].append(m)
-            print(
-                f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
-                f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
-                flush=True,
-            )
-    return runs
+@contextmanager
+def serving(
+    procs: Mapping[str, subprocess.Popen],
+    urls: Mapping[str, str],
+    work: Path,
+    timeout: float = 400,
+    logs: Mapping[str, Path] | None = None,
+) -> Iterator[None]:
+    """Servers already started, healthy inside the block (waited for in order) and stopped after
+    it, also when one fails to come up. Each logs to `logs[name]`, by default `work/<name>.log`."""
+    try:
+        for name, proc in procs.items():
+            wait_healthy(urls[name], proc, logs[name] if logs else work / f"{name}.log", timeout)
+        yield
+    finally:
+        for proc in procs.values():
+            stop(proc)
 
 
-def write_result(result: dict, out: str | Path, plot) -> None:
-    """JSON next to its PNG; prints the summary."""
-    import json
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(json.dumps(result.get("summary", {}), indent=2))
+@contextmanager
+def dlora_server(cfg: dict, work: Path, name: str, timeout: float = 400) -> Iterator[str]:
+    """A dlora server on `cfg` (its config and log in `work`), healthy inside the block; yields its URL."""
+    url = f"http://127.0.0.1:{cfg['server']['port']}"
+    with serving({name: start_dlora(cfg, work, name)}, {name: url}, work, timeout):
+        yield url

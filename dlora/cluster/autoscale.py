@@ -27,7 +27,7 @@ the floor, at the floor's rate: few arrivals may be a lull, not the load).
 Pure: `Autoscaler.decide` reads a `LoadSample` (plain numbers a heartbeat measured) and returns a
 `ScaleDecision`; the caller starts or drains replicas. `drain_choice` picks the replica whose work
 is cheapest to move before it is removed. Its settings (`AutoscaleConfig`, the `cluster.autoscale`
-section) are defined with the rest of the config tree, in dlora/config.py.
+section) are defined with the rest of the config tree, in dlora/config/.
 """
 
 from __future__ import annotations

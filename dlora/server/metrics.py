@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from dlora.batch.store import ACTIVE, ENDED
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, WEIGHT_STATES, BatchingState
 from dlora.slo.attainment import AdapterCounts, AdapterName
 
-BATCH_STATUSES = (*ACTIVE, *ENDED)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
@@ -196,10 +195,11 @@ class Metrics:
         self.scale_seconds.labels(event.direction).observe(event.seconds)
         self.drain_moved.inc(event.moved)
 
-    def update_batches(self, statuses: list[str], in_flight: int) -> None:
-        """The batch gauges: every known batch's status, and the batch requests running now."""
-        for status in BATCH_STATUSES:
-            self.batches.labels(status).set(statuses.count(status))
+    def update_batches(self, by_status: Mapping[str, int], in_flight: int) -> None:
+        """The batch gauges: batches per status (every status, zeros included), and the batch
+        requests running now."""
+        for status, count in by_status.items():
+            self.batches.labels(status).set(count)
         self.batch_in_flight.set(in_flight)
 
     def render(self) -> bytes:

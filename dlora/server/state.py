@@ -8,15 +8,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dlora.adapters.lifecycle import SNAPSHOT_SUBDIR, AdapterManager, ref_of
 from dlora.adapters.registry import AdapterRegistry
 from dlora.adapters.resolver import AdapterResolver, FilesystemResolver
 from dlora.adapters.resolver_s3 import S3Resolver
 from dlora.adapters.validate import BaseModelShapes
-from dlora.batch.execute import server_batches
-from dlora.batch.service import BatchService
 from dlora.cluster.balancer import Balancer
 from dlora.cluster.elastic import ElasticCluster
 from dlora.cluster.from_config import router_config
@@ -34,6 +32,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Service(Protocol):
+    """Work a layer above the server builds on its state (the batch service, dlora/batch/): started
+    with the state's background tasks and closed with it. Why a protocol: the server's handlers run
+    batch lines, so the batch package imports the server, never the other way."""
+
+    def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class ServerState:
     cfg: DloraConfig
@@ -46,8 +54,8 @@ class ServerState:
     balancer: Balancer
     # The autoscaler's controller (`cluster.autoscale`); None: a fixed replica count.
     elastic: ElasticCluster | None = None
-    # /v1/files and /v1/batches (set by build_state once the state exists: batch lines run through it).
-    batches: BatchService | None = None
+    # /v1/files and /v1/batches (built on the state by build_state's `batches`: lines run through it).
+    batches: Service | None = None
     # vLLM's serving classes over this state (set by build_state: the routes and batch lines use it).
     frontend: Frontend | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -101,9 +109,11 @@ async def build_state(
     cfg: DloraConfig,
     replicas: list[Replica] | None = None,
     make_replica: Callable[[int], Replica] | None = None,
+    batches: Callable[[ServerState], Service] | None = None,
 ) -> ServerState:
     """Prepare the model, start the replicas, and register the configured and persisted adapters.
-    `replicas` (and, with autoscaling, `make_replica`) stand in for the Ray actors."""
+    `replicas` (and, with autoscaling, `make_replica`) stand in for the Ray actors; `batches` builds
+    the batch service on the state (dlora.app.state passes dlora/batch's)."""
     from transformers import AutoTokenizer
 
     from dlora.cluster.launcher import ReplicaFactory, create_replicas
@@ -177,7 +187,7 @@ async def build_state(
         )
     state = ServerState(cfg, model_path, name, tokenizer, router, adapters, metrics, balancer, elastic)
     state.frontend = vllm_frontend.build(state)
-    state.batches = server_batches(state)
+    state.batches = batches(state) if batches is not None else None
     state.start_background()
     log.info("serving %s with %d adapter(s) on %d replica(s)", name, len(adapters.registry), len(router.slots))
     return state

@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
+from dlora.app.asgi import _refresh_gauges, attach, create_app
+from dlora.app.state import build_state
 from dlora.batch.store import BatchRecord, BatchStore
 from dlora.config import from_dict
-from dlora.server.app import _refresh_gauges, attach, create_app
-from dlora.server.state import build_state
 from dlora.sim.toy_replica import ToyReplica
 from tests import harness
 

@@ -11,7 +11,7 @@ import pytest
 
 from dlora.adapters.registry import AdapterNotFoundError
 from dlora.adapters.validate import BaseModelShapes
-from dlora.batch.cli import PlanEta
+from dlora.app.batch_cmd import PlanEta
 from dlora.batch.execute import ServerPlanner, merge_prior
 from dlora.batch.lines import BatchLine
 from dlora.batch.predict import RequestWork

@@ -11,10 +11,10 @@ import pytest
 from dlora.batch.files import FileRecord, FileStore
 from dlora.batch.quota import Held, Usage, batch_refusal, upload_refusal
 from dlora.batch.retention import due
+from dlora.batch.routes import keep_seconds
 from dlora.batch.store import BatchRecord, BatchStore
 from dlora.config import BatchConfig, ConfigError
 from dlora.server.errors import APIError
-from dlora.server.routes_batch import keep_seconds
 
 DAY = 86400
 CMPL = "/v1/completions"

@@ -1,17 +1,21 @@
-"""The cluster benchmark's repetition and summary logic (bench/cluster_balancing/run.py), no servers."""
+"""The cluster benchmark's repetition and summary logic (bench/cluster_balancing/run.py) and the
+settings, configs and workloads it shares with the benchmarks that run or model its workloads
+(dlora/bench/cluster_bench.py), no servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cluster_balancing.run import POLICIES as ALL_POLICIES
-from bench.cluster_balancing.run import (
-    median_per_rate,
+from bench.cluster_balancing.run import median_per_rate, parse_args, rep_order, summarize_reps
+from dlora.bench.cluster_bench import (
+    EOS_ADAPTER_SCALES,
+    eos_adapter_scales,
+    make_workload,
+    parse_settings,
     policy_colors,
-    rep_order,
-    summarize_reps,
+    server_config,
 )
-from dlora.bench.servers import metric_by_label, metric_total
+from dlora.bench.cluster_bench import POLICIES as ALL_POLICIES
 
 POLICIES = ["round_robin_static", "proactive", "proactive_migration"]
 
@@ -58,27 +62,8 @@ def test_a_single_rep_keeps_the_plain_summary():
     assert s["queueing_vs_round_robin"] == pytest.approx(4.0) and "median_of_rep_ratios" not in s
 
 
-def test_metrics_are_read_per_label_and_in_total():
-    text = "\n".join(
-        [
-            "# HELP dlora_request_queue_time_seconds_sum x",
-            'dlora_request_queue_time_seconds_sum{adapter="a0"} 1.5',
-            'dlora_request_queue_time_seconds_sum{adapter=""} 0.25',
-            'dlora_request_queue_time_seconds_sum{adapter="a1",replica="0"} 2.0',
-            'dlora_request_queue_time_seconds_sum{replica="1",adapter="a1"} 1.0',
-            'dlora_request_queue_time_seconds_count{adapter="a0"} 3.0',
-            "dlora_migrations_total 7.0",
-        ]
-    )
-    assert metric_by_label(text, "dlora_request_queue_time_seconds_sum", "adapter") == {"a0": 1.5, "": 0.25, "a1": 3.0}
-    assert metric_total(text, "dlora_request_queue_time_seconds_sum") == pytest.approx(4.75)
-    assert metric_total(text, "dlora_migrations_total") == 7.0
-    assert metric_total(text, "dlora_absent_total") == 0.0
-
-
 @pytest.mark.parametrize("max_loras, kv_blocks", [(4, None), (8, 20), (12, None)])
 def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path, max_loras, kv_blocks):
-    from bench.cluster_balancing.run import POLICIES, parse_args, server_config
     from dlora import config
 
     # through the bench's own parser, so every flag the config reads has its default
@@ -86,7 +71,9 @@ def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path
     argv += ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
     args = parse_args(argv)
     adapters = [tmp_path / f"a{i}" for i in range(8)]
-    data = server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", POLICIES["proactive_migration"])
+    data = server_config(
+        args, tmp_path / "base", adapters, 8123, tmp_path / "state", ALL_POLICIES["proactive_migration"]
+    )
     cfg = config.from_dict(data)  # what `dlora serve --config` would accept
     assert cfg.engine.max_loras == max_loras
     assert cfg.engine.max_cpu_loras == max(8, max_loras)  # every adapter stays in host memory
@@ -97,14 +84,6 @@ def test_server_config_batches_max_loras_adapters_and_is_a_valid_config(tmp_path
 def test_more_adapters_than_a_replica_holds(tmp_path):
     """--adapters 32 --max-cpu-loras 8: the server registers all 32, each engine holds 8, the
     workload spreads over all 32 and their scales cycle through EOS_ADAPTER_SCALES."""
-    from bench.cluster_balancing.run import (
-        EOS_ADAPTER_SCALES,
-        POLICIES,
-        eos_adapter_scales,
-        make_workload,
-        parse_args,
-        server_config,
-    )
     from dlora import config
 
     args = parse_args(
@@ -112,7 +91,7 @@ def test_more_adapters_than_a_replica_holds(tmp_path):
     )
     adapters = [tmp_path / f"a{i}" for i in range(32)]
     cfg = config.from_dict(
-        server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", POLICIES["proactive"])
+        server_config(args, tmp_path / "base", adapters, 8123, tmp_path / "state", ALL_POLICIES["proactive"])
     )
     assert len(cfg.adapters) == 32 and cfg.engine.max_cpu_loras == 8 and cfg.engine.max_loras == 8
     work = make_workload(args, 1.0, 0, 400, None)
@@ -126,8 +105,6 @@ def test_more_adapters_than_a_replica_holds(tmp_path):
     [(["--adapters", "0"], "--adapters"), (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras")],
 )
 def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
-    from bench.cluster_balancing.run import parse_args
-
     with pytest.raises(SystemExit):
         parse_args(argv + ["--request-rates", "1"])
     assert bad in capsys.readouterr().err
@@ -136,3 +113,11 @@ def test_bad_adapter_counts_are_refused_naming_the_flag(argv, bad, capsys):
 def test_every_policy_has_its_own_plot_colour():
     colors = policy_colors()
     assert set(colors) == set(ALL_POLICIES) and len(set(colors.values())) == len(ALL_POLICIES)
+
+
+@pytest.mark.parametrize("argv", [[], ["--workload", "sharegpt-eos", "--adapters", "32", "--max-cpu-loras", "8"]])
+def test_shared_settings_are_the_cluster_benchmarks_own(argv):
+    """What bench/slo and bench/migration_bound read as the cluster benchmark's settings is what
+    its own run takes from the same flags, less where its result goes."""
+    own = vars(parse_args(argv))
+    assert vars(parse_settings(argv)) == {k: v for k, v in own.items() if k not in ("out", "quick")}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.cluster_balancing import run as cb
 from bench.migration_bound.run import REGIMES, draw_lengths, homes, parse_args, trace
+from dlora.bench.cluster_bench import make_workload, parse_settings
 from dlora.sim.migration_bound import ReplicaModel, TraceRequest, capacity_rps
 from dlora.sim.step_costs import StepCosts
 
@@ -25,7 +25,7 @@ def test_sharegpt_lengths_match_what_the_real_benchmark_measured():
 def test_fixed_trace_is_the_cluster_benchmarks_own_workload():
     fixed = next(r for r in REGIMES if r.name == "fixed-8")
     jobs = trace(fixed, 2.0, 1, parse_args(["--num-prompts", "20"]), tokenizer=None)
-    bench = cb.make_workload(cb.parse_args(["--workload", "fixed"]), 2.0, 1, 20, None)
+    bench = make_workload(parse_settings(["--workload", "fixed"]), 2.0, 1, 20, None)
     assert [(j.arrival, j.adapter, j.output_len) for j in jobs] == [
         (r.arrival_time, r.adapter, r.output_len) for r in bench
     ]

@@ -1,7 +1,7 @@
 """The committed demo adapters (adapters/smollm2/*) visibly do what their names say.
 
 Each is checked with HF + PEFT, greedy, bf16 (the served dtype), on prompts that were held out
-of its training data; the effect checks are the ones dlora/models/demo_adapters.py reports.
+of its training data; the effect checks are the ones dlora/models/demo_adapters/ reports.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from dlora.adapters.lifecycle import MISSING_RETRY_S
+from dlora.adapters.on_demand import MISSING_RETRY_S
 from tests.server.test_adapter_safety import _nan_tensor, _symlink_escape
 from tests.server.test_admin_api import complete
 

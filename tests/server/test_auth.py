@@ -15,10 +15,10 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
+from dlora.app.asgi import create_app
+from dlora.app.state import build_state
 from dlora.config import from_dict
 from dlora.server import auth, owners
-from dlora.server.app import create_app
-from dlora.server.state import build_state
 from dlora.sim.toy_replica import ToyReplica
 from tests import harness
 from tests.asgi_app import app_over

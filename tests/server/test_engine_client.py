@@ -18,8 +18,8 @@ from vllm.entrypoints.serve import create_error_response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from dlora.app.state import build_state
 from dlora.config import from_dict
-from dlora.server.state import build_state
 from dlora.sim.toy_replica import ToyReplica, reference_tokens
 from tests import harness
 

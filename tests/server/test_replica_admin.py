@@ -12,8 +12,8 @@ import contextlib
 import httpx
 import pytest
 
+from dlora.app.asgi import _refresh_gauges
 from dlora.config import from_dict
-from dlora.server.app import _refresh_gauges
 from dlora.sim.toy_replica import ToyReplica
 from tests import harness
 from tests.asgi_app import app_over

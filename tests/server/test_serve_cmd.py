@@ -14,8 +14,8 @@ import time
 import pytest
 
 from dlora import config
+from dlora.app import serve_cmd
 from dlora.cli import StartupError
-from dlora.server import serve_cmd
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from dlora import cli, config
+from dlora.app import serve_flags, start_checks
 from dlora.config import ConfigError
-from dlora.server import serve_cmd
 from dlora.server.auth import authorized
 
 
@@ -24,7 +24,7 @@ def parse(*argv: str):
 
 
 def load(*argv: str) -> config.DloraConfig:
-    return serve_cmd.load_config(parse(*argv))
+    return serve_flags.load_config(parse(*argv))
 
 
 def value_at(cfg: config.DloraConfig, key: str):
@@ -260,14 +260,14 @@ def test_every_vllm_flag_dlora_takes_is_one_of_vllms():
     taken = {option for action in group._group_actions for option in action.option_strings}
     assert "--lora-modules" in taken and "--no-enable-prefix-caching" in taken
     # vLLM's parser also takes one key of a config flag as --flag.key
-    assert {flag.split(".")[0] for flag in taken} - serve_cmd.vllm_serve_flags() == set()
+    assert {flag.split(".")[0] for flag in taken} - serve_flags.vllm_serve_flags() == set()
 
 
 def test_no_vllm_flag_dlora_refuses_is_taken_as_an_abbreviation_of_a_dlora_flag():
     """argparse takes a unique prefix of a flag as that flag, so such a vLLM flag would set a dlora
     key silently instead of being refused."""
     own = serve_cmd_flags()
-    vllm = serve_cmd.vllm_serve_flags()
+    vllm = serve_flags.vllm_serve_flags()
     assert {f for f in vllm - own if f.startswith("--") and any(o.startswith(f) for o in own)} == set()
 
 
@@ -287,7 +287,7 @@ def serve_cmd_flags() -> set[str]:
 def test_parser_names_are_checked_against_vllms_registries(key, name, needle):
     cfg = config.override(config.load(None), {key: name})
     with pytest.raises(ConfigError) as e:
-        serve_cmd.check_frontend_options(cfg)
+        start_checks.check_frontend_options(cfg)
     message = str(e.value)
     assert message.startswith(f"{key}='{name}': {needle}") and "\n" not in message
     assert ("hermes" if "tool" in key else "deepseek_r1") in message  # the valid names are listed
@@ -297,22 +297,22 @@ def test_known_parser_names_pass():
     cfg = config.override(
         config.load(None), {"server.tool_call_parser": "hermes", "server.reasoning_parser": "deepseek_r1"}
     )
-    serve_cmd.check_frontend_options(cfg)
+    start_checks.check_frontend_options(cfg)
 
 
 def test_chat_template_and_generation_config_are_checked(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages }}")
     for value in (str(template), "{{ messages[0].content }}"):
-        serve_cmd.check_frontend_options(config.override(config.load(None), {"server.chat_template": value}))
+        start_checks.check_frontend_options(config.override(config.load(None), {"server.chat_template": value}))
     with pytest.raises(ConfigError, match=r"^server.chat_template='/no/such/t.jinja': .*doesn't exist"):
-        serve_cmd.check_frontend_options(
+        start_checks.check_frontend_options(
             config.override(config.load(None), {"server.chat_template": "/no/such/t.jinja"})
         )
     for value in ("auto", "vllm", str(tmp_path)):
-        serve_cmd.check_frontend_options(config.override(config.load(None), {"model.generation_config": value}))
+        start_checks.check_frontend_options(config.override(config.load(None), {"model.generation_config": value}))
     with pytest.raises(ConfigError, match=r"^model.generation_config='/no/such/dir': must be auto, vllm or a dir"):
-        serve_cmd.check_frontend_options(
+        start_checks.check_frontend_options(
             config.override(config.load(None), {"model.generation_config": "/no/such/dir"})
         )
 

@@ -39,10 +39,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dlora.app.serve_flags import load_config
+    from dlora.app.start_checks import check_before_start
     from dlora.batch.execute import line_rules
     from dlora.batch.reading import read_batch_file
     from dlora.cli import UsageError
-    from dlora.server.serve_cmd import check_before_start, load_config
 
     source = args.input_file or args.input
     if source is None:
@@ -79,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
 async def _run(cfg, parsed, progress: bool) -> tuple[list[dict], str]:
     from tqdm import tqdm
 
+    from dlora.app.serve_cmd import start_state
     from dlora.batch.execute import batch_gate, batch_planner, execute_line
     from dlora.batch.lines import BatchLine, error_output
     from dlora.batch.planned import run_batch
-    from dlora.server.serve_cmd import start_state
 
     state = await start_state(cfg)
     try:

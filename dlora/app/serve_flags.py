@@ -1,28 +1,18 @@
-"""`dlora serve`: load the config, start Ray + replicas, serve HTTP with uvicorn.
+"""`dlora serve`'s command line: vLLM's flags where the two share one, each setting a config key.
 
-The command line is vLLM's where the two share a flag (`dlora serve MODEL --max-loras 8 ...`), each
-such flag setting a key of the YAML config; any other `vllm serve` flag is refused by name.
-
-Start-up failures are one line on stderr (`dlora serve: error: ...`): bad values, and a
-server.host:server.port that cannot be bound (bound first, before anything slow), are refused by
-`load_config`, `bind_listener` and `check_before_start` (exit 2), and anything that fails while
-the replicas start is reported as a `dlora.cli.StartupError` (exit 1); the traceback is logged
-at debug level (`--log-level debug`).
-Once serving, SIGTERM/SIGINT drain (dlora.server.drain) and exit 0; a second signal exits 128+signal.
+`load_config` reads the YAML file (or the defaults) and puts the flags on top; any `vllm serve`
+flag dlora does not take is refused by name (`explain_unrecognized`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import errno
 import functools
 import json
 import logging
 import os
 import re
-import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,31 +20,6 @@ from typing import Any
 from dlora import config as config_mod
 
 log = logging.getLogger(__name__)
-
-LISTEN_BACKLOG = 2048  # uvicorn's default
-# After the drain, uvicorn still waits this long for connections to close (keep-alive ones are
-# closed at once; every request has ended by then).
-SHUTDOWN_GRACE_S = 5
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="start the OpenAI-compatible server",
-        description="Start Ray, the replica engines and the HTTP server. Takes vLLM's `vllm serve` flags that "
-        "dlora shares (docs/configuration.md); any other vLLM flag is refused by name.",
-    )
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model directory or auto:<name>, as --model")
-    p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
-    add_vllm_flags(p.add_argument_group("vLLM's flags", "the `vllm serve` flags dlora takes"))
-    p.add_argument("--kv-cache-space-gib", dest="engine.kv_cache_space_gib", type=int)
-    p.add_argument("--num-kv-blocks", dest="engine.num_kv_blocks", type=int)
-    p.add_argument("--num-replicas", dest="cluster.num_replicas", type=int)
-    p.add_argument("--ray-address", dest="cluster.ray_address")
-    p.add_argument("--admin-token", dest="server.admin_token")
-    p.add_argument("--state-dir", dest="server.state_dir")
-    own = frozenset(option for action in p._actions for option in action.option_strings)
-    p.set_defaults(func=run, explain_unrecognized=functools.partial(explain_unrecognized, own=own))
 
 
 def add_vllm_flags(g) -> None:
@@ -330,211 +295,3 @@ def vllm_serve_flags() -> frozenset[str]:
     finally:
         logging.disable(previous)
     return frozenset(option for action in parser._actions for option in action.option_strings)
-
-
-def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
-    """Resolve the model and validate configured adapters now, so mistakes are one-line errors
-    instead of a failed start minutes later."""
-    from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, inspect_adapter
-    from dlora.engine_ext import lora_backend
-    from dlora.models.smollm2 import resolve_model_path
-
-    lora_backend.check_config(cfg)
-    check_kv_cache_fits(cfg)
-    check_frontend_options(cfg)
-    try:
-        model_path = resolve_model_path(cfg.model.path)
-    except (ValueError, FileNotFoundError) as e:
-        raise config_mod.ConfigError(f"model.path={cfg.model.path!r}: {e}") from None
-    try:
-        base = BaseModelShapes.from_model_dir(model_path)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # no/unreadable/incomplete config.json
-        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-        raise config_mod.ConfigError(
-            f"model.path={cfg.model.path!r}: not a Hugging Face model directory (config.json: {what})"
-        ) from None
-    for spec in cfg.adapters:
-        try:
-            inspect_adapter(spec.path, base, cfg.engine.max_lora_rank)
-        except AdapterValidationError as e:
-            raise config_mod.ConfigError(f"adapters: {spec.name!r} ({spec.path}): {e}") from None
-    return config_mod.override(cfg, {"model.path": model_path})
-
-
-def check_frontend_options(cfg: config_mod.DloraConfig) -> None:
-    """The parsers, chat template and generation config the vLLM frontend will load, checked now by
-    vLLM's own rules and registries, so that a misspelt name is a one-line error at start."""
-    server = cfg.server
-    if server.tool_call_parser is not None:
-        from vllm.tool_parsers import ToolParserManager
-
-        tool_parsers = ToolParserManager.list_registered()
-        check_registered("server.tool_call_parser", server.tool_call_parser, tool_parsers, "tool call parser")
-    if server.reasoning_parser is not None:
-        from vllm.reasoning import ReasoningParserManager
-
-        reasoning_parsers = ReasoningParserManager.list_registered()
-        check_registered("server.reasoning_parser", server.reasoning_parser, reasoning_parsers, "reasoning parser")
-    if server.chat_template is not None:
-        check_chat_template(server.chat_template)
-    check_generation_config(cfg.model.generation_config)
-
-
-def check_registered(key: str, name: str, registered: list[str], what: str) -> None:
-    if name not in registered:
-        raise config_mod.ConfigError(f"{key}={name!r}: vLLM has no such {what}; it has {', '.join(sorted(registered))}")
-
-
-def check_chat_template(template: str) -> None:
-    """vLLM's test: a value without `{`, `}` or a newline names a file (or one of vLLM's own templates)."""
-    from vllm.exceptions import VLLMError
-    from vllm.renderers.chat_utils import validate_chat_template
-
-    try:
-        validate_chat_template(template)
-    except (VLLMError, OSError) as e:
-        raise config_mod.ConfigError(f"server.chat_template={template!r}: {e}") from None
-
-
-def check_generation_config(value: str) -> None:
-    if value not in ("auto", "vllm") and not Path(value).is_dir():
-        raise config_mod.ConfigError(
-            f"model.generation_config={value!r}: must be auto, vllm or a directory holding generation_config.json"
-        )
-
-
-def total_memory_bytes() -> int | None:
-    """This machine's physical memory (None when the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def check_kv_cache_fits(cfg: config_mod.DloraConfig) -> None:
-    """A CPU replica allocates engine.kv_cache_space_gib for its KV cache (VLLM_CPU_KVCACHE_SPACE) and
-    vLLM refuses, deep inside the replica, when that is more than the memory available; more than the
-    whole machine can never work, so refuse it here. Only for a local Ray cluster (a remote one's
-    nodes are unknown until joined) without GPUs (GPU engines ignore the setting)."""
-    total = total_memory_bytes()
-    need = cfg.engine.kv_cache_space_gib * 2**30
-    if cfg.cluster.ray_address is not None or total is None or need <= total:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    raise config_mod.ConfigError(
-        f"engine.kv_cache_space_gib={cfg.engine.kv_cache_space_gib}: more than this machine's memory "
-        f"({total / 2**30:.1f} GiB); each CPU replica allocates this much for its KV cache"
-    )
-
-
-def describe_failure(e: BaseException) -> str:
-    """An exception as one line: Ray's wrapper replaced by the replica's own exception, each
-    `raise ... from` cause appended."""
-    from ray.exceptions import RayTaskError
-
-    parts: list[str] = []
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, RayTaskError) and cur.cause is not None:
-            cur = cur.cause  # its str() is the remote traceback
-            continue
-        text = " ".join(str(cur).split())
-        part = f"{type(cur).__name__}: {text}" if text else type(cur).__name__
-        if part not in parts:
-            parts.append(part)
-        cur = cur.__cause__
-    return "; caused by ".join(parts)
-
-
-async def start_state(cfg: config_mod.DloraConfig):
-    """Build the server state (replicas up, adapters loaded); a failure becomes a one-line StartupError."""
-    from dlora.cli import StartupError
-    from dlora.server.state import build_state
-
-    try:
-        return await build_state(cfg)
-    except Exception as e:
-        log.debug("start-up failed", exc_info=True)
-        hint = "" if log.isEnabledFor(logging.DEBUG) else " (--log-level debug logs the traceback)"
-        raise StartupError(f"start-up failed: {describe_failure(e)}{hint}") from e
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """Take server.host:server.port now, before Ray and the replicas start (a minute), so a port in
-    use is one line at once rather than uvicorn's [Errno 98] after the replicas loaded, and nobody
-    can take the port meanwhile. Connections made while the replicas start wait in the backlog."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
-            0
-        ]
-    except socket.gaierror as e:
-        raise config_mod.ConfigError(f"server.host={host!r}: cannot resolve it ({e.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    # As asyncio's create_server does: a restart must not wait for the last run's TIME_WAIT connections.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-        sock.listen(LISTEN_BACKLOG)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise config_mod.ConfigError(
-                f"server.port={port}: address already in use on {host} (another process listens there; "
-                "choose another with --port)"
-            ) from None
-        raise config_mod.ConfigError(
-            f"server.host={host!r}, server.port={port}: cannot listen there ({e.strerror})"
-        ) from None
-    return sock
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
-    listener = bind_listener(cfg.server.host, cfg.server.port)
-    try:
-        cfg = check_before_start(cfg)
-    except BaseException:
-        listener.close()
-        raise
-    # Imported only now: the app pulls in vLLM (seconds), and a bad value is refused without it.
-    import uvicorn
-
-    from dlora.server.app import create_app
-    from dlora.server.drain import Drain
-    from dlora.server.draining_server import DrainingServer
-
-    logging.basicConfig(level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The state is built before uvicorn starts rather than in the app's lifespan, where uvicorn would
-    # log a failure's whole traceback; from here on the lifespan owns it (closes it at shutdown).
-    built: list = []
-
-    async def state():
-        return built[0]
-
-    drain = Drain(cfg.server.drain_timeout_s)
-    server = DrainingServer(
-        uvicorn.Config(
-            create_app(state, drain),
-            host=cfg.server.host,
-            port=cfg.server.port,
-            log_level=cfg.server.log_level,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        ),
-        drain,
-    )
-
-    async def main() -> None:
-        built.append(await start_state(cfg))
-        await server.serve(sockets=[listener])
-
-    try:  # Ctrl-C while the replicas start is a KeyboardInterrupt (uvicorn's handlers come later)
-        with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
-            runner.run(main())
-    finally:
-        listener.close()
-    return server.exit_code if server.started else 3  # uvicorn.run's exit code when the server did not start

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, admin routes, /health, /metrics."""
+"""The FastAPI application: the OpenAI routes (vLLM's serving classes), files and batches, admin
+routes, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from dlora.adapters.registry_store import RegistryPersistError
+from dlora.batch import routes as batch_routes
+from dlora.batch.service import batch_service
 from dlora.config import ServerConfig
-from dlora.server import admission, errors, routes_admin, routes_batch, vllm_frontend
+from dlora.server import admission, errors, routes_admin, vllm_frontend
 from dlora.server.drain import Drain, DrainMiddleware
 from dlora.server.state import ServerState
 
@@ -24,8 +27,8 @@ def _refresh_gauges(state: ServerState) -> None:
     starting = frozenset(state.elastic.starting) if state.elastic is not None else frozenset()
     state.metrics.update_cluster(state.router, len(state.adapters.registry), starting)
     if state.batches is not None:
-        statuses = [b.status for b in state.batches.records.values()]
-        state.metrics.update_batches(statuses, state.batches.gate.in_flight)
+        batches = batch_service(state)
+        state.metrics.update_batches(batches.counts_by_status(), batches.gate.in_flight)
 
 
 def attach(app: FastAPI, state: ServerState) -> None:
@@ -63,7 +66,7 @@ def create_app(make_state: Callable[[], Awaitable[ServerState]], drain: Drain | 
         return errors.error_response(500, f"{exc}; the change was not applied")
 
     app.include_router(routes_admin.router)
-    app.include_router(routes_batch.router)
+    app.include_router(batch_routes.router)
     vllm_frontend.install(app)
 
     @app.get("/health")

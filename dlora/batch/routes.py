@@ -1,4 +1,4 @@
-"""OpenAI's Files and Batches API: /v1/files and /v1/batches (the batches run in dlora/batch/).
+"""OpenAI's Files and Batches API: /v1/files and /v1/batches, over the batch service.
 
 Every route acts for the caller's owner (dlora/server/owners.py): each API key sees only its own
 files and batches, the admin token all of them."""
@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
 from pydantic import BaseModel, ConfigDict
 
 from dlora.batch.files import UPLOAD_PURPOSES, FileNotFound
-from dlora.batch.service import BatchService
+from dlora.batch.service import BatchService, batch_service
 from dlora.server.errors import APIError
 from dlora.server.file_response import FileContent
 from dlora.server.owners import request_owner
@@ -40,7 +40,7 @@ class BatchCreate(BaseModel):
 
 
 def _batches(request: Request) -> BatchService:
-    return request.app.state.dlora.batches
+    return batch_service(request.app.state.dlora)
 
 
 @contextlib.contextmanager

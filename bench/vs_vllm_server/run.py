@@ -29,6 +29,7 @@ from dlora.bench.server_comparison import (
     engine_settings,
     mixed_adapter_workload,
     run_once,
+    workload_args,
     workload_record,
 )
 from dlora.bench.server_configs import vllm_server_command
@@ -45,21 +46,7 @@ def vllm_command(args, base: Path, adapters: list[Path], port: int) -> list[str]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--num-adapters", type=int, default=4)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="let both engines use torch.compile (no --enforce-eager)")
-    ap.add_argument(
-        "--lora-backend",
-        default="vllm",
-        choices=("vllm", "einsum"),
-        help="dlora's engine.lora_backend (vllm: the same LoRA ops as vLLM's server, for parity)",
-    )
-    ap.add_argument("--policy", default="unmerged", help="dlora's scheduling.policy (unmerged: vLLM's behaviour)")
+    workload_args(ap, reps=3, lora_backend="vllm", policy="unmerged", for_both=True)
     ap.add_argument("--out", default=str(HERE / "result.json"))
     args = ap.parse_args()
 

@@ -18,6 +18,7 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
     from dlora.models.smollm2 import resolve_model_path
 
     lora_backend.check_config(cfg)
+    check_credentials(cfg)
     check_kv_cache_fits(cfg)
     check_frontend_options(cfg)
     try:
@@ -37,6 +38,17 @@ def check_before_start(cfg: config_mod.DloraConfig) -> config_mod.DloraConfig:
         except AdapterValidationError as e:
             raise config_mod.ConfigError(f"adapters: {spec.name!r} ({spec.path}): {e}") from None
     return config_mod.override(cfg, {"model.path": model_path})
+
+
+def check_credentials(cfg: config_mod.DloraConfig) -> None:
+    """The admin token must not also be an API key: whoever holds that key would administer the
+    server (load and unload adapters, see every owner's files and batches)."""
+    token = cfg.admin_token
+    if token is not None and token in cfg.api_key:
+        raise config_mod.ConfigError(
+            "server.admin_token (or DLORA_ADMIN_TOKEN) equals one of server.api_key (or DLORA_API_KEY): "
+            "that key would also be the admin's; choose a different admin token"
+        )
 
 
 def check_frontend_options(cfg: config_mod.DloraConfig) -> None:

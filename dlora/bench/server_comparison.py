@@ -16,9 +16,15 @@ from dlora.bench.workload import Request, WorkloadSpec, generate_workload
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms")
 
 
-def workload_args(ap: argparse.ArgumentParser, reps: int) -> None:
+def workload_args(
+    ap: argparse.ArgumentParser,
+    reps: int,
+    lora_backend: str = "einsum",
+    policy: str = "dlora",
+    for_both: bool = False,
+) -> None:
     """The mixed-adapter workload's and the engines' options, defaulting to dlora as
-    configs/default.yaml runs it."""
+    configs/default.yaml runs it; `for_both`: the engine options apply to vLLM's server too."""
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--num-adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=8)
@@ -26,9 +32,11 @@ def workload_args(ap: argparse.ArgumentParser, reps: int) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=reps)
-    ap.add_argument("--compile", action="store_true", help="let the engines use torch.compile (no --enforce-eager)")
-    ap.add_argument("--lora-backend", default="einsum", choices=("vllm", "einsum"), help="engine.lora_backend")
-    ap.add_argument("--policy", default="dlora", help="scheduling.policy")
+    engines = "both engines" if for_both else "the engines"
+    ap.add_argument("--compile", action="store_true", help=f"let {engines} use torch.compile (no --enforce-eager)")
+    backend_help = "dlora's engine.lora_backend (vllm: the same LoRA ops as vLLM's server, for parity)"
+    ap.add_argument("--lora-backend", default=lora_backend, choices=("vllm", "einsum"), help=backend_help)
+    ap.add_argument("--policy", default=policy, help="dlora's scheduling.policy (unmerged: vLLM's behaviour)")
 
 
 def engine_settings(args) -> EngineSettings:

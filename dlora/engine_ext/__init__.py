@@ -16,12 +16,12 @@ Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's i
 | `EngineArgs.scheduler_cls` = `dlora.engine_ext.scheduler.DloraScheduler` (set in `dlora/replica/engine.py`) | `scheduler.py` | EngineCore | the batching policy decides every step which requests run and whether the weights are merged |
 | `EngineArgs.additional_config[BATCHING_CONFIG_KEY]` | `scheduler.py` (`policy_from`) | EngineCore | carries the policy's name and settings from `dlora.yaml` into the scheduler |
 | `EngineArgs.worker_extension_cls` = `dlora.engine_ext.worker.DloraWorkerExtension` | `worker.py` | worker | its `dlora_*` methods become `collective_rpc` calls: install hooks, pin, clear slots, prepare merges |
-| `setattr(EngineCore, "dlora_setup" / "dlora_batching_state")` at import of `scheduler.py` | `scheduler.py` | EngineCore | utilities the host reaches with `engine_core.call_utility_async(...)`; the state comes back as the `BatchingState` message (msgpack, rebuilt by `dlora.replica.messages.from_wire`), its samples numbered (`samples.py`) so a read takes nothing away |
-| `KVCacheManager.get_computed_blocks`, replaced on the scheduler's instance | `scheduler.py` + `prefix_filter.py` + `prefix_states.py` | EngineCore | a prefix-cache hit must come from blocks computed in the weight state the step runs in |
+| `setattr(EngineCore, "dlora_setup" / "dlora_batching_state")` at import of `scheduler.py` | `scheduler.py` | EngineCore | utilities the host reaches with `engine_core.call_utility_async(...)`; the state comes back as the `BatchingState` message (built by `batching_state.py`; msgpack, rebuilt by `dlora.replica.messages.from_wire`), its samples numbered (`samples.py`) so a read takes nothing away |
+| `KVCacheManager.get_computed_blocks`, replaced on the scheduler's instance (`PrefixLookup`, built by `scheduler.py`) | `prefix_lookup.py` + `prefix_filter.py` + `prefix_states.py` | EngineCore | a prefix-cache hit must come from blocks computed in the weight state the step runs in |
 | `Scheduler.running` / `waiting` / `kv_holding_waiting`, hidden around `super().schedule()` | `scheduler.py` + `queue_hiding.py` | EngineCore | requests the policy holds back keep their KV blocks and are never preempted |
 | `Scheduler._handle_blocked_waiting_request`, overridden; `SamplingParams.extra_args[GENERATED_BEFORE_KEY]` (set in `dlora/replica/engine.py`) | `scheduler.py` + `grammar_replay.py` | EngineCore | once a moved request's grammar is compiled, the tokens its earlier legs generated are fed to it, so its structured output resumes instead of starting over |
 | `EngineArgs.logits_processors` = `dlora.engine_ext.continuation_logits:ContinuationLogits` (a vLLM `AdapterLogitsProcessor`; set in `dlora/replica/engine.py`) | `continuation_logits.py` | worker | a moved request's presence and frequency penalties and its bad words cover the tokens of its earlier legs, which its continuation holds as prompt |
-| `Scheduler.add_request` / `finish_requests` / `_free_request` / `_preempt_request`, overridden | `scheduler.py` | EngineCore | a request's client priority and queue wait are kept from arrival to its end (every finished request passes `_free_request`); preemptions are counted |
+| `Scheduler.add_request` / `finish_requests` / `_free_request` / `_preempt_request`, overridden | `scheduler.py` + `step_measures.py` | EngineCore | a request's client priority and queue wait are kept from arrival to its end (every finished request passes `_free_request`); preemptions are counted |
 | `SchedulerOutput.dlora_cmds`, `ModelRunnerOutput.dlora_reports` (attributes set with `setattr`) | `inband.py` | EngineCore and worker | merge/unmerge commands ride on the step that needs them; their reports ride back |
 | the model runner's `execute_model` / `sample_tokens` / `_set_active_loras`, wrapped on its instance (`dlora_install`) | `worker.py` | worker | apply the step's switch commands before its forward pass; keep a merged adapter's tokens off the LoRA term |
 | `AsyncModelRunnerOutput.get_output`, wrapped on each step's instance | `worker.py` | worker | executors unwrap the async output and would drop the reports set on the wrapper |
@@ -37,10 +37,12 @@ Every seam where dlora hooks into vLLM 0.32.0, and nothing else touches vLLM's i
 | `EngineClient`, implemented over the router (`RouterEngineClient`: `generate` runs n legs through dispatch, migration and resubmission and answers in vLLM's `RequestOutput`s) | `../server/engine_client.py` | API server | vLLM's own serving classes (completions, chat, ...) generate through the cluster instead of a local engine |
 | imports with side effects: `worker.py` runs `cpu_lora_fix.install()` and `lora_backend.install()`; `scheduler.py` adds the EngineCore utilities | `worker.py`, `scheduler.py` | worker, EngineCore | vLLM imports these modules before the model is built and before the first step, the only moment the patches can take effect |
 
-Modules without a seam of their own: `merge.py` and `pristine_rows.py` (the weight merger, worker);
-`step_plan.py` (what a step runs), `weight_state.py` and `switch_times.py` (the worker's weights),
-`samples.py`, `queue_waits.py` and `step_trace.py` (scheduler bookkeeping), all EngineCore and
-pure: the scheduler calls them over plain data.
+Modules without a seam of their own: `merge.py`, `adapter_factors.py`, `checkpoint_tensors.py`,
+`live_weights.py` and `pristine_rows.py` (the weight merger, worker); `lora_step_pass.py`,
+`packed_stacks.py` and `onednn_gemm.py` (the punica wrapper's parts, worker); `step_plan.py` (what a
+step runs), `weight_state.py` and `switch_times.py` (the worker's weights), `step_measures.py`,
+`samples.py`, `queue_waits.py`, `batching_state.py` and `step_trace.py` (scheduler bookkeeping),
+all EngineCore and pure: the scheduler calls them over plain data.
 `lora_backend.check` also runs in the server process, before any replica starts.
 
 This `__init__` imports nothing: importing `dlora.engine_ext.worker` patches vLLM, so only vLLM

@@ -35,12 +35,16 @@ Two strategies, chosen per merge by what the engine exposes:
   beyond), and unmerge copies them back: bit-identical by construction
   (see `_restore_inplace` for why not a reload, and never a subtraction). A merge that fails
   midway copies back every row it may have touched before the error propagates.
-  `ParameterViews` finds those rows in a vLLM-shaped module tree; if any touched weight is not
-  plain (prepacked, quantized, tensor-parallel, laid out unlike the checkpoint), that merge
-  takes the reload path, so a prepacked CPU engine behaves exactly as before.
+  `ParameterViews` (`live_weights.py`) finds those rows in a vLLM-shaped module tree; if any
+  touched weight is not plain (prepacked, quantized, tensor-parallel, laid out unlike the
+  checkpoint), that merge takes the reload path, so a prepacked CPU engine behaves exactly as before.
 
 The in-place strategy starts from the live (model-dtype) W, the reload strategy from the
 checkpoint's W; the two agree unless the checkpoint is stored in a wider dtype than the model.
+
+Beside it: the adapter's files and `MergeError` (`adapter_factors.py`), the base checkpoint
+(`checkpoint_tensors.py`), the live weights the in-place strategy writes (`live_weights.py`) and
+where their pristine rows are kept (`pristine_rows.py`).
 
 No vLLM here: the engine supplies `reload(items)` and the module tree (see `worker.py`), which
 keeps this testable.
@@ -48,136 +52,37 @@ keeps this testable.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
 
+from dlora.engine_ext.adapter_factors import LoraFactors, MergeError, adapter_key, read_adapter
+from dlora.engine_ext.checkpoint_tensors import CheckpointTensors, fused_module
+from dlora.engine_ext.live_weights import LiveWeights, ParameterViews
 from dlora.engine_ext.pristine_rows import PristineRows
 from dlora_kernels import merge_lora_inplace
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."
+# The merger's API, imported from here by the worker (`worker.py`); each part is defined in its own module.
+__all__ = [
+    "CheckpointTensors",
+    "KernelStates",
+    "LiveWeights",
+    "MergeError",
+    "ParameterViews",
+    "Reload",
+    "WeightMerger",
+    "merged_weight",
+    "read_adapter",
+]
 
 Reload = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-class MergeError(RuntimeError):
-    """The adapter could not be merged; the base weights are unchanged."""
-
-
-@dataclass(frozen=True)
-class LoraFactors:
-    """A PEFT LoRA adapter as checkpoint weight name -> (A [r, in], B [out, r]), and its scale."""
-
-    scale: float
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-def lora_scale(config: Mapping) -> float:
-    """vLLM's (and PEFT's) scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-    r = config["r"]
-    alpha = config.get("lora_alpha", r)
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-
-
-def read_adapter(path: str | Path) -> LoraFactors:
-    """Read a PEFT adapter directory; raise MergeError naming what is wrong."""
-    d = Path(path)
-    try:
-        config = json.loads((d / ADAPTER_CONFIG).read_text())
-        with safe_open(str(d / ADAPTER_WEIGHTS), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # missing file, bad JSON, corrupt safetensors: all mean "cannot merge"
-        raise MergeError(f"cannot read adapter {str(d)!r}: {e}") from e
-    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
-        raise MergeError(f"adapter {str(d)!r}: rank/alpha patterns and DoRA cannot be merged")
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, a in tensors.items():
-        if ".lora_A." not in key:
-            continue
-        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
-        if b is None:
-            raise MergeError(f"adapter {str(d)!r}: {key} has no lora_B")
-        name = key.removeprefix(_PEFT_PREFIX).replace(".lora_A.weight", ".weight")
-        factors[name] = (a, b)
-    if not factors:
-        raise MergeError(f"adapter {str(d)!r} holds no LoRA weights")
-    return LoraFactors(lora_scale(config), factors)
-
-
-def _adapter_key(path: str) -> tuple:
-    """Identity of an adapter's files (a re-written adapter is not taken for the cached one)."""
-    try:
-        st = os.stat(Path(path) / ADAPTER_WEIGHTS)
-    except OSError as e:
-        raise MergeError(f"cannot read adapter {path!r}: {e}") from e
-    return (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + scale·B@A in fp32 (the engine's loader casts it to the model dtype once)."""
     return torch.addmm(w.float(), b.float(), a.float(), alpha=scale)
-
-
-def fused_module(name: str, packed_modules: Mapping[str, Iterable[str]]) -> str:
-    """The engine module a checkpoint weight loads into: '...self_attn.k_proj.weight' -> '...self_attn.qkv_proj'."""
-    module = name.rsplit(".", 1)[0]
-    parent, _, leaf = module.rpartition(".")
-    for fused, parts in packed_modules.items():
-        if leaf in parts:
-            return f"{parent}.{fused}"
-    return module
-
-
-class CheckpointTensors:
-    """Read-once access to the base model's safetensors; what was read is kept as the pristine copy."""
-
-    def __init__(self, model_dir: str | Path):
-        self._file_of: dict[str, Path] = {}
-        self._order: dict[str, int] = {}
-        self._shape: dict[str, torch.Size] = {}
-        for file in sorted(Path(model_dir).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    self._file_of[key] = file
-                    self._order[key] = len(self._order)
-                    self._shape[key] = torch.Size(f.get_slice(key).get_shape())
-        if not self._file_of:
-            raise MergeError(f"no safetensors weights in {str(model_dir)!r}")
-        self._pristine: dict[str, torch.Tensor] = {}
-
-    def names(self) -> Iterable[str]:
-        return self._file_of.keys()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._file_of
-
-    def get(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        missing = sorted(n for n in set(names) if n not in self._pristine)
-        by_file: dict[Path, list[str]] = {}
-        for n in missing:
-            by_file.setdefault(self._file_of[n], []).append(n)
-        for file, keys in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for k in keys:
-                    self._pristine[k] = f.get_tensor(k)
-        return {n: self._pristine[n] for n in names}
-
-    def order(self, name: str) -> int:
-        return self._order[name]
-
-    def shape(self, name: str) -> torch.Size:
-        """The tensor's shape, read from the file header (the tensor itself is not loaded)."""
-        return self._shape[name]
 
 
 class KernelStates(Protocol):
@@ -191,80 +96,6 @@ class KernelStates(Protocol):
     def capture(self, modules: list[str]) -> dict[str, Any] | None: ...
 
     def apply(self, states: dict[str, Any]) -> None: ...
-
-
-class LiveWeights(Protocol):
-    """Engine hook for the in-place strategy: where the engine keeps checkpoint weights.
-
-    `views(names)` maps each checkpoint weight name to the live tensor the forward pass reads for
-    it (for one shard of a fused module, that shard's rows of the fused parameter), or returns None
-    if any of them is not such a plain tensor: that merge then goes through the engine's reload.
-    """
-
-    def views(self, names: list[str]) -> dict[str, torch.Tensor] | None: ...
-
-
-class ParameterViews:
-    """`LiveWeights` over a module tree laid out like vLLM's at tensor parallel size 1.
-
-    Checkpoint weight '<parent>.<leaf>.weight' lives in module '<parent>.<fused>' when
-    `packed_modules[fused]` lists `leaf` (`fused_module`), else in '<parent>.<leaf>'. A LoRA
-    wrapper's `base_layer` holds the weight. A fused module's `weight` stacks its shards' rows
-    in `packed_modules` order with sizes `output_sizes`: QKVParallelLinear q | k | v (GQA: k and v
-    have fewer rows than q), MergedColumnParallelLinear gate | up. `usable(layer)` is the engine's
-    say whether the forward pass computes with `layer.weight` as is (not prepacked, quantized...).
-    Shapes are checked against the checkpoint by the merger, so an unexpected layout is refused
-    (reload) rather than merged into the wrong rows.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        packed_modules: Mapping[str, Iterable[str]],
-        usable: Callable[[torch.nn.Module], bool] = lambda layer: True,
-    ):
-        self.model = model
-        self._packed = {k: tuple(v) for k, v in packed_modules.items()}
-        self._usable = usable
-
-    def views(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        out = {}
-        for name in names:
-            view = self._view(name)
-            if view is None:
-                return None
-            out[name] = view
-        return out
-
-    def _view(self, name: str) -> torch.Tensor | None:
-        module_name = fused_module(name, self._packed)
-        try:
-            layer = self.model.get_submodule(module_name)
-        except AttributeError:
-            return None
-        layer = getattr(layer, "base_layer", layer)
-        w = getattr(layer, "weight", None)
-        if (
-            not isinstance(w, torch.Tensor)
-            or w.dim() != 2
-            or w.is_meta
-            or not w.is_floating_point()
-            or getattr(layer, "tp_size", 1) != 1
-            or not self._usable(layer)
-        ):
-            return None
-        w = w.detach()  # same storage, no autograd
-        leaf = name.rsplit(".", 1)[0].rpartition(".")[2]
-        fused_leaf = module_name.rpartition(".")[2]
-        if fused_leaf == leaf:
-            return w
-        parts = self._packed[fused_leaf]
-        sizes = getattr(layer, "output_sizes", None)
-        if sizes is None or len(sizes) != len(parts) or sum(sizes) != w.shape[0]:
-            return None
-        i = parts.index(leaf)
-        start = sum(sizes[:i])
-        return w[start : start + sizes[i]]
 
 
 class WeightMerger:
@@ -320,7 +151,7 @@ class WeightMerger:
         """Fold the adapter in (unmerging any other first). Raises MergeError, weights unchanged."""
         if self.merged is not None:
             self.unmerge()
-        key = _adapter_key(adapter_path)
+        key = adapter_key(adapter_path)
         if key in self._cached:
             self._cached.move_to_end(key)
             names, states, _ = self._cached[key]
@@ -361,7 +192,7 @@ class WeightMerger:
         """
         if self.merged is not None or self._kernels is None or self._cache_bytes <= 0:
             return False
-        key = _adapter_key(adapter_path)
+        key = adapter_key(adapter_path)
         if key in self._cached:
             return True
         sizes = [e[2] for e in self._cached.values()]

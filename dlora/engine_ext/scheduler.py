@@ -18,20 +18,22 @@ Each `schedule()`:
    `vllm` backend) only X's requests are ever scheduled: a base or other-adapter request on merged
    weights would compute wrong outputs and cache wrong KV under its normal prefix hash;
 4. prefix-cache hits are limited to blocks computed in the weight state the step runs in
-   (`prefix_filter.py`, wrapping `kv_cache_manager.get_computed_blocks`).
+   (`prefix_lookup.py`, wrapping `kv_cache_manager.get_computed_blocks`; its rules in `prefix_filter.py`).
 
 `update_from_output()` records the state of the blocks the step completed, reads the worker's
 `SwitchReport`s into the `WeightTracker` (`weight_state.py`: a failed merge leaves the base weights;
 a report missing, late or unsure makes them UNKNOWN and nothing runs until their restore is
-confirmed) and feeds `policy.observe()` the measured step and switch times.
+confirmed) and feeds `policy.observe()` the measured step and switch times; each step's cost,
+each request's queue wait and vLLM's preemptions are kept in `StepMeasures` (`step_measures.py`).
 
 The policy's name and parameters arrive through vLLM's `additional_config`
 (`engine_keys.BATCHING_CONFIG_KEY`); mixing is turned off when the replica's LoRA backend
 (`DLORA_LORA_BACKEND`) is `vllm`, and at `dlora_setup` when a worker reports it cannot compensate.
 Importing this module in the engine-core process (vLLM does, to resolve `scheduler_cls`) adds two
 EngineCore utilities, reached with `engine_core.call_utility_async(...)`: `dlora_setup` (install
-the worker hooks, enable switching) and `dlora_batching_state` (the `BatchingState` message, with
-the measured samples after the number the caller names, `samples.py`: reading changes nothing).
+the worker hooks, enable switching) and `dlora_batching_state` (the `BatchingState` message,
+`batching_state.py`, with the measured samples after the number the caller names, `samples.py`:
+reading changes nothing).
 
 GPU note: this subclasses the synchronous `Scheduler`. vLLM forces synchronous scheduling on CPU;
 `engine.build_engine_args` also turns `async_scheduling` off elsewhere, since with `AsyncScheduler`
@@ -52,18 +54,18 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
 from dlora import env
-from dlora.engine_ext import grammar_replay, prefix_filter, queue_hiding, samples, step_plan
+from dlora.engine_ext import grammar_replay, prefix_filter, queue_hiding, step_plan
+from dlora.engine_ext.batching_state import batching_state
 from dlora.engine_ext.inband import CMDS_ATTR, REPORTS_ATTR, SwitchCommand, SwitchReport
 from dlora.engine_ext.kv_quotas import EngineKvQuotas
-from dlora.engine_ext.prefix_states import UNMERGED, PrefixStates, State
-from dlora.engine_ext.queue_waits import QueueWaits
-from dlora.engine_ext.samples import QueueWait, SampleLog
+from dlora.engine_ext.prefix_lookup import PrefixLookup
+from dlora.engine_ext.step_measures import StepMeasures, iteration_stats
 from dlora.engine_ext.step_plan import Plan
 from dlora.engine_ext.step_trace import adapter_counts, open_trace
 from dlora.engine_ext.weight_state import UNKNOWN, Weights, WeightTracker, known, split_reports, weights_after
 from dlora.replica.engine_keys import BACKGROUND_PRIORITY_KEY, BATCHING_CONFIG_KEY
 from dlora.replica.messages import BatchingState
-from dlora.scheduling import BatchingConfig, IterationStats, Mode, RequestView, make_policy
+from dlora.scheduling import BatchingConfig, RequestView, make_policy
 from dlora.scheduling.lora_slots import LoraSlotAging
 
 log = logging.getLogger(__name__)
@@ -157,23 +159,12 @@ class DloraScheduler(Scheduler):
         self._dlora_worker = WeightTracker()  # the worker's weights and their switches (weight_state.py)
         self._dlora_step: _Step | None = None
         self._dlora_stalled = False
-        self._dlora_preemptions = 0  # running requests vLLM preempted for KV room (each recomputes on resume)
-        # Each step's cost (the router's per-replica cost model, dlora/cluster/estimators/replica_cost.py)
-        # and each request's wait before its first step (queue_waits.py), numbered (samples.py).
-        self._dlora_samples = SampleLog()
-        self._dlora_warm = False  # whether a step has run (the first one is not a cost sample)
-        self._dlora_queue_waits = QueueWaits()
-        # Weight state of the cached KV blocks (docstring, 4.); None without prefix caching.
-        self._dlora_prefix: PrefixStates | None = None
-        self._dlora_lookup_state: State = UNMERGED  # the state this step's cache hits must have
-        self._dlora_lineage: prefix_filter.Lineages = {}
+        # Each step's cost (the router's per-replica cost model, dlora/cluster/estimators/replica_cost.py),
+        # each request's wait before its first step, numbered (samples.py), and the preemptions.
+        self._dlora_measures = StepMeasures()
         self._dlora_trace = open_trace(env.DLORA_STEP_TRACE.get())
-        if self.kv_cache_manager.enable_caching:
-            self._dlora_prefix = PrefixStates()
-            self._dlora_vllm_computed_blocks = self.kv_cache_manager.get_computed_blocks
-            # A vLLM seam (engine_ext/__init__.py): this manager's cache hits are filtered by weight
-            # state. Replacing the method on the instance is deliberate (hence the ignore).
-            self.kv_cache_manager.get_computed_blocks = self._dlora_computed_blocks  # type: ignore[method-assign]
+        # Cache hits only from blocks of this step's weight state (docstring, 4.); None without prefix caching.
+        self._dlora_prefix = PrefixLookup(self.kv_cache_manager) if self.kv_cache_manager.enable_caching else None
         log.info("dlora batching policy %r: %s", name, config)
 
     # ---- control (EngineCore utilities) ------------------------------------------------------
@@ -188,46 +179,28 @@ class DloraScheduler(Scheduler):
         self._dlora_switching = True
 
     def dlora_batching_state(self, since: int = 0) -> BatchingState:
-        """The batching state now, with the samples numbered after `since` (samples.py)."""
-        snap, worker = self.batching_policy.snapshot(), self._dlora_worker
-        merged = known(worker.weights)
+        """The batching state now, with the samples numbered after `since` (batching_state.py)."""
         num_blocks = self.cache_config.num_gpu_blocks
         assert num_blocks is not None  # EngineCore sizes the KV cache before it builds the scheduler
-        steps, waits = samples.split(self._dlora_samples.since(since))
-        return BatchingState(
-            policy=snap.policy,
-            mode=(Mode.MERGED if merged else Mode.UNMERGED).value,
-            merged_adapter=merged,
-            num_switches=worker.switches,
-            merge_failures=worker.failures,
-            switch_times={op: h.times() for op, h in worker.times.items()},
-            credits={("" if a is None else a): c for a, c in snap.credits.items()},
-            starving=tuple(sorted("" if a is None else a for a in snap.starving)),
-            alpha=snap.alpha,
-            beta=snap.beta,
-            switch_cost=snap.switch_cost,
-            # queue state for the balancer's views and /metrics
+        return batching_state(
+            self.batching_policy.snapshot(),
+            self._dlora_worker,
+            self._dlora_measures,
+            since,
             kv_usage=self.kv_cache_manager.usage,
             kv_capacity_tokens=num_blocks * self.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            iterations=steps,
-            queue_waits=waits,
-            lora_slot_drains=self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
-            kv_fairness_gap=self._dlora_kv_quotas.fairness_gap(),
-            preemptions=self._dlora_preemptions,
             # Preempted (KV ran out) and back in the waiting queue: they re-prefill when resumed,
             # and the router must not count them as running (dispatch's prefill, queued moves).
             preempted=tuple(r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED),
-            weights=worker.state(),
-            weight_restores=worker.restores,
+            lora_slot_drains=self._dlora_slot_aging.drains if self._dlora_slot_aging else 0,
+            kv_fairness_gap=self._dlora_kv_quotas.fairness_gap(),
             mixed_merged=self._dlora_mixing,
-            samples_seq=self._dlora_samples.seq,
         )
 
     def _preempt_request(self, request, timestamp: float, *args, **kwargs) -> None:
-        # Counted here because vLLM keeps only a per-request count, which leaves with the request.
-        self._dlora_preemptions += 1
+        self._dlora_measures.preemptions += 1
         super()._preempt_request(request, timestamp, *args, **kwargs)
 
     # ---- the step ----------------------------------------------------------------------------
@@ -241,7 +214,8 @@ class DloraScheduler(Scheduler):
         plan = Plan([], UNKNOWN, worker.restore_commands()) if worker.weights is UNKNOWN else self._dlora_plan(requests)
         if self._dlora_service_order:
             self._dlora_apply_order(plan.visible, requests)
-        self._dlora_lookup_state = prefix_filter.state_of(plan.target)
+        if self._dlora_prefix is not None:
+            self._dlora_prefix.state = prefix_filter.state_of(plan.target)
         out, restricted = self._dlora_schedule_visible(plan.visible, throttle_prefills)
         if plan.cmds:
             setattr(out, CMDS_ATTR, plan.cmds)
@@ -250,7 +224,7 @@ class DloraScheduler(Scheduler):
             step.trace = {"unfinished": adapter_counts(_adapter(r) for r in requests), "allowed": len(plan.visible)}
         worker.weights = plan.target  # corrected by the worker's reports (_dlora_observe)
         self._dlora_step = step
-        self._dlora_waits_ended(self._dlora_queue_waits.end((r.req_id for r in out.scheduled_new_reqs), started))
+        self._dlora_measures.waits_end((r.req_id for r in out.scheduled_new_reqs), started)
         return out
 
     def add_request(self, request: Request) -> None:
@@ -258,16 +232,12 @@ class DloraScheduler(Scheduler):
         # Kept as given: with a service order the request's own priority becomes its place.
         self._dlora_client_priority[request.request_id] = request.priority
         super().add_request(request)
-        self._dlora_queue_waits.queued(request.request_id, time.perf_counter())
+        self._dlora_measures.queued(request.request_id, time.perf_counter())
 
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
-        self._dlora_waits_ended(self._dlora_queue_waits.end((r.request_id for r in finished), time.perf_counter()))
+        self._dlora_measures.waits_end((r.request_id for r in finished), time.perf_counter())
         return finished
-
-    def _dlora_waits_ended(self, waits: list[QueueWait]) -> None:
-        for wait in waits:
-            self._dlora_samples.append(wait)
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         compiling = request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
@@ -292,11 +262,13 @@ class DloraScheduler(Scheduler):
             )
         if step is not None and self._dlora_prefix is not None:
             # Before vLLM frees the blocks of the requests that finish in this step.
-            self._dlora_record_blocks(scheduler_output, step, self._dlora_ran(step, model_runner_output))
+            ran = self._dlora_ran(step, model_runner_output)
+            self._dlora_prefix.record_step(scheduler_output, self.requests, step.weights, ran)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if step is not None:
             self._dlora_observe(step, scheduler_output, model_runner_output, ended)
-        prefix_filter.prune(self._dlora_lineage, self.requests)
+        if self._dlora_prefix is not None:
+            self._dlora_prefix.prune(self.requests)
         return outputs
 
     # ---- deciding (step_plan.py) -------------------------------------------------------------
@@ -372,56 +344,13 @@ class DloraScheduler(Scheduler):
                 self.kv_holding_waiting.add_request(r)
         return out, True
 
-    # ---- prefix cache (prefix_filter.py) -------------------------------------------------------
-
-    def _dlora_computed_blocks(self, request: Request):
-        """vLLM's `KVCacheManager.get_computed_blocks`, hits limited to this step's weight state.
-
-        Returns vLLM's (blocks, num_computed_tokens, shared_prefix_boundary). Nothing is ref-counted
-        yet (`allocate_slots` touches the blocks the scheduler finally adopts), so a shorter or
-        substituted block list is as valid as vLLM's own.
-        """
-        found = self._dlora_vllm_computed_blocks(request)
-        blocks, num_tokens, _ = found
-        ledger, kvm = self._dlora_prefix, self.kv_cache_manager
-        assert ledger is not None  # this lookup is installed only with prefix caching (__init__)
-        pool = kvm.block_pool.blocks
-        kept = prefix_filter.usable_hit(
-            blocks.blocks, num_tokens, self._dlora_lookup_state, ledger, lambda block_id: pool[block_id].block_hash
-        )
-        if kept is None:
-            return found
-        ids, tokens = kept
-        if not ids:
-            return kvm.empty_kv_cache_blocks, 0, 0
-        # A single group has no shared-prefix junction (the boundary is 0).
-        return kvm.create_kv_cache_blocks(([pool[i] for i in ids],)), tokens, 0
+    # ---- the weights a step ran on (weight_state.py) --------------------------------------------
 
     @staticmethod
     def _dlora_ran(step: _Step, model_runner_output) -> Weights:
         """The weights the step actually ran on, as far as its reports tell (weight_state.py)."""
         mine, _ = split_reports(step.cmds, getattr(model_runner_output, REPORTS_ATTR, None) or ())
         return weights_after(step.cmds, mine, step.weights)
-
-    def _dlora_record_blocks(self, scheduler_output, step: _Step, ran: Weights) -> None:
-        assert self._dlora_prefix is not None  # called only with prefix caching (update_from_output)
-        managers = [
-            m for m in self.kv_cache_manager.coordinator.single_type_managers if m.kv_cache_spec.prefix_cacheable
-        ]
-        scheduled = []
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            r = self.requests.get(rid)
-            if r is not None and n > 0:
-                end = r.num_computed_tokens
-                scheduled.append(prefix_filter.Scheduled(rid, end - n, end, r.num_preemptions))
-        prefix_filter.record_step(
-            self._dlora_prefix,
-            self._dlora_lineage,
-            scheduled,
-            step.weights,
-            ran,
-            lambda rid: [(m.req_to_blocks.get(rid, ()), m.block_size) for m in managers],
-        )
 
     # ---- after the step ----------------------------------------------------------------------
 
@@ -430,20 +359,9 @@ class DloraScheduler(Scheduler):
         reports = self._dlora_worker.observe(step.cmds, step.weights, received, time.monotonic())
         merged = known(self._dlora_worker.weights)
         switch_s = sum(r.seconds for r in reports)
-        self._dlora_record_iteration(scheduler_output, ended - step.started - switch_s, merged)
-        self.batching_policy.observe(
-            IterationStats(
-                mode=Mode.MERGED if merged else Mode.UNMERGED,
-                merged_adapter=merged,
-                num_requests=len(scheduler_output.num_scheduled_tokens),
-                iteration_time=ended - step.started,
-                switch_time=switch_s,
-                num_tokens=scheduler_output.total_num_scheduled_tokens,
-                prefill_tokens=samples.prefill_tokens(
-                    scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
-                ),
-            )
-        )
+        tokens, total = scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
+        self._dlora_measures.step_cost(tokens, total, ended - step.started - switch_s, merged is not None)
+        self.batching_policy.observe(iteration_stats(tokens, total, ended - step.started, switch_s, merged))
         self._dlora_stalled = (
             step.restricted and not step.restoring and scheduler_output.total_num_scheduled_tokens == 0
         )
@@ -461,22 +379,6 @@ class DloraScheduler(Scheduler):
             # Idle from now on (schedule() is not called): close the step in the policy's clock,
             # so the idle gap is not taken for the duration of this step.
             self.batching_policy.decide([], time.time(), self._dlora_max_batch)
-
-    def _dlora_record_iteration(self, scheduler_output, seconds: float, merged: str | None) -> None:
-        """One step for the cluster cost model (samples.py)."""
-        sample = samples.step_sample(
-            scheduler_output.num_scheduled_tokens,
-            scheduler_output.total_num_scheduled_tokens,
-            seconds,
-            merged is not None,
-        )
-        if sample is not None and not self._dlora_warm:
-            # The engine's first step also warms it up (allocations, kernel selection): 8-13 s more
-            # than its tokens cost on a CPU, which a least-squares fit of a few dozen steps would
-            # read as a per-step cost of a few hundred ms.
-            self._dlora_warm = True
-        elif sample is not None:
-            self._dlora_samples.append(sample)
 
 
 # ---- EngineCore utilities (added in the engine-core process when vLLM imports this module) ------

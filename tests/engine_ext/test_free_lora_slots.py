@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlora.engine_ext.punica_wrapper import PunicaWrapperEinsum, _pack
+from dlora.engine_ext.packed_stacks import pack
+from dlora.engine_ext.punica_wrapper import PunicaWrapperEinsum
 from dlora.replica.messages import AdapterRef, GenerateRequest, SamplingSpec
 from tests.replica.test_engine_host import running_host
 
@@ -28,10 +29,10 @@ def poisoned_stacks():
 
 def test_a_free_slot_is_never_packed():
     a, b = poisoned_stacks()
-    packed = _pack(a, b, live=(True, False, True))
+    packed = pack(a, b, live=(True, False, True))
     assert packed.ranks == (R, 0, R)
     assert torch.isfinite(packed.a).all() and torch.isfinite(packed.b).all()
-    assert _pack(a, b).ranks == (R, R, R)  # without the occupancy every slot counts
+    assert pack(a, b).ranks == (R, R, R)  # without the occupancy every slot counts
 
 
 def test_tokens_stay_finite_and_exact_beside_a_free_poisoned_slot():

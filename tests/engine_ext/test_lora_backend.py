@@ -16,6 +16,7 @@ import torch
 from dlora import env
 from dlora.config import DloraConfig, EngineConfig
 from dlora.engine_ext import cpu_lora_fix, lora_backend, punica_wrapper
+from dlora.engine_ext.onednn_gemm import OneDnnGemm
 from dlora.engine_ext.punica_wrapper import DloraLinearMixin, PunicaWrapperEinsum
 
 SLOTS, R, H_IN = 3, 8, 16
@@ -332,7 +333,7 @@ def test_einsum_on_cpu_runs_prepacked_onednn_gemms_where_onednn_has_them(dtype):
     w = wrapper(PunicaWrapperEinsum, DECODE, False)
     ((lora, lo, hi),) = w._dlora_calls(a, b, SLICES, None)
     assert (lo, hi) == (0, sum(SLICES))
-    assert isinstance(lora.gemm, punica_wrapper._OneDnnGemm) == onednn
+    assert isinstance(lora.gemm, OneDnnGemm) == onednn
     x, y0 = (t.to(dtype) for t in inputs(len(DECODE)))
     y = y0.clone()
     w.add_lora_linear(y, x, a, b, 0.5, SLICES)

@@ -14,15 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlora.engine_ext.merge import (
-    CheckpointTensors,
-    MergeError,
-    WeightMerger,
-    fused_module,
-    lora_scale,
-    merged_weight,
-    read_adapter,
-)
+from dlora.engine_ext.adapter_factors import MergeError, lora_scale, read_adapter
+from dlora.engine_ext.checkpoint_tensors import CheckpointTensors, fused_module
+from dlora.engine_ext.merge import WeightMerger, merged_weight
 from tests.engine_ext.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -18,13 +18,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dlora.engine_ext import merge as merge_mod
-from dlora.engine_ext.merge import (
-    CheckpointTensors,
-    MergeError,
-    ParameterViews,
-    WeightMerger,
-    read_adapter,
-)
+from dlora.engine_ext.adapter_factors import MergeError, read_adapter
+from dlora.engine_ext.checkpoint_tensors import CheckpointTensors
+from dlora.engine_ext.live_weights import ParameterViews
+from dlora.engine_ext.merge import WeightMerger
 from tests.engine_ext.lora_files import write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
+from dlora.engine_ext.adapter_factors import read_adapter
 from dlora.engine_ext.inband import CMDS_ATTR
-from dlora.engine_ext.merge import read_adapter
 from dlora.engine_ext.step_trace import StepTrace
 from tests.harness import TINY_KV_BLOCKS
 

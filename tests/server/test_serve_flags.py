@@ -317,6 +317,18 @@ def test_chat_template_and_generation_config_are_checked(tmp_path):
         )
 
 
+def test_an_admin_token_that_is_also_an_api_key_is_refused(monkeypatch):
+    monkeypatch.delenv("DLORA_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("DLORA_API_KEY", raising=False)
+    same = config.override(config.load(None), {"server.api_key": ["k1", "k2"], "server.admin_token": "k2"})
+    with pytest.raises(ConfigError, match=r"^server.admin_token \(or DLORA_ADMIN_TOKEN\) equals one of server.api_key"):
+        start_checks.check_credentials(same)
+    start_checks.check_credentials(config.override(same, {"server.admin_token": "admin"}))
+    monkeypatch.setenv("DLORA_API_KEY", "admin")  # the environment's key counts too
+    with pytest.raises(ConfigError):
+        start_checks.check_credentials(config.override(same, {"server.admin_token": "admin"}))
+
+
 def test_yaml_paths_of_the_templates_resolve_against_the_config_file(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     (tmp_path / "gen").mkdir()

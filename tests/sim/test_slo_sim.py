@@ -38,15 +38,15 @@ def test_seallm_order_admits_a_short_adapters_request_before_an_earlier_long_one
 
 def test_seallm_profiles_pool_every_adapters_lengths_until_an_adapter_has_eight():
     m = _Model([job(0, 1, "s")], 1, model(), "at_arrival", False, 0.1, None, SEALLM)
-    assert m.profile("s") == LengthStats(10.0)  # nothing finished: the requests' cap
+    assert m.order.profile("s") == LengthStats(10.0)  # nothing finished: the requests' cap
     for n in (2, 2, 2, 4, 4, 4, 4, 4):
         m.estimator.observe("l", n)
-        m.pooled_profile = None  # as a finish in the model does
-    assert m.profile("s") == m.profile("l") == LengthStats(3.25, math.sqrt(7.5 / 8))
+        m.order.pooled_profile = None  # as a finish in the model does
+    assert m.order.profile("s") == m.order.profile("l") == LengthStats(3.25, math.sqrt(7.5 / 8))
     for _ in range(8):
         m.estimator.observe("s", 1)
-    m.profiles.pop("s", None)
-    assert m.profile("s") == LengthStats(1.0, 0.0)
+    m.order.profiles.pop("s", None)
+    assert m.order.profile("s") == LengthStats(1.0, 0.0)
 
 
 def test_seallm_order_picks_the_request_a_full_kv_preempts():

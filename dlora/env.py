@@ -1,7 +1,8 @@
 """Every environment variable dlora reads, in one typed place.
 
 Modules call `env.NAME.get()`; nothing else in the package reads `os.environ` for its own
-settings. (vLLM's own variables are *set* for replica processes in dlora/replica/runtime_env.py.)
+settings. (vLLM's own variables are *set* for replica processes by
+`dlora.replica.ray_replica.replica_runtime_env`.)
 """
 
 from __future__ import annotations

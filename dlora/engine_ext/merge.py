@@ -60,6 +60,7 @@ import torch
 
 from dlora.engine_ext.adapter_factors import LoraFactors, MergeError, adapter_key, read_adapter
 from dlora.engine_ext.checkpoint_tensors import CheckpointTensors, fused_module
+from dlora.engine_ext.freed_heap import release_freed_heap
 from dlora.engine_ext.live_weights import LiveWeights, ParameterViews
 from dlora.engine_ext.pristine_rows import PristineRows
 from dlora_kernels import merge_lora_inplace
@@ -179,6 +180,7 @@ class WeightMerger:
             raise MergeError(f"reloading merged weights failed, base restored: {e}") from e
         self.merged = adapter_path
         self._remember(key, names, modules, items)
+        release_freed_heap()  # the reload freed the old packed weights (freed_heap.py)
 
     def prepare(self, adapter_path: str) -> bool:
         """Cache the adapter's merged state ahead of its first merge, leaving the base weights in.

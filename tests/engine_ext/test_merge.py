@@ -366,3 +366,18 @@ def test_failed_reload_is_repaired_by_a_full_reload_even_with_kernels(base_dir, 
         merger.merge(str(a))
     assert merger.merged is None and len(model.reloads) == 1  # the repair reload
     assert all(torch.equal(model.weights[n], original[n]) for n in original)
+
+
+def test_the_heap_a_reload_freed_is_given_back_and_a_swap_does_not_trim(base_dir, tmp_path, monkeypatch):
+    from dlora.engine_ext import freed_heap, merge
+
+    assert freed_heap.release_freed_heap()  # glibc: malloc_trim is there
+    trims: list[int] = []
+    monkeypatch.setattr(merge, "release_freed_heap", lambda: trims.append(1) or True)
+    a = write_adapter(tmp_path / "a", ["q_proj"], seed=1)
+    merger, _, _ = make_with_kernels(base_dir)
+    merger.merge(str(a))  # a reload
+    assert merger.reloads == 1 and trims == [1]
+    merger.unmerge()
+    merger.merge(str(a))  # a cached swap: nothing freed, no trim
+    assert merger.reloads == 1 and trims == [1]

@@ -10,11 +10,13 @@ directory. A name a request gives that nobody registered is looked up in `on_dem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlora.adapters import snapshot
 from dlora.adapters.errors import (
     AdapterBusyError,
     AdapterForbiddenError,
@@ -30,6 +32,7 @@ from dlora.adapters.validate import AdapterValidationError, BaseModelShapes, is_
 from dlora.adapters.validated_copy import ValidatedCopies
 from dlora.cluster.host_cache import AdapterTooLarge, HostCacheFull
 from dlora.cluster.router import Router
+from dlora.replica.adapter_source import publish
 from dlora.replica.messages import AdapterRef
 from dlora.slo.config import AdapterSlo
 
@@ -40,7 +43,24 @@ RETIRE_POLL_S = 0.2  # how often a replaced version checks whether its last requ
 
 
 def ref_of(rec: AdapterRecord) -> AdapterRef:
-    return AdapterRef(name=rec.name, int_id=rec.int_id, path=rec.path, version=rec.version, size_bytes=rec.size_bytes)
+    return AdapterRef(
+        name=rec.name,
+        int_id=rec.int_id,
+        path=rec.path,
+        version=rec.version,
+        size_bytes=rec.size_bytes,
+        digest=rec.digest,
+        source=rec.content,
+    )
+
+
+def with_content(rec: AdapterRecord, snap: Snapshot | None) -> AdapterRecord:
+    """`rec` with its snapshot's digest and, in a Ray cluster, its files in the object store, so a
+    replica on a node without the snapshot's directory can load it (none without a snapshot: the
+    source directory is read where it is)."""
+    if snap is None:
+        return rec
+    return dataclasses.replace(rec, digest=snap.sha256, content=publish(snap.sha256, snapshot.read_files(snap.path)))
 
 
 @dataclass
@@ -150,7 +170,8 @@ class AdapterManager:
                 raise AdapterExistsError(name)
             self._check_pin_room(name, pinned)
             info, snap = await asyncio.to_thread(self._copies.take, name, path, roots)
-            rec = await self._load_and_commit(self.registry.new_record(name, info, pinned, source, version, slo))
+            rec = self.registry.new_record(name, info, pinned, source, version, slo)
+            rec = await self._load_and_commit(await asyncio.to_thread(with_content, rec, snap))
             if snap is not None:
                 self._snapshots[name] = snap
         log.info("registered adapter %s (rank %d, %s) from %s", name, rec.rank, ",".join(rec.target_modules), rec.path)
@@ -196,7 +217,8 @@ class AdapterManager:
         if old.pinned:
             self._check_pin_room(name, True)  # both versions are pinned until the old one is retired
         info, snap = await asyncio.to_thread(self._copies.take, name, path, roots)
-        new = await self._load_and_commit(self.registry.next_version(name, info, slo), replacing=old.int_id)
+        new = await asyncio.to_thread(with_content, self.registry.next_version(name, info, slo), snap)
+        new = await self._load_and_commit(new, replacing=old.int_id)
         if snap is not None:
             self._snapshots[name] = snap
         self._reported.discard(name)

@@ -7,12 +7,13 @@ directory so that adapters registered through the admin API survive a server res
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dlora.adapters import registry_store as store
 from dlora.adapters.registry_store import CorruptRegistryFile, RegistryPersistError
 from dlora.adapters.validate import AdapterInfo
+from dlora.replica.adapter_source import AdapterSource
 from dlora.slo.config import AdapterSlo, parse_adapter_slo
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,15 @@ class AdapterRecord:
     version: int = 1
     # Its own latency targets; None: the server's default (`slo:`). Kept by an in-place update.
     slo: AdapterSlo | None = None
+    # sha256 of its snapshot's files (its manifest keeps it too: not saved here); "" without a snapshot
+    digest: str = ""
+    # Its files in Ray's object store, for replicas on other nodes (adapter_source.py): held while
+    # this record is, so Ray frees them once the version is unloaded or replaced. Never saved.
+    content: AdapterSource | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict:
-        d = asdict(self)  # slo: {"ttft_s", "tpot_s"} or None
+        d = asdict(replace(self, content=None))  # slo: {"ttft_s", "tpot_s"} or None
+        del d["content"], d["digest"]
         d["target_modules"] = list(self.target_modules)
         return d
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlora.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
+from dlora.replica.adapter_source import MANIFEST_FILE, digest_of_hashes
 
 SNAPSHOT_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # all vLLM reads of a LoRA-only PEFT adapter
-MANIFEST_FILE = "dlora-snapshot.json"
 STAGING_PREFIX = ".staging-"
 DIGEST_CHARS = 16  # of the sha256 hex in the directory name; the manifest keeps the whole digest
 _CHUNK = 1 << 20
@@ -95,7 +95,12 @@ def _hash_file(path: Path) -> str:
 
 
 def _digest(file_hashes: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(file_hashes, sort_keys=True).encode()).hexdigest()
+    return digest_of_hashes(file_hashes)  # the content identity replicas on other nodes check
+
+
+def read_files(path: Path) -> dict[str, bytes]:
+    """The snapshot's adapter files as bytes, what a replica on another node is sent."""
+    return {f: (path / f).read_bytes() for f in SNAPSHOT_FILES}
 
 
 def stage(src: Path, root: Path) -> tuple[Path, str]:

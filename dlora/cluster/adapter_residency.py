@@ -14,7 +14,7 @@ from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
-from dlora.replica.errors import ReplicaFailure
+from dlora.replica.errors import AdapterUnavailable, ReplicaFailure
 from dlora.replica.messages import AdapterRef, ReplicaStats
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,10 @@ class AdapterResidency:
         """A started engine's pinned adapters (under static placement, those whose home it is)."""
         for ref in self.pinned_adapters():
             if not self.cfg.static_placement or self.home(ref) is slot:
-                await self.load(slot, ref, pinned=True)
+                try:
+                    await self.load(slot, ref, pinned=True)
+                except AdapterUnavailable as e:  # its requests go to other replicas; this one serves the rest
+                    log.warning("replica %d: %s", slot.replica_id, e)
 
     async def load(self, slot: ReplicaSlot, ref: AdapterRef, pinned: bool = False) -> None:
         """Load once per (replica, adapter) even when many requests ask at the same time."""
@@ -70,7 +73,11 @@ class AdapterResidency:
             fut = asyncio.ensure_future(self._add(slot, ref, pinned))
             self._loading[key] = fut
             fut.add_done_callback(lambda _: self._loading.pop(key, None))
-        await asyncio.shield(fut)
+        try:
+            await asyncio.shield(fut)
+        except AdapterUnavailable:
+            slot.unavailable.add(ref.int_id)  # not sent there again until the replica restarts
+            raise
         slot.loaded[ref.int_id] = ref.name
         self.sizes[ref.int_id] = ref.size_bytes
 
@@ -117,14 +124,25 @@ class AdapterResidency:
             return []  # nothing to check it on: the first request loads it
         if healthy[0].cache is not None:
             healthy[0].cache.check_fits(ref.size_bytes)
-        targets = [s for s in healthy if replacing is not None and replacing in s.loaded] or [self._roomiest(healthy)]
-        await asyncio.gather(*(self.load(s, ref) for s in targets))
-        return [s.replica_id for s in targets]
+        targets = [s for s in healthy if replacing is not None and replacing in s.loaded]
+        if targets:
+            await self._load_where_possible(targets, ref)
+            return [s.replica_id for s in targets if ref.int_id not in s.unavailable]
+        last: AdapterUnavailable | None = None
+        for slot in sorted(healthy, key=self._room_order):  # the roomiest that can get its files
+            try:
+                await self.load(slot, ref)
+                return [slot.replica_id]
+            except AdapterUnavailable as e:
+                log.warning("replica %d: %s; trying another replica", slot.replica_id, e)
+                last = e
+        assert last is not None
+        raise last  # no serving replica could get its files
 
     @staticmethod
-    def _roomiest(slots: list[ReplicaSlot]) -> ReplicaSlot:
-        """The replica with the most free host-cache bytes, then the fewest adapters loaded."""
-        return min(slots, key=lambda s: (-s.cache.free_bytes if s.cache else 0, len(s.loaded), s.replica_id))
+    def _room_order(s: ReplicaSlot) -> tuple[int, int, int]:
+        """The most free host-cache bytes first, then the fewest adapters loaded."""
+        return (-s.cache.free_bytes if s.cache else 0, len(s.loaded), s.replica_id)
 
     def home(self, ref: AdapterRef) -> ReplicaSlot:
         """The adapter's replica under static placement."""
@@ -134,7 +152,20 @@ class AdapterResidency:
         """Load on every healthy replica (its home only, under static placement); raises the first
         engine error, so nothing is half-registered."""
         targets = [self.home(ref)] if self.cfg.static_placement else [s for s in self.pool.slots if s.serving]
-        await asyncio.gather(*(self.load(s, ref, pinned) for s in targets))
+        await self._load_where_possible(targets, ref, pinned)
+
+    async def _load_where_possible(self, targets: list[ReplicaSlot], ref: AdapterRef, pinned: bool = False) -> None:
+        """Load on every target; a replica whose node cannot get the files is left out (its
+        requests go elsewhere) unless none could, and any other engine error raises."""
+        results = await asyncio.gather(*(self.load(s, ref, pinned) for s in targets), return_exceptions=True)
+        unavailable = [r for r in results if isinstance(r, AdapterUnavailable)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, AdapterUnavailable):
+                raise r
+        if unavailable and len(unavailable) == len(results):
+            raise unavailable[0]
+        for e in unavailable:
+            log.warning("%s; its requests go to other replicas", e)
 
     async def unload_everywhere(self, int_id: int) -> None:
         for s in self.pool.slots:

@@ -11,6 +11,7 @@ import ray
 from dlora import env
 from dlora.config import DloraConfig
 from dlora.engine_ext import lora_backend
+from dlora.replica.model_manifest import manifest_of
 from dlora.replica.ray_replica import create_replica
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class ReplicaFactory:
     def __init__(self, cfg: DloraConfig, model_path: str) -> None:
         init_ray(cfg)
         self.cfg, self.model_path = cfg, model_path
+        # What every replica checks its node's model directory against (model_manifest.py)
+        self.model = manifest_of(model_path)
         self.gpu = cluster_has_gpus(cfg.cluster.num_replicas)
         lora_backend.check(cfg.engine.lora_backend, gpu=self.gpu, enforce_eager=cfg.engine.enforce_eager)
         self.positions: dict[int, int] = {}  # live replica id -> its position
@@ -117,8 +120,15 @@ class ReplicaFactory:
         position = min(set(range(len(self.positions) + 1)) - set(self.positions.values()))
         self.positions[replica_id] = position
         cores = None if self.gpu else replica_cores(self.cfg, position + 1)[position]
-        log.info("creating replica %d on %s", replica_id, "a GPU" if self.gpu else f"cores {cores}")
-        return create_replica(replica_id, self.cfg, self.model_path, cores, self.gpu)
+        names = self.cfg.cluster.replica_resources
+        resource = names[position % len(names)] if names else None
+        log.info(
+            "creating replica %d on %s%s",
+            replica_id,
+            "a GPU" if self.gpu else f"cores {cores}",
+            f", on a node with Ray resource {resource!r}" if resource else "",
+        )
+        return create_replica(replica_id, self.cfg, self.model_path, cores, self.gpu, resource, self.model)
 
     def release(self, replica_id: int) -> None:
         self.positions.pop(replica_id, None)

@@ -21,6 +21,7 @@ from dlora.cluster.request_state import RequestState
 from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
+from dlora.replica.errors import AdapterUnavailable
 
 
 class ReplicaChooser:
@@ -55,16 +56,33 @@ class ReplicaChooser:
         if state.migrate_to is not None:
             target = pool.find_slot(state.migrate_to)
             state.migrate_to = None
-            if target is not None and target.serving:
+            if target is not None and target.serving and self.may_serve(state, target):
                 return self.assign(state, target)
         if self.cfg.static_placement and state.request.adapter is not None:
             home = self.residency.home(state.request.adapter)
             if not home.healthy:
                 await pool.wait_for([home])
+            if not self.may_serve(state, home):
+                raise self._unavailable(state)
             return self.assign(state, home)
+        if not any(s.serving and self.may_serve(state, s) for s in pool.slots):
+            raise self._unavailable(state)
         if self.slo_dispatch is not None:
             return self.assign(state, self.slo_choose(state))
-        return self.assign(state, pool.slot(self.dispatched(state, self.views.dispatch_views())))
+        views = [v for v in self.views.dispatch_views() if self.may_serve(state, pool.slot(v.replica_id))]
+        return self.assign(state, pool.slot(self.dispatched(state, views)))
+
+    @staticmethod
+    def may_serve(state: RequestState, slot: ReplicaSlot) -> bool:
+        """Whether the request's adapter can be loaded there (its node could get the files)."""
+        adapter = state.request.adapter
+        return adapter is None or adapter.int_id not in slot.unavailable
+
+    @staticmethod
+    def _unavailable(state: RequestState) -> AdapterUnavailable:
+        adapter = state.request.adapter
+        assert adapter is not None
+        return AdapterUnavailable(adapter.name, "any serving replica's", "none of their nodes could get its files")
 
     def dispatched(self, state: RequestState, views: list[ReplicaView]) -> int:
         """The replica the dispatch policy picks for the request among `views`."""
@@ -94,7 +112,7 @@ class ReplicaChooser:
                 {st.request.request_id: now - st.first_token_at for st in on[s.replica_id] if st.first_token_at},
             )
             for s in self.pool.slots
-            if s.serving
+            if s.serving and self.may_serve(state, s)
         ]
         load = state.load(lengths)
         assert self.slo_dispatch is not None  # called only in an SLO dispatch mode

@@ -21,6 +21,7 @@ from dlora.cluster.host_cache import HostCache
 from dlora.cluster.replica_slot import Replica, ReplicaSlot
 from dlora.cluster.router_config import RouterConfig
 from dlora.replica.errors import ReplicaFailure
+from dlora.replica.model_manifest import ModelMismatch
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,25 @@ class ReplicaPool:
 
     # ---- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.gather(*(self.start_slot(s) for s in self.slots))
+        """Start every replica. One whose node lacks the model directory (ModelMismatch) is left to
+        its rebuilds, which give up after `max_restart_attempts`, while the others serve; any other
+        failure, or every replica refusing, fails the start."""
+        results = await asyncio.gather(*(self.start_slot(s) for s in self.slots), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, ModelMismatch):
+                raise r
+        refused = [(s, r) for s, r in zip(self.slots, results) if isinstance(r, ModelMismatch)]
+        if refused and len(refused) == len(self.slots):
+            raise refused[0][1]
+        for slot, e in refused:
+            log.error("replica %d did not start: %s", slot.replica_id, e)
+            self.mark_failed(slot)
 
     async def start_slot(self, slot: ReplicaSlot) -> None:
         t0 = time.monotonic()
         await self.call(slot, slot.replica.start(), self.cfg.replica_start_timeout_s)
         slot.loaded.clear()
+        slot.unavailable.clear()  # maybe on another node now; a new try per adapter
         if slot.cache is not None:
             slot.cache.clear()
         await self.prepare(slot)

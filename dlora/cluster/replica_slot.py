@@ -44,6 +44,9 @@ class ReplicaSlot:
     # Being removed (`Router.drain`): nothing new is sent here, its requests move elsewhere, and a
     # failure does not rebuild it.
     draining: bool = False
+    # Adapter versions (int_ids) this replica could not get onto its node (AdapterUnavailable): their
+    # requests go to other replicas until this one is started again.
+    unavailable: set[int] = field(default_factory=set)
     # The stats read still unanswered, if any, and when it was asked (event-loop time): a slow
     # replica's read is awaited again by the next refresh, not asked twice.
     stats_call: asyncio.Future | None = None

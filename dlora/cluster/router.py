@@ -58,7 +58,7 @@ from dlora.cluster.request_table import RequestTable
 from dlora.cluster.router_config import RouterConfig
 from dlora.cluster.router_counters import RouterCounters
 from dlora.cluster.stats_reader import StatsReader
-from dlora.replica.errors import ReplicaFailure
+from dlora.replica.errors import AdapterUnavailable, ReplicaFailure
 from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
 
 log = logging.getLogger(__name__)
@@ -336,6 +336,16 @@ class Router:
                         self.counters["resubmission_limit"] += 1
                         raise ResubmissionLimit(f"request failed on {state.failures} replicas; giving up") from e
                     log.warning("request %s: %s; resubmitting after %d tokens", req.request_id, e, len(state.generated))
+                    self.counters["resubmissions"] += 1
+                except AdapterUnavailable as e:
+                    # That replica's node cannot get the adapter: the others may (the chooser
+                    # skips it for this adapter from now on), and the replica serves the rest.
+                    if current.adapter is not None:
+                        slot.unavailable.add(current.adapter.int_id)
+                    state.failures += 1
+                    if state.failures > self.cfg.max_resubmissions:
+                        raise
+                    log.warning("request %s on replica %d: %s; resubmitting", req.request_id, slot.replica_id, e)
                     self.counters["resubmissions"] += 1
                 finally:
                     # Close the leg now (a no-op once it ran out): its cleanup, the replica's sums that

@@ -23,6 +23,10 @@ class ClusterConfig:
     # Cores (and engine threads) per CPU replica. 1: one single-threaded engine per core, which
     # on a 2-core machine serves more than one two-thread engine (bench/overhead/runs/).
     cores_per_replica: int = 1
+    # A custom Ray resource each replica needs, by position (replica i: the i-th name, wrapping
+    # around; a small share of one unit): nodes started with `--resources='{"gpu_a": 1}'` take the
+    # replicas named for them. Empty: Ray places replicas wherever their CPUs or GPU are free.
+    replica_resources: tuple[str, ...] = ()
     # proactive (shortest estimated pending time, dLoRA) | slo_feasible (the least pending time among
     # replicas where every request keeps its SLO, Aladdin) | best_fit (the fullest replica where they
     # do, so others stay idle) | least_loaded | round_robin

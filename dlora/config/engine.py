@@ -36,6 +36,11 @@ class EngineConfig:
     # them again is a swap (~1-2 ms on one core) instead of a reload (0.1-1 s with SmolLM2-135M).
     # One adapter on all seven projections of SmolLM2-135M in bf16 is 212 MB: 1024 keeps four.
     merged_cache_mib: float = 1024
+    # Where a replica keeps the adapters it got from the API server's machine when it runs on
+    # another node (content-addressed, shared by a node's replicas); must be node-local. None: the
+    # per-user directory dlora-node-cache-<uid> under the system temp dir of each node
+    node_cache_dir: str | None = None
+    node_cache_mib: float = 4096  # MiB of adapters that directory keeps (least recently used go)
     # vLLM's structured-output engine (--structured-outputs-config.backend): auto, xgrammar,
     # guidance, outlines or lm-format-enforcer
     structured_outputs_backend: str = "auto"
@@ -59,6 +64,13 @@ class EngineConfig:
             "needs engine.structured_outputs_backend xgrammar or guidance (vLLM's rule)",
         )
         check(self.merged_cache_mib >= 0, "engine.merged_cache_mib", self.merged_cache_mib, "must be >= 0")
+        check(self.node_cache_mib > 0, "engine.node_cache_mib", self.node_cache_mib, "must be > 0")
+        check(
+            self.node_cache_dir is None or bool(self.node_cache_dir.strip()),
+            "engine.node_cache_dir",
+            self.node_cache_dir,
+            "must be a directory path, or null (a per-user directory under the system temp dir)",
+        )
         check(self.max_loras >= 1, "engine.max_loras", self.max_loras, "must be >= 1")
         check(
             self.max_cpu_lora_mib is None or self.max_cpu_lora_mib > 0,

@@ -12,12 +12,17 @@ import dataclasses
 import json
 import logging
 import os
+import socket
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlora.config import DloraConfig
-from dlora.replica import decode_stream
+from dlora.replica import adapter_source, decode_stream
+from dlora.replica.adapter_paths import AdapterPaths
+from dlora.replica.adapter_source import AdapterSource
 from dlora.replica.engine_keys import BACKGROUND_PRIORITY_KEY, BATCHING_CONFIG_KEY, GENERATED_BEFORE_KEY
 from dlora.replica.errors import EngineNotStarted
 from dlora.replica.messages import (
@@ -29,6 +34,7 @@ from dlora.replica.messages import (
     TokenLogprob,
     from_wire,
 )
+from dlora.replica.node_cache import NodeAdapterCache
 from dlora.waits import wait_event
 
 if TYPE_CHECKING:
@@ -151,6 +157,13 @@ def engine_input(engine, req: GenerateRequest):
     return rendered
 
 
+def node_cache_root(cfg: DloraConfig) -> Path:
+    """`engine.node_cache_dir`, else a per-user directory under this node's temp dir."""
+    if cfg.engine.node_cache_dir:
+        return Path(cfg.engine.node_cache_dir).expanduser()
+    return Path(tempfile.gettempdir()) / f"dlora-node-cache-{os.getuid()}"
+
+
 def _lora_request(ref: AdapterRef | None):
     if ref is None:
         return None
@@ -173,9 +186,18 @@ def _convert_logprobs(token_ids: list[int], logprobs, k: int) -> list[TokenLogpr
 
 
 class EngineHost:
-    def __init__(self, cfg: DloraConfig, model_path: str):
+    def __init__(
+        self,
+        cfg: DloraConfig,
+        model_path: str,
+        node: str | None = None,
+        fetch: Callable[[AdapterSource], Mapping[str, bytes]] = adapter_source.fetch,
+    ):
         self.cfg = cfg
         self.model_path = model_path
+        self.node = node or socket.gethostname()  # named in errors about this replica's node
+        cache = NodeAdapterCache(node_cache_root(cfg), int(cfg.engine.node_cache_mib * (1 << 20)), self.node)
+        self.adapter_paths = AdapterPaths(cache, fetch)
         self.engine: AsyncLLM | None = None
         # request id -> set when its stream has ended (see abort)
         self._streams: dict[str, asyncio.Event] = {}
@@ -213,11 +235,12 @@ class EngineHost:
             yield Delta(token_ids=[], text="", finished=True, finish_reason="abort")
             return
         engine = self._started()
+        adapter = None if req.adapter is None else await self.adapter_paths.local(req.adapter)
         stream = engine.generate(
             engine_input(engine, req),
             to_sampling_params(req.sampling),
             req.request_id,
-            lora_request=_lora_request(req.adapter),
+            lora_request=_lora_request(adapter),
             priority=req.priority,
         )
         ended = self._streams[req.request_id] = asyncio.Event()
@@ -285,6 +308,7 @@ class EngineHost:
     async def add_adapter(self, ref: AdapterRef, pinned: bool = False) -> None:
         """Load an adapter into the engine's host cache (raises on a bad adapter, engine unharmed)."""
         engine = self._started()
+        ref = await self.adapter_paths.local(ref)  # a path on this node, the files verified
         if self.cfg.engine.prefetch_adapters:
             await self._prefetch(engine, ref)
         await engine.add_lora(_lora_request(ref))
@@ -311,6 +335,7 @@ class EngineHost:
         engine = self._started()
         removed = await engine.remove_lora(int_id)
         await engine.collective_rpc("dlora_clear_free_lora_slots")
+        self.adapter_paths.forget(int_id)
         return removed
 
     async def resident_adapter_ids(self) -> list[int]:

@@ -27,3 +27,18 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class AdapterUnavailable(RuntimeError):
+    """A replica cannot get an adapter's files onto its node (the transfer failed, or the bytes
+    that came do not have the adapter's digest). Only that adapter's requests on that replica
+    fail; the router sends them to another replica."""
+
+    def __init__(self, name: str, node: str, why: str):
+        super().__init__(f"adapter {name!r} is unavailable on node {node}: {why}")
+        self.name = name
+        self.node = node
+        self.why = why
+
+    def __reduce__(self):  # crosses Ray as the cause of a task error: rebuilt from its three parts
+        return (type(self), (self.name, self.node, self.why))

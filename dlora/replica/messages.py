@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from dlora.replica.adapter_source import AdapterSource
+
 
 @dataclass(frozen=True)
 class AdapterRef:
@@ -19,6 +21,10 @@ class AdapterRef:
     path: str
     version: int = 1  # +1 per in-place update; each version is a separate adapter to the engine
     size_bytes: int = 0  # its weights file: what it takes in a host LoRA cache counted in bytes
+    # sha256 of its files (adapter_source.py); "" for a version never snapshotted
+    digest: str = ""
+    # Its files for a replica on a node where `path` does not exist; None without Ray (read `path`)
+    source: AdapterSource | None = field(default=None, compare=False)
 
     @property
     def engine_name(self) -> str:

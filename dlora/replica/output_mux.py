@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from dlora.replica.errors import ReplicaFailure, RequestRejected
+from dlora.replica.errors import AdapterUnavailable, ReplicaFailure, RequestRejected
 from dlora.replica.messages import Delta
 
 
@@ -25,11 +25,16 @@ from dlora.replica.messages import Delta
 class StreamError:
     """A request's stream ended with an error inside the replica."""
 
-    kind: str  # "replica_failure" (resubmit elsewhere) | "rejected" (the request's own values: 400) | "error"
+    # "replica_failure" (resubmit elsewhere) | "rejected" (the request's own values: 400) |
+    # "adapter_unavailable" (its adapter cannot be got onto the replica's node: another replica) | "error"
+    kind: str
     message: str
-    param: str | None = None
+    param: str | None = None  # rejected: the field; adapter_unavailable: the adapter
+    node: str | None = None  # adapter_unavailable: the replica's node
 
     def exception(self, replica_id: int) -> Exception:
+        if self.kind == "adapter_unavailable":
+            return AdapterUnavailable(self.param or "", self.node or "", self.message)
         if self.kind == "replica_failure":
             return ReplicaFailure(f"replica {replica_id}: {self.message}")
         if self.kind == "rejected":

@@ -18,8 +18,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from dlora import env as dlora_env
 from dlora.config import DloraConfig
 from dlora.replica.engine import EngineHost
-from dlora.replica.errors import ReplicaFailure, RequestRejected
+from dlora.replica.errors import AdapterUnavailable, ReplicaFailure, RequestRejected
 from dlora.replica.messages import AdapterRef, BatchingState, Delta, GenerateRequest, ReplicaStats
+from dlora.replica.model_manifest import ModelManifest, ModelMismatch
+from dlora.replica.model_manifest import check as check_model
 from dlora.replica.output_mux import OutputDemux, OutputMux, StreamError
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,18 @@ log = logging.getLogger(__name__)
 
 @ray.remote
 class ReplicaActor:
-    def __init__(self, replica_id: int, cfg: DloraConfig, model_path: str, cores: tuple[int, ...] | None):
+    def __init__(
+        self,
+        replica_id: int,
+        cfg: DloraConfig,
+        model_path: str,
+        cores: tuple[int, ...] | None,
+        model: ModelManifest | None = None,
+    ):
         self.replica_id = replica_id
         self.cores = cores
-        self.host = EngineHost(cfg, model_path)
+        self.model = model  # the server's view of the model directory, checked on this node at start
+        self.host = EngineHost(cfg, model_path, node=node_name())
         self.mux = OutputMux()
         self._running: set[asyncio.Task] = set()
         # The newest engine sample (engine_ext/samples.py) the stats reads have passed on: each
@@ -39,6 +49,7 @@ class ReplicaActor:
 
     async def start(self) -> int:
         self.host.shutdown()
+        await asyncio.to_thread(check_model, self.host.model_path, self.model, self.host.node)
         self._samples_seen = 0  # a new engine numbers its samples from 1
         cores = self.cores if hasattr(os, "sched_setaffinity") else None  # None: no pinning
         previous = os.sched_getaffinity(0) if cores is not None else None
@@ -116,6 +127,11 @@ class ReplicaActor:
         self.host.shutdown()
 
 
+def node_name() -> str:
+    """This process's Ray node, as errors name it: its IP and the start of its node id."""
+    return f"{ray.util.get_node_ip_address()} (node {ray.get_runtime_context().get_node_id()[:12]})"
+
+
 def _engine_dead_error() -> type[BaseException]:
     from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -147,6 +163,8 @@ def _rejected(cause: BaseException) -> RequestRejected | None:
 
 def stream_error(e: BaseException) -> StreamError:
     """A request's error inside the replica, as plain data for the output stream."""
+    if isinstance(e, AdapterUnavailable):
+        return StreamError("adapter_unavailable", e.why, e.name, e.node)
     if _kills_replica(e):
         return StreamError("replica_failure", f"{type(e).__name__}: {e}")
     rejected = _rejected(e)
@@ -243,6 +261,9 @@ class RayReplica:
         try:
             return await ref
         except Exception as e:
+            if isinstance(e, RayTaskError) and isinstance(e.cause, (AdapterUnavailable, ModelMismatch)):
+                # the router tries another replica for that adapter / serves on the other replicas
+                raise e.cause from None
             if _is_replica_failure(e):
                 raise ReplicaFailure(f"replica {self.replica_id}: {e}") from e
             raise
@@ -275,8 +296,19 @@ def replica_runtime_env(cfg: DloraConfig) -> dict:
     return {"env_vars": env}
 
 
+# What a replica asks of its node's custom resource (`cluster.replica_resources`): a share, so a
+# node started with one unit of it holds up to a thousand replicas; its CPUs or GPUs limit them.
+REPLICA_RESOURCE_SHARE = 0.001
+
+
 def create_replica(
-    replica_id: int, cfg: DloraConfig, model_path: str, cores: tuple[int, ...] | None, gpu: bool
+    replica_id: int,
+    cfg: DloraConfig,
+    model_path: str,
+    cores: tuple[int, ...] | None,
+    gpu: bool,
+    resource: str | None = None,
+    model: ModelManifest | None = None,
 ) -> RayReplica:
     # ray.remote is typed as returning the class itself, not the ActorClass that has .options
     actor = ReplicaActor.options(  # type: ignore[attr-defined]
@@ -285,6 +317,7 @@ def create_replica(
         num_gpus=1 if gpu else 0,
         max_concurrency=10_000,
         max_restarts=-1,
+        resources={resource: REPLICA_RESOURCE_SHARE} if resource else None,
         runtime_env=replica_runtime_env(cfg),
-    ).remote(replica_id, cfg, model_path, cores)
+    ).remote(replica_id, cfg, model_path, cores, model)
     return RayReplica(replica_id, actor)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlora.cluster.errors import ClusterError
-from dlora.replica.errors import ReplicaFailure, RequestRejected
+from dlora.replica.errors import AdapterUnavailable, ReplicaFailure, RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,15 @@ def as_api_error(exc: BaseException, request_id: str) -> APIError:
         # for clients (they name no process, actor or file).
         log.warning("request %s: %s: %s", request_id, type(exc).__name__, exc)
         return APIError(exc.http_status, f"{exc} (request id {request_id})")
+    if isinstance(exc, AdapterUnavailable):
+        # Registered, but no serving replica's node could get its files (the log says why): not
+        # the client's doing, and another try may find a replica that can.
+        log.warning("request %s: %s", request_id, exc)
+        return APIError(
+            503,
+            f"adapter {exc.name!r} cannot be loaded on any serving replica now (request id {request_id}); "
+            "try again later",
+        )
     if isinstance(exc, ReplicaFailure):
         log.warning("request %s: its replica failed: %s", request_id, exc)
         return APIError(503, f"no replica is available to serve the request (request id {request_id}); try again later")

@@ -184,6 +184,15 @@ def test_engine_rejections_keep_their_message_and_param():
     assert as_api_error(same, "cmpl-1") is same
 
 
+def test_an_adapter_no_node_could_get_is_a_503_that_names_the_adapter_and_no_node_or_path():
+    from dlora.replica.errors import AdapterUnavailable
+
+    exc = AdapterUnavailable("pirate", "10.0.0.7", "fetch failed: /var/cache/dlora/node/ab12: No space left")
+    err = as_api_error(exc, "cmpl-9")
+    assert err.status == 503 and "'pirate'" in err.message and "cmpl-9" in err.message
+    assert "10.0.0.7" not in err.message and "/var/cache" not in err.message
+
+
 @pytest.mark.parametrize(
     "exc, status",
     [

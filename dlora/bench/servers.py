@@ -90,8 +90,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 4
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, which uvicorn (dlora's server and vLLM's) handles like Ctrl-C, then SIGKILL to the
+    process group after a minute. Why not SIGINT: a child inherits an ignored SIGINT (pytest-xdist's
+    workers ignore it), and then only the SIGKILL a minute later stops it."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:

@@ -185,7 +185,7 @@ class TwoNodes:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """`proc`'s process group (its own session: the `ray start` and every process it started)."""
+    """Kill `proc`'s process group (started with setsid: the `ray start` and every process it started)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

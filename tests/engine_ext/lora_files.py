@@ -9,6 +9,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dlora.models.projections import MLP, QKVO
+
+# The submodule of a Llama decoder layer that holds each projection (its checkpoint name's middle part).
+PARENT = {**dict.fromkeys(QKVO, "self_attn"), **dict.fromkeys(MLP, "mlp")}
+
 
 def write_peft_adapter(
     d: Path,

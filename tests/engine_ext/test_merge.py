@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from dlora.engine_ext.adapter_factors import MergeError, lora_scale, read_adapter
 from dlora.engine_ext.checkpoint_tensors import CheckpointTensors, fused_module
 from dlora.engine_ext.merge import WeightMerger, merged_weight
-from tests.engine_ext.lora_files import write_peft_adapter
+from tests.engine_ext.lora_files import PARENT, write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 PROJ = "model.layers.{}.{}.{}.weight"
@@ -29,15 +29,6 @@ SHAPES = {
     "gate_proj": (24, 16),
     "up_proj": (24, 16),
     "down_proj": (16, 24),
-}
-PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
 }
 
 

@@ -22,7 +22,7 @@ from dlora.engine_ext.adapter_factors import MergeError, read_adapter
 from dlora.engine_ext.checkpoint_tensors import CheckpointTensors
 from dlora.engine_ext.live_weights import ParameterViews
 from dlora.engine_ext.merge import WeightMerger
-from tests.engine_ext.lora_files import write_peft_adapter
+from tests.engine_ext.lora_files import PARENT, write_peft_adapter
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HIDDEN = 32
@@ -34,15 +34,6 @@ SHAPES = {
     "gate_proj": (40, HIDDEN),
     "up_proj": (40, HIDDEN),
     "down_proj": (HIDDEN, 40),
-}
-PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
 }
 # Fused parameter -> its shards in row order (how QKVParallelLinear / MergedColumnParallelLinear stack them).
 FUSED = {

@@ -51,6 +51,19 @@ def base_model_workload(args):
     return generate_workload(spec)
 
 
+def workload_record(args) -> dict:
+    """What `base_model_workload` sends, as a result records it."""
+    return {
+        "num_prompts": args.num_prompts,
+        "num_adapters": 0,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": "inf",
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -105,15 +118,7 @@ def main() -> int:
         "vllm_command": shlex.join(vllm_cmd),
         "vllm_env": vllm_env,
         "dlora_config": dlora_cfg,
-        "workload": {
-            "num_prompts": args.num_prompts,
-            "num_adapters": 0,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "request_rate": "inf",
-            "ignore_eos": True,
-            "stream": True,
-        },
+        "workload": workload_record(args),
         "reps": args.reps,
         "runs": runs,
         "median": median,

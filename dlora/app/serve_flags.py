@@ -57,6 +57,7 @@ def add_vllm_flags(g) -> None:
     g.add_argument("--trust-request-chat-template", dest="server.trust_request_chat_template", action=flag)
     g.add_argument("--tool-call-parser", dest="server.tool_call_parser")
     g.add_argument("--enable-auto-tool-choice", dest="server.enable_auto_tool_choice", action=flag)
+    g.add_argument("--enable-prompt-tokens-details", dest="server.enable_prompt_tokens_details", action=flag)
     g.add_argument("--reasoning-parser", dest="server.reasoning_parser")
     g.add_argument(
         "--structured-outputs-config",

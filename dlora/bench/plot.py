@@ -127,25 +127,35 @@ def plot_timeline(result: dict[str, Any], path: str | Path, title: str | None = 
     return save_figure(fig, path)
 
 
-def plot_server_comparison(results: dict[str, Any], path: str | Path, title: str = "dlora vs vLLM server") -> Path:
-    """Medians as bars, every run as a dot, for each server of `results["median"]`."""
+SERVER_PANELS = (
+    ("output_throughput", "output tok/s (higher is better)"),
+    ("median_ttft_ms", "median TTFT ms"),
+    ("median_tpot_ms", "median TPOT ms"),
+)
+
+
+def plot_server_comparison(
+    results: dict[str, Any],
+    path: str | Path,
+    title: str = "dlora vs vLLM server",
+    panels: tuple[tuple[str, str], ...] = SERVER_PANELS,
+    subtitle: str | None = None,
+) -> Path:
+    """Medians as bars, every run as a dot, for each server of `results["median"]`: one panel per
+    (metric, label) of `panels`."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, key, label in zip(
-        axes,
-        ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
-        ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms"),
-    ):
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.2))
+    for ax, (key, label) in zip(axes, panels):
         names = list(results["median"])
         ax.bar(names, [results["median"][n][key] for n in names], color=["#4477aa", "#cc6677"])
         for n_i, n in enumerate(names):
             ax.scatter([n_i] * len(results["runs"][n]), [r[key] for r in results["runs"][n]], color="k", s=8)
         ax.set_title(label, fontsize=9)
-    fig.suptitle(
-        f"{title}: {results['workload']['num_prompts']} streamed requests over "
-        f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)",
-        fontsize=9,
+    subtitle = subtitle or (
+        f"{results['workload']['num_prompts']} streamed requests over "
+        f"{results['workload']['num_adapters']} adapters (medians of {results['reps']} alternating runs)"
     )
+    fig.suptitle(f"{title}: {subtitle}", fontsize=9)
     return save_figure(fig, path)
 
 

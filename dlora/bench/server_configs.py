@@ -81,13 +81,14 @@ def single_replica_config(
     }
 
 
-def shipped_server_config(port: int, state_dir: str) -> dict:
-    """configs/default.yaml as shipped, on another port and a throw-away state dir."""
-    cfg = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
+def shipped_server_config(port: int, state_dir: str, root: Path = REPO_ROOT) -> dict:
+    """configs/default.yaml as shipped (in the checkout at `root`: another commit's, for a
+    comparison of commits), on another port and a throw-away state dir."""
+    cfg = yaml.safe_load((root / "configs" / "default.yaml").read_text())
     cfg["server"]["port"] = port
     cfg["server"]["state_dir"] = state_dir
-    cfg["server"]["adapter_roots"] = [str(REPO_ROOT / "adapters")]
-    cfg["adapters"] = [{**a, "path": str((REPO_ROOT / "configs" / a["path"]).resolve())} for a in cfg["adapters"]]
+    cfg["server"]["adapter_roots"] = [str(root / "adapters")]
+    cfg["adapters"] = [{**a, "path": str((root / "configs" / a["path"]).resolve())} for a in cfg["adapters"]]
     return cfg
 
 

@@ -42,6 +42,7 @@ from dlora.cluster.estimators.replica_cost import (
     load_time,
     merge_disruption,
     pending_time,
+    prefill_saved,
     request_work,
     step_seconds,
 )
@@ -66,11 +67,15 @@ class NoEligibleReplica(ClusterError):
 
 
 def estimate(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
-    """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work, plus
-    the slowdown it causes a replica that has another adapter merged, plus its wait for a batch
-    slot where max_loras other adapters hold them all."""
+    """Pending seconds for `req` if sent to `view`: backlog + adapter load + its own work (less the
+    prefill its prompt's cached prefix there saves), plus the slowdown it causes a replica that has
+    another adapter merged, plus its wait for a batch slot where max_loras other adapters hold them all."""
     merged = req.adapter is not None and req.adapter == view.merged_adapter
-    own = load_time(params, view, req.adapter) + request_work(params, req, merged)
+    own = (
+        load_time(params, view, req.adapter)
+        + request_work(params, req, merged)
+        - prefill_saved(params, req, view.replica_id, merged)
+    )
     if view.totals is not None:
         return own + _from_totals(params, view, view.totals, req.adapter)
     return (
@@ -108,6 +113,9 @@ def _from_totals(p: CostParams, view: ReplicaView, totals: LoadTotals, adapter) 
 
 class DispatchPolicy(ABC):
     name: ClassVar[str]
+    # It compares replicas by priced work (`estimate`), where a cached prompt prefix saves prefill;
+    # False: a baseline blind to work and to prefix caches
+    prices_work: ClassVar[bool] = False
 
     @abstractmethod
     def choose(
@@ -158,6 +166,7 @@ class ProactiveDispatch(DispatchPolicy):
     `start_slack_s`, among those of them that would start the request soonest."""
 
     name = "proactive"
+    prices_work = True
 
     def __init__(self, kv_high: float = KV_HIGH, start_slack_s: float | None = None) -> None:
         self.kv_high = kv_high

@@ -148,9 +148,11 @@ def prefill_seconds(params: CostParams, tokens: float) -> float:
 
 def _new_prefill_tokens(view: ReplicaView, req: RequestLoad) -> tuple[list[RequestLoad], int]:
     """The requests not started yet (queued + the new one) and the tokens their prefill computes
-    (a moved request also re-prefills what it generated elsewhere)."""
+    (a moved request also re-prefills what it generated elsewhere; the new one skips the prefix
+    the replica's cache probably holds)."""
     pending = [r for r in _requests(view) if not r.running] + [req]
-    return pending, sum(r.context_tokens for r in pending)
+    cached = min(req.cached_on(view.replica_id), req.prompt_tokens)
+    return pending, sum(r.context_tokens for r in pending) - cached
 
 
 def decode_bound(replica: SloReplica, req: RequestLoad, slo_of: SloOf, gamma: float, theta: float) -> Check:

@@ -22,6 +22,7 @@ def router_config(cfg: DloraConfig) -> RouterConfig:
     return RouterConfig(
         dispatch=cfg.cluster.dispatch,
         dispatch_start_slack_s=cfg.cluster.dispatch_start_slack_s,
+        prefix_aware=cfg.cluster.prefix_aware_dispatch and cfg.engine.enable_prefix_caching,
         static_placement=cfg.cluster.placement == "static",
         adapter_slots=cfg.engine.max_cpu_loras,
         host_cache_bytes=None if cfg.engine.max_cpu_lora_mib is None else int(cfg.engine.max_cpu_lora_mib * MIB),

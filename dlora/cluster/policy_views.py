@@ -38,6 +38,13 @@ class RequestLoad:
     arrival: float = 0.0
     adapter_bytes: int = 0  # its adapter's weights: what a replica without it must find room for
     max_tokens: int | None = None  # its output cap (None: not known to whoever made this view)
+    # Set on a request being dispatched: (replica id, prompt tokens that replica's prefix cache
+    # probably holds for it), for the replicas where any (cluster/prefix_locality.py)
+    cached_prefix: tuple[tuple[int, int], ...] = ()
+
+    def cached_on(self, replica_id: int) -> int:
+        """Prompt tokens `replica_id` would probably not have to prefill (its prefix cache)."""
+        return next((tokens for rid, tokens in self.cached_prefix if rid == replica_id), 0)
 
     @property
     def context_tokens(self) -> int:

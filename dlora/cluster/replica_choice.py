@@ -4,16 +4,28 @@ In order: a replica named for it (a move's target, or a batch plan's `preferred_
 it serves; under static placement its adapter's home; else the configured dispatch: Aladdin's
 SLO-aware modes (`slo_feasible`, `best_fit`: dlora/cluster/feasible_dispatch.py), which check every
 request in flight, or a policy of dlora/cluster/dispatch.py over the replicas' sums, the
-proactive one standing in where no policy of that registry is named.
+proactive one standing in where no policy of that registry is named. The modes that price work
+(proactive and the SLO-aware ones) are told, per replica, how much of the prompt its prefix cache
+probably holds (`prefix_locality.py`), recorded here as each leg is assigned and as it finishes.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
 
 from dlora.cluster import feasible_dispatch
 from dlora.cluster.adapter_residency import AdapterResidency
 from dlora.cluster.dispatch import make_dispatch_policy
 from dlora.cluster.estimators.replica_cost import CostParams
-from dlora.cluster.policy_views import ReplicaView
+from dlora.cluster.policy_views import ReplicaView, RequestLoad
+from dlora.cluster.prefix_locality import (
+    DEFAULT_BLOCK_TOKENS,
+    PrefixLocality,
+    PromptBlocks,
+    prompt_blocks,
+    weight_state,
+)
 from dlora.cluster.replica_pool import ReplicaPool
 from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.cluster.replica_views import ReplicaViews
@@ -47,6 +59,8 @@ class ReplicaChooser:
         self.dispatcher = make_dispatch_policy(
             "proactive" if self.slo_dispatch else cfg.dispatch, cfg.dispatch_start_slack_s
         )
+        self.prefixes = PrefixLocality()
+        self.prefix_aware = cfg.prefix_aware and (self.slo_dispatch is not None or self.dispatcher.prices_work)
 
     async def choose(self, state: RequestState) -> ReplicaSlot:
         """The replica for the request's next leg, counted on it at once (`assign`)."""
@@ -85,8 +99,63 @@ class ReplicaChooser:
         return AdapterUnavailable(adapter.name, "any serving replica's", "none of their nodes could get its files")
 
     def dispatched(self, state: RequestState, views: list[ReplicaView]) -> int:
-        """The replica the dispatch policy picks for the request among `views`."""
-        return self.dispatcher.choose(views, state.load(self.table.lengths), self.tally.cost_params()).replica_id
+        """The replica the dispatch policy picks for the request among `views`; counted as decided
+        by locality where, blind to the prefix caches, it would have picked another."""
+        load, params = state.load(self.table.lengths), self.tally.cost_params()
+        aware = self._with_cached_prefix(state, load, (self.pool.slot(v.replica_id) for v in views))
+        pick = self.dispatcher.choose(views, aware, params).replica_id
+        if aware.cached_prefix and self.dispatcher.choose(views, load, params).replica_id != pick:
+            self.tally.counters["locality_dispatches"] += 1
+        return pick
+
+    # ---- prefix locality ---------------------------------------------------------------------
+    def _with_cached_prefix(self, state: RequestState, load: RequestLoad, slots: Iterable[ReplicaSlot]) -> RequestLoad:
+        """`load` with the prompt tokens each of `slots` probably has cached for it (none when
+        dispatch is blind to prefix caches)."""
+        if not self.prefix_aware:
+            return load
+        blocks = self._blocks(state)
+        cached = tuple(
+            (s.replica_id, n)
+            for s in slots
+            if (n := self.prefixes.cached_tokens(s.replica_id, blocks, weight_state(_merged(s)))) > 0
+        )
+        return dataclasses.replace(load, cached_prefix=cached) if cached else load
+
+    def _blocks(self, state: RequestState, tokens: Sequence[int] | None = None) -> PromptBlocks:
+        """The request's prompt (or `tokens`: its context so far) as prefix-cache blocks, under its
+        adapter's version; the prompt's are computed once per request."""
+        if tokens is None and state.prompt_blocks is not None:
+            return state.prompt_blocks
+        adapter = state.request.adapter
+        blocks = prompt_blocks(
+            state.request.prompt_token_ids if tokens is None else tokens,
+            None if adapter is None else adapter.name,
+            "" if adapter is None else adapter.digest,
+            self._block_tokens(),
+        )
+        if tokens is None:
+            state.prompt_blocks = blocks
+        return blocks
+
+    def _block_tokens(self) -> int:
+        """The engines' KV block size, as the first replica to report one reports it."""
+        for s in self.pool.slots:
+            batching = s.last_stats.batching if s.last_stats else None
+            if batching is not None and batching.kv_block_tokens:
+                return batching.kv_block_tokens
+        return DEFAULT_BLOCK_TOKENS
+
+    def record_context(self, state: RequestState, slot: ReplicaSlot, tokens: Sequence[int] | None = None) -> None:
+        """The replica computed (or reused) the request's prompt, or `tokens` (prompt and output
+        once it finished): its prefix cache probably holds them now."""
+        if not self.prefix_aware:
+            return
+        batching = slot.last_stats.batching if slot.last_stats else None
+        capacity = (
+            batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens else self.cfg.kv_capacity_tokens
+        )
+        self.prefixes.record(slot.replica_id, self._blocks(state, tokens), weight_state(_merged(slot)), capacity)
 
     def drain_target(self, state: RequestState) -> int | None:
         """Where a drained replica's request goes: dispatch's choice among the serving replicas."""
@@ -114,13 +183,21 @@ class ReplicaChooser:
             for s in self.pool.slots
             if s.serving and self.may_serve(state, s)
         ]
-        load = state.load(lengths)
-        assert self.slo_dispatch is not None  # called only in an SLO dispatch mode
-        decision = feasible_dispatch.choose(
-            replicas, load, lambda r: self.tally.slo.slo_of(r.adapter, r.prompt_tokens), now, self.slo_dispatch
-        )
+        blind = state.load(lengths)
+        load = self._with_cached_prefix(state, blind, (self.pool.slot(r.view.replica_id) for r in replicas))
+        mode = self.slo_dispatch
+        assert mode is not None  # called only in an SLO dispatch mode
+
+        def decide(load: RequestLoad) -> feasible_dispatch.SloDispatchDecision:
+            return feasible_dispatch.choose(
+                replicas, load, lambda r: self.tally.slo.slo_of(r.adapter, r.prompt_tokens), now, mode
+            )
+
+        decision = decide(load)
         if not decision.feasible:
             self.tally.counters["slo_infeasible_dispatches"] += 1
+        if load.cached_prefix and decide(blind).replica_id != decision.replica_id:
+            self.tally.counters["locality_dispatches"] += 1
         return self.pool.slot(decision.replica_id)
 
     def assign(self, state: RequestState, slot: ReplicaSlot) -> ReplicaSlot:
@@ -130,4 +207,13 @@ class ReplicaChooser:
         of them went to the same replica (56 of 64 base-model requests, on two replicas)."""
         state.slot, state.queued_since = slot, self.clock()
         self.table.recount(state)
+        self.record_context(
+            state, slot, None if not state.generated else (*state.request.prompt_token_ids, *state.generated)
+        )
         return slot
+
+
+def _merged(slot: ReplicaSlot) -> str | None:
+    """The adapter merged into the replica's weights at its last stats read."""
+    batching = slot.last_stats.batching if slot.last_stats else None
+    return batching.merged_adapter if batching else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from dlora.cluster.estimators.output_lengths import OutputLengthEstimator
 from dlora.cluster.interruptible import InterruptibleStream
 from dlora.cluster.policy_views import RequestLoad
+from dlora.cluster.prefix_locality import PromptBlocks
 from dlora.cluster.replica_slot import ReplicaSlot
 from dlora.replica.messages import GenerateRequest
 
@@ -34,6 +35,7 @@ class RequestState:
     leg: InterruptibleStream | None = None  # the current replica stream, once open
     counted: RequestLoad | None = None  # what it adds to `counted_on`'s LoadTotals now
     counted_on: int | None = None
+    prompt_blocks: PromptBlocks | None = None  # its prompt as prefix-cache blocks (prefix_locality.py)
 
     @property
     def adapter(self) -> str | None:

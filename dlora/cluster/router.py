@@ -115,7 +115,7 @@ class Router:
         self.deadlines = Deadlines(cfg.request_timeout_s)
         self.legs = LegRunner(self.residency, self.table, self.tally, self.queue_times, self.deadlines, clock)
         self.pool.prepare = self.residency.load_pinned
-        self.pool.on_failed = self.table.interrupt
+        self.pool.on_failed = self._replica_failed
         # The pieces' state under the names the server reads (the same objects, never rebound).
         self.slots = self.pool.slots
         self.requests = self.table.requests
@@ -124,6 +124,7 @@ class Router:
         self.counters = self.tally.counters
         self.output_lengths = self.tally.output_lengths
         self.slo = self.tally.slo
+        self.prefix_cache = self.tally.prefix_cache
         self.superseded = self.residency.superseded
         self.reported = self.stats.reported
 
@@ -285,9 +286,15 @@ class Router:
         await asyncio.gather(slot.replica.shutdown(), return_exceptions=True)
         return DrainResult(replica_id, moved, self.clock() - started, forced)
 
+    def _replica_failed(self, slot: ReplicaSlot) -> None:
+        """Its open streams end at once, and its prefix cache is gone with its engine."""
+        self.table.interrupt(slot)
+        self.chooser.prefixes.forget(slot.replica_id)
+
     def _forget_slot(self, slot: ReplicaSlot) -> None:
         self.pool.remove(slot)
         rid = slot.replica_id
+        self.chooser.prefixes.forget(rid)
         self.tally.cost_models.pop(rid, None)
         self.table.untrack(rid)
         self.stats.reported.pop(rid, None)
@@ -318,8 +325,11 @@ class Router:
                     async for delta in leg:
                         if delta.token_ids and state.first_token_at is None:
                             state.first_token_at = self.clock()
+                        if delta.cached_tokens is not None:
+                            self.tally.prefix_cache_read(slot.replica_id, state, current, delta.cached_tokens)
                         if delta.finished:  # before the yield: the client may close the stream on it
                             self.tally.finished(state, delta)
+                            self.chooser.record_context(state, slot, (*req.prompt_token_ids, *state.generated))
                         yield delta
                         if delta.finished:
                             return

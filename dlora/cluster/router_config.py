@@ -16,6 +16,9 @@ class RouterConfig:
     # proactive dispatch compares by pending time only the replicas that would start a request
     # within this many seconds of the soonest (cluster.dispatch_start_slack_s); None: all of them
     dispatch_start_slack_s: float | None = None
+    # the dispatch modes that price work count the prefill a replica's prefix cache saves
+    # (cluster.prefix_aware_dispatch and engine.enable_prefix_caching)
+    prefix_aware: bool = False
     # static: each adapter lives on one replica (id mod N) and only goes there — the baseline
     # placement dLoRA compares against; dynamic: any replica, adapters loaded where needed.
     static_placement: bool = False

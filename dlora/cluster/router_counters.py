@@ -12,7 +12,7 @@ from dlora.cluster.estimators.replica_cost import CostParams, ReplicaCostModel
 from dlora.cluster.policy_views import IterationSample
 from dlora.cluster.request_state import RequestState
 from dlora.cluster.router_config import RouterConfig
-from dlora.replica.messages import Delta
+from dlora.replica.messages import Delta, GenerateRequest
 from dlora.slo.accounting import SloAccounting
 from dlora.slo.isolated import mean_params
 
@@ -39,6 +39,15 @@ class RouterCounters:
         # Per-adapter SLO attainment and normalized latency of finished requests (for /metrics); the
         # adapter life cycle sets each adapter's own SLO and drops an unregistered one.
         self.slo = SloAccounting(cfg.slo, self.isolated_basis())
+        # (replica id, adapter or "" for the base model) -> [prompt tokens sent, of them found in the
+        # replica's prefix cache], per leg as the engine reports it (/metrics)
+        self.prefix_cache: dict[tuple[int, str], list[int]] = {}
+
+    def prefix_cache_read(self, replica_id: int, state: RequestState, leg: GenerateRequest, cached_tokens: int) -> None:
+        """A leg's first output: how much of its prompt the replica found in its prefix cache."""
+        tokens = self.prefix_cache.setdefault((replica_id, state.adapter or ""), [0, 0])
+        tokens[0] += len(leg.prompt_token_ids)
+        tokens[1] += cached_tokens
 
     def arrived(self, state: RequestState) -> None:
         self.arrivals.append((state.arrival, state.adapter))

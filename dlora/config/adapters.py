@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from dlora.config.checks import ConfigError, check_kinds
 from dlora.slo.config import AdapterSlo, parse_adapter_slo
+
+# What an adapter's name may hold, wherever it is given (config, the load route, a resolver): never
+# "@", which separates the name from the version in the name an engine knows an adapter by
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9._:/-]+$"
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,8 @@ class AdapterSpec:
 
     def __post_init__(self) -> None:
         check_kinds(self, "adapters")
+        if not re.fullmatch(ADAPTER_NAME_PATTERN, self.name):
+            raise ConfigError(f"adapters: name {self.name!r} may hold only letters, digits and . _ : / -")
         try:
             # YAML gives a mapping; parse_adapter_slo checks it and names the bad key (slo.<key>).
             object.__setattr__(self, "slo", parse_adapter_slo(self.slo))

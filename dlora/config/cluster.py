@@ -35,6 +35,11 @@ class ClusterConfig:
     # the soonest one (a free running slot and KV room, the end of their engine step under way, its
     # adapter's load) are compared by pending time. null: pending time alone (dLoRA's dispatch).
     dispatch_start_slack_s: float | None = 0.05
+    # proactive, slo_feasible and best_fit: price the prefill a replica's prefix cache would save
+    # (the router's record of what it sent where, cluster/prefix_locality.py), so a conversation's
+    # next turn goes back to the replica holding its history while that replica keeps up. Needs
+    # engine.enable_prefix_caching; least_loaded and round_robin stay blind to it.
+    prefix_aware_dispatch: bool = True
     # dynamic: adapters are loaded wherever dispatch sends their requests; static: each adapter
     # lives on one replica (registry id mod N) and its requests only go there (a baseline).
     placement: str = "dynamic"

@@ -59,6 +59,9 @@ class ServerConfig:
     # Let the model decide when to call a tool (`tool_choice: auto`; --enable-auto-tool-choice). As in
     # vLLM it needs tool_call_parser, which reads the calls out of the model's text.
     enable_auto_tool_choice: bool = False
+    # usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens the replica found in
+    # its prefix cache (--enable-prompt-tokens-details)
+    enable_prompt_tokens_details: bool = False
     # vLLM's parser that separates a reasoning model's thinking into `reasoning_content` (--reasoning-parser).
     reasoning_parser: str | None = None
     # Seconds one request's chat-template rendering + tokenisation may take (off the event loop).

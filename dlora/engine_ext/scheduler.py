@@ -189,6 +189,7 @@ class DloraScheduler(Scheduler):
             since,
             kv_usage=self.kv_cache_manager.usage,
             kv_capacity_tokens=num_blocks * self.block_size,
+            kv_block_tokens=self.block_size,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             # Preempted (KV ran out) and back in the waiting queue: they re-prefill when resumed,

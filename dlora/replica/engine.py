@@ -32,6 +32,7 @@ from dlora.replica.messages import (
     GenerateRequest,
     SamplingSpec,
     TokenLogprob,
+    by_adapter_name,
     from_wire,
 )
 from dlora.replica.node_cache import NodeAdapterCache
@@ -245,6 +246,7 @@ class EngineHost:
         )
         ended = self._streams[req.request_id] = asyncio.Event()
         prompt_k = req.sampling.prompt_logprobs
+        first = True
         try:
             async for out in stream:
                 c = out.outputs[0]
@@ -261,7 +263,9 @@ class EngineHost:
                     finished=out.finished,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    cached_tokens=(out.num_cached_tokens or 0) if first else None,
                 )
+                first = False
         finally:
             ended.set()
             if self._streams.get(req.request_id) is ended:
@@ -357,7 +361,7 @@ class EngineHost:
         randomized = not envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
         waits = tuple((external_request_id(rid, randomized), s) for rid, s in state.queue_waits)
         preempted = tuple(external_request_id(rid, randomized) for rid in state.preempted)
-        return dataclasses.replace(state, queue_waits=waits, preempted=preempted)
+        return by_adapter_name(dataclasses.replace(state, queue_waits=waits, preempted=preempted))
 
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests() if self.engine else 0

@@ -6,10 +6,16 @@ be resubmitted to another replica as `prompt + generated` after a migration or a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from dlora.replica.adapter_source import AdapterSource
+
+# Between an adapter's name and its version in the name an engine knows it by; 16 hex digits of
+# the sha256 (64 bits) keep versions of one adapter apart well beyond any count an operator makes
+VERSION_MARK = "@"
+ENGINE_DIGEST_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -28,10 +34,20 @@ class AdapterRef:
 
     @property
     def engine_name(self) -> str:
-        """The name the engine knows this version by. The engine's batching policy tells adapters
-        apart by name (credits, the merged adapter), so two versions alive at once (the old one
-        finishing its requests) must not share one."""
-        return self.name if self.version == 1 else f"{self.name}@v{self.version}"
+        """The name the engine knows this version by: the adapter's name and its content digest.
+        The engine's batching policy tells adapters apart by name (credits, the merged adapter), and
+        vLLM keys prefix-cache blocks by it, so two versions alive at once (the old one finishing its
+        requests) must not share one, while the same bytes registered again are the same adapter.
+        A version never snapshotted (no digest) is told apart by its number."""
+        if self.digest:
+            return f"{self.name}{VERSION_MARK}{self.digest[:ENGINE_DIGEST_CHARS]}"
+        return self.name if self.version == 1 else f"{self.name}{VERSION_MARK}v{self.version}"
+
+
+def adapter_of_engine_name(engine_name: str) -> str:
+    """The adapter an engine name (`AdapterRef.engine_name`) is a version of; adapter names never
+    hold the mark (`dlora.config.adapters.ADAPTER_NAME_PATTERN`)."""
+    return engine_name.partition(VERSION_MARK)[0]
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,9 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
+    # On a request's first delta: prompt tokens its replica found in the prefix cache (vLLM's
+    # num_cached_tokens); None on later deltas
+    cached_tokens: int | None = None
 
 
 # Upper bounds (seconds) of the merge/unmerge time histogram; the engine counts, /metrics renders.
@@ -146,6 +165,7 @@ class BatchingState:
     switch_cost: float | None = None  # the policy's current estimate t_M, seconds
     kv_usage: float | None = None  # fraction of KV blocks in use
     kv_capacity_tokens: int | None = None  # tokens the engine's KV blocks hold (blocks x block size)
+    kv_block_tokens: int | None = None  # tokens per KV block: the prefix cache's unit
     num_running: int = 0  # requests the engine scheduler holds as running / waiting
     num_waiting: int = 0
     # Steps measured after the sample number the reader asked from (`samples_seq` of its previous
@@ -200,3 +220,16 @@ class ReplicaStats:
     # ... and those of them active in its LoRA device slots (at most engine.max_loras), which the
     # next step can run without copying weights in.
     device_adapter_ids: list[int] = field(default_factory=list)
+
+
+def by_adapter_name(state: BatchingState) -> BatchingState:
+    """`state` with its adapters named as the router and /metrics name them: each engine name
+    (name and version) becomes the adapter's name. Two versions alive at once (the old one
+    finishing its requests) report the larger credit and starve if either does."""
+    credits: dict[str, float] = {}
+    for engine_name, c in state.credits.items():
+        name = adapter_of_engine_name(engine_name)
+        credits[name] = max(c, credits.get(name, c))
+    merged = None if state.merged_adapter is None else adapter_of_engine_name(state.merged_adapter)
+    starving = tuple(sorted({adapter_of_engine_name(a) for a in state.starving}))
+    return dataclasses.replace(state, merged_adapter=merged, credits=credits, starving=starving)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dlora.replica.messages import SWITCH_SECONDS_BUCKETS, WEIGHT_STATES, BatchingState
+from dlora.server.prefix_metrics import PrefixCacheCollector
 from dlora.slo.attainment import AdapterCounts, AdapterName
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -177,6 +178,8 @@ class Metrics:
         # Per-adapter SLO attainment: the router's accounting, refreshed on each scrape.
         self.slo = SloCollector()
         r.register(self.slo)
+        self.prefix = PrefixCacheCollector()
+        r.register(self.prefix)
 
     def track(self, adapter: str, prompt_tokens: int) -> RequestTracker:
         self.prompt_tokens.labels(adapter).inc(prompt_tokens)
@@ -238,6 +241,7 @@ class Metrics:
             self.cluster.restarts[rid] = slot.restarts
         self.cluster.counters = dict(router.counters)
         self.slo.update(router.slo.counts())
+        self.prefix.update(router.prefix_cache, router.counters.get("locality_dispatches", 0))
 
     def _drop_removed(self, current: set[str]) -> None:
         for rid in self._replica_labels - current:

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dlora.config.adapters import ADAPTER_NAME_PATTERN
+
 # vLLM's bounds on `seed` and `priority`: the engine carries them as signed 64-bit integers.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -20,7 +22,7 @@ class OpenAIModel(BaseModel):
 
 
 class LoadAdapterRequest(OpenAIModel):
-    lora_name: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/-]+$")]
+    lora_name: Annotated[str, Field(min_length=1, max_length=256, pattern=ADAPTER_NAME_PATTERN)]
     lora_path: Annotated[str, Field(min_length=1)]
     pinned: bool = False
     # vLLM's field: replace a registered adapter's weights; requests already running keep the old ones.

@@ -310,9 +310,17 @@ def build(state: ServerState) -> Frontend:
     models = DloraServingModels(
         client, state.model_path, state.base_model_name, state.adapters, show_paths=server.show_model_paths
     )
-    completion = DloraCompletion(client, models, online_renderer=online, request_logger=None)
+    details: dict[str, Any] = dict(enable_prompt_tokens_details=server.enable_prompt_tokens_details)
+    completion = DloraCompletion(client, models, online_renderer=online, request_logger=None, **details)
     chat = DloraChat(
-        client, models, RESPONSE_ROLE, online_renderer=online, request_logger=None, **chat_options, **parsers
+        client,
+        models,
+        RESPONSE_ROLE,
+        online_renderer=online,
+        request_logger=None,
+        **chat_options,
+        **parsers,
+        **details,
     )
     # What vLLM's server builds it from: chat's flags, less the request templates it has no field for.
     responses = DloraResponses(
@@ -323,6 +331,7 @@ def build(state: ServerState) -> Frontend:
         chat_template=chat_options["chat_template"],
         chat_template_content_format=CONTENT_FORMAT,
         **parsers,
+        **details,
     )
     tokenization = DloraTokenization(models, online, **chat_options)
     return Frontend(client, models, completion, chat, responses, tokenization)

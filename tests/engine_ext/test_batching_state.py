@@ -17,6 +17,7 @@ def state(measures: StepMeasures, since: int = 0, worker: WeightTracker | None =
         since,
         kv_usage=0.25,
         kv_capacity_tokens=4096,
+        kv_block_tokens=128,
         num_running=2,
         num_waiting=3,
         preempted=("r7",),

@@ -14,7 +14,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from dlora.engine_ext.samples import QueueWait, StepSample
-from dlora.replica.messages import BatchingState, SwitchTimes, from_wire
+from dlora.replica.messages import BatchingState, SwitchTimes, by_adapter_name, from_wire
 
 # Every field away from its default, so a field dropped on the way fails the comparison.
 STATE = BatchingState(
@@ -31,6 +31,7 @@ STATE = BatchingState(
     switch_cost=0.02,
     kv_usage=0.5,
     kv_capacity_tokens=4096,
+    kv_block_tokens=128,
     num_running=3,
     num_waiting=2,
     iterations=(StepSample(2, 6, 1, 0.05, False), StepSample(3, 0, 3, 0.04, True)),
@@ -96,3 +97,21 @@ def test_each_stats_read_asks_for_the_samples_after_the_previous_one():
     actor.host.seq = -1  # a failed read hands nothing on, so the next one asks from the same place
     assert asyncio.run(read(actor)) is None
     assert actor.host.asked == [0, 4, 9] and actor._samples_seen == 9
+
+
+def test_engine_names_become_adapter_names_on_the_host():
+    """The engine knows each version as name@digest; the router compares the merged adapter with a
+    request's adapter name, and /metrics labels by it, so the host reports adapter names."""
+    engine_side = dataclasses.replace(
+        STATE,
+        merged_adapter="a0@00112233aabbccdd",
+        credits={"": 1.5, "a0@00112233aabbccdd": 0.25, "a0@ffeeddccbbaa9988": 0.75, "a1": 0.5},
+        starving=("a1", "a2@0123456789abcdef"),
+    )
+    host = by_adapter_name(engine_side)
+    assert host.merged_adapter == "a0"
+    assert host.credits == {"": 1.5, "a0": 0.75, "a1": 0.5}  # two versions alive: the larger credit
+    assert host.starving == ("a1", "a2")
+    assert dataclasses.replace(host, merged_adapter=None, credits={}, starving=()) == dataclasses.replace(
+        engine_side, merged_adapter=None, credits={}, starving=()
+    )

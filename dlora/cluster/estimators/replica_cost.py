@@ -56,6 +56,15 @@ def request_work(p: CostParams, req: RequestLoad, merged: bool = False) -> float
     return work * p.merged_ratio if merged else work
 
 
+def prefill_saved(p: CostParams, req: RequestLoad, replica_id: int, merged: bool = False) -> float:
+    """Seconds of `request_work` that `replica_id` would skip: the prompt tokens its prefix cache
+    probably holds for `req` (`RequestLoad.cached_prefix`), which vLLM does not compute again."""
+    if req.running:
+        return 0.0
+    saved = min(req.cached_on(replica_id), req.prompt_tokens) * p.per_prefill_token_s
+    return saved * p.merged_ratio if merged else saved
+
+
 def recompute_s(p: CostParams, req: RequestLoad) -> float:
     """Extra seconds a migration costs the target: a running request's KV is rebuilt by prefill."""
     return req.context_tokens * p.per_prefill_token_s if req.running else 0.0

@@ -1,0 +1,195 @@
+"""dlora as configs/default.yaml runs it vs vLLM's own OpenAI server with LoRA and without LoRA.
+
+Each server runs as a user would start it on this machine: dlora with configs/default.yaml (two
+single-core replicas, its dtype and engine sizes) serving 4 random rank-8 q/k/v/o adapters; vLLM's
+server on the same model, dtype and engine sizes, one engine over the machine's cores, once with
+`--enable-lora` and the same adapters, and once with LoRA off, which gets every request on the base
+model: the speed any LoRA server on this engine could reach. All three stay up; each workload
+(`uniform`: the requests round-robin over the adapters; `skewed`: about 90% to one adapter) goes to
+each in turn, `--reps` times, rotating the order. Writes bench/vs_vllm_server/headline.json (+ .png).
+
+    .venv/bin/python -m bench.vs_vllm_server.headline            # 64 streams x 64 tokens, 3 reps
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dlora import env
+from dlora.bench.plot import pyplot, save_figure
+from dlora.bench.provenance import provenance
+from dlora.bench.results import write_result
+from dlora.bench.server_comparison import METRICS, run_once
+from dlora.bench.server_configs import (
+    adapter_entries,
+    shipped_engine_settings,
+    shipped_server_config,
+    vllm_server_command,
+)
+from dlora.bench.servers import make_random_adapters, serving, start, start_dlora
+from dlora.bench.stats import medians
+from dlora.bench.workload import Request, WorkloadSpec, generate_workload
+from dlora.models.smollm2 import prepare_smollm2
+
+HERE = Path(__file__).resolve().parent
+PORTS = {"dlora": 8331, "vllm-lora": 8332, "vllm-base": 8333}
+NUM_ADAPTERS, RANK = 4, 8
+# `skewed`: adapter a gets alpha times the requests of adapter a + 1, so with 4 adapters and alpha 10
+# the first gets 1 / (1 + 0.1 + 0.01 + 0.001) = 90% of them
+POPULARITY = {"uniform": ("distinct", None), "skewed": ("skewed", 10.0)}
+
+
+def workload(name: str, args) -> list[Request]:
+    distribution, alpha = POPULARITY[name]
+    spec = WorkloadSpec(
+        num_prompts=args.num_prompts,
+        adapters=tuple(f"a{i}" for i in range(NUM_ADAPTERS)),
+        distribution=distribution,
+        alpha=alpha,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        request_rate=float("inf"),
+        max_model_len=2048,
+        seed=0,
+    )
+    return generate_workload(spec)
+
+
+def on_base_model(requests: Sequence[Request]) -> list[Request]:
+    """The same requests on the base model: what vLLM's server without LoRA serves."""
+    return [dataclasses.replace(r, adapter=None) for r in requests]
+
+
+def rotated(names: list[str], rep: int) -> list[str]:
+    """Every server first, middle and last equally often over reps."""
+    k = rep % len(names)
+    return names[k:] + names[:k]
+
+
+def run_reps(urls: dict[str, str], requests: list[Request], reps: int, label: str) -> dict[str, list[dict]]:
+    """`reps` runs of `requests` on each server, rotating the order; the base server gets them on
+    the base model."""
+    sent = {n: on_base_model(requests) if n == "vllm-base" else requests for n in urls}
+    runs: dict[str, list[dict]] = {n: [] for n in urls}
+    for rep in range(reps):
+        for name in rotated(list(urls), rep):
+            m = run_once(urls[name], sent[name])
+            m["loadavg_1m"] = os.getloadavg()[0]
+            runs[name].append(m)
+            print(
+                f"[{label}] rep {rep} {name:9s}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
+                f"{m['median_ttft_ms']:.0f} ms, TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
+                flush=True,
+            )
+    return runs
+
+
+def summarize(median: dict[str, dict]) -> dict:
+    tp = {n: m["output_throughput"] for n, m in median.items()}
+    return {
+        "dlora_over_vllm_lora": tp["dlora"] / tp["vllm-lora"],
+        "dlora_over_vllm_base": tp["dlora"] / tp["vllm-base"],
+        "vllm_lora_over_vllm_base": tp["vllm-lora"] / tp["vllm-base"],
+        "ttft_p50_vllm_lora_over_dlora": median["vllm-lora"]["median_ttft_ms"] / median["dlora"]["median_ttft_ms"],
+        "tpot_p50_vllm_lora_over_dlora": median["vllm-lora"]["median_tpot_ms"] / median["dlora"]["median_tpot_ms"],
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    names, colors = list(PORTS), ("#4477aa", "#cc6677", "#999999")
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+    titles = ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms")
+    for ax, key, title in zip(axes, keys, titles):
+        for w_i, w in enumerate(result["workloads"].values()):
+            for n_i, name in enumerate(names):
+                x = w_i * (len(names) + 1) + n_i
+                ax.bar(x, w["median"][name][key], color=colors[n_i], label=name if w_i == 0 else None)
+                ax.scatter([x] * len(w["runs"][name]), [r[key] for r in w["runs"][name]], color="k", s=8)
+        ax.set_xticks([w_i * (len(names) + 1) + 1 for w_i in range(len(result["workloads"]))])
+        ax.set_xticklabels(list(result["workloads"]))
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"dlora (configs/default.yaml) vs vLLM's server with and without LoRA: {result['workload']['num_prompts']} "
+        f"streams x {result['workload']['output_len']} tokens, 4 rank-8 adapters (medians of {result['reps']} runs)",
+        fontsize=9,
+    )
+    save_figure(fig, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workloads", nargs="+", default=list(POPULARITY), choices=list(POPULARITY))
+    ap.add_argument("--out", default=str(HERE / "headline.json"))
+    args = ap.parse_args()
+
+    base = prepare_smollm2()
+    adapters = make_random_adapters(base, env.cache_dir() / "bench-adapters" / "smollm2", NUM_ADAPTERS, RANK)
+    work = Path(env.cache_dir()) / "bench-headline"
+    work.mkdir(parents=True, exist_ok=True)
+    settings = shipped_engine_settings()
+    dlora_cfg = shipped_server_config(PORTS["dlora"], str(work / "state"))
+    dlora_cfg["adapters"] = adapter_entries(adapters)
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": str(int(settings.kv_cache_space_gib))}
+    vllm_cmds = {
+        "vllm-lora": vllm_server_command(base, adapters, PORTS["vllm-lora"], settings),
+        "vllm-base": vllm_server_command(base, [], PORTS["vllm-base"], settings),
+    }
+    procs = {"dlora": start_dlora(dlora_cfg, work, "dlora")}
+    procs |= {n: start(cmd, work / f"{n}.log", vllm_env) for n, cmd in vllm_cmds.items()}
+    urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in PORTS}
+    results: dict[str, dict] = {}
+    with serving(procs, urls, work):
+        warm = workload("uniform", args)[: NUM_ADAPTERS * 2]
+        for name, url in urls.items():  # oneDNN's first-shape builds and adapter loads
+            run_once(url, on_base_model(warm) if name == "vllm-base" else warm)
+        for wname in args.workloads:
+            requests = workload(wname, args)
+            runs = run_reps(urls, requests, args.reps, wname)
+            median = medians(runs, METRICS)
+            share = max(sum(r.adapter == a for r in requests) for a in {r.adapter for r in requests}) / len(requests)
+            results[wname] = {"top_adapter_share": share, "runs": runs, "median": median, "summary": summarize(median)}
+
+    result = {
+        **provenance("bench.vs_vllm_server.headline"),
+        "question": "dlora as configs/default.yaml runs it vs vLLM's server with LoRA, and without LoRA as the limit",
+        "vllm_commands": {n: shlex.join(cmd) for n, cmd in vllm_cmds.items()},
+        "vllm_env": vllm_env,
+        "dlora_config": dlora_cfg,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "num_adapters": NUM_ADAPTERS,
+            "rank": RANK,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": "inf",
+            "ignore_eos": True,
+            "stream": True,
+            "popularity": {
+                w: POPULARITY[w][0] + (f" alpha {POPULARITY[w][1]:g}" if POPULARITY[w][1] else "")
+                for w in args.workloads
+            },
+            "vllm_base_requests": "the same prompts on the base model",
+        },
+        "reps": args.reps,
+        "workloads": results,
+    }
+    write_result(result, args.out, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

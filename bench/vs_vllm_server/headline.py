@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlora import env
-from dlora.bench.plot import pyplot, save_figure
+from dlora.bench.plot import plot_grouped_servers
 from dlora.bench.provenance import provenance
 from dlora.bench.results import write_result
-from dlora.bench.server_comparison import METRICS, run_once
+from dlora.bench.server_comparison import METRICS, rotated, run_once
 from dlora.bench.server_configs import (
     adapter_entries,
     shipped_engine_settings,
@@ -66,12 +66,6 @@ def on_base_model(requests: Sequence[Request]) -> list[Request]:
     return [dataclasses.replace(r, adapter=None) for r in requests]
 
 
-def rotated(names: list[str], rep: int) -> list[str]:
-    """Every server first, middle and last equally often over reps."""
-    k = rep % len(names)
-    return names[k:] + names[:k]
-
-
 def run_reps(urls: dict[str, str], requests: list[Request], reps: int, label: str) -> dict[str, list[dict]]:
     """`reps` runs of `requests` on each server, rotating the order; the base server gets them on
     the base model."""
@@ -102,27 +96,18 @@ def summarize(median: dict[str, dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
-    names, colors = list(PORTS), ("#4477aa", "#cc6677", "#999999")
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    keys = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
-    titles = ("output tok/s (higher is better)", "median TTFT ms", "median TPOT ms")
-    for ax, key, title in zip(axes, keys, titles):
-        for w_i, w in enumerate(result["workloads"].values()):
-            for n_i, name in enumerate(names):
-                x = w_i * (len(names) + 1) + n_i
-                ax.bar(x, w["median"][name][key], color=colors[n_i], label=name if w_i == 0 else None)
-                ax.scatter([x] * len(w["runs"][name]), [r[key] for r in w["runs"][name]], color="k", s=8)
-        ax.set_xticks([w_i * (len(names) + 1) + 1 for w_i in range(len(result["workloads"]))])
-        ax.set_xticklabels(list(result["workloads"]))
-        ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(
+    plot_grouped_servers(
+        result["workloads"],
+        path,
+        list(PORTS),
+        (
+            ("output_throughput", "output tok/s (higher is better)"),
+            ("median_ttft_ms", "median TTFT ms"),
+            ("median_tpot_ms", "median TPOT ms"),
+        ),
         f"dlora (configs/default.yaml) vs vLLM's server with and without LoRA: {result['workload']['num_prompts']} "
         f"streams x {result['workload']['output_len']} tokens, 4 rank-8 adapters (medians of {result['reps']} runs)",
-        fontsize=9,
     )
-    save_figure(fig, path)
 
 
 def main() -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from dlora.bench.provenance import git_commit
+from dlora.bench.server_comparison import rotated
 from dlora.bench.server_configs import shipped_server_config
 from dlora.bench.servers import stop, wait_healthy
 from dlora.bench.shipped import REPO_ROOT
@@ -63,13 +64,13 @@ def fresh_server_runs(
     warm: Callable[[str], object] | None = None,
     sources: Mapping[str, Path] | None = None,
 ) -> dict[str, list[dict]]:
-    """`reps` runs per server, each on a server started for it (the order alternating per rep):
+    """`reps` runs per server, each on a server started for it (the order rotating per rep):
     start, wait until healthy (its `startup_s` recorded), `warm`, `measure`, stop. With `sources`,
     a server that imported dlora from elsewhere than its tree fails the run."""
     names = list(launchers)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
+        for name in rotated(names, rep):
             t0 = time.monotonic()
             proc = launchers[name]()
             log = work / f"{name}.log"

@@ -176,3 +176,31 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 110, tight: bool = True) 
 
     plt.close(fig)
     return path
+
+
+def plot_grouped_servers(
+    workloads: dict[str, Any],
+    path: str | Path,
+    servers: Sequence[str],
+    panels: tuple[tuple[str, str], ...],
+    title: str,
+) -> Path:
+    """One group of bars per workload, one bar per server (its median) with every run as a dot:
+    `workloads[w]["median"][server][key]` and `workloads[w]["runs"][server]`, one panel per
+    (key, label) of `panels`."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3.4))
+    colors = ("#4477aa", "#cc6677", "#999999", "#228833")
+    width = len(servers) + 1
+    for ax, (key, label) in zip(axes, panels):
+        for w_i, w in enumerate(workloads.values()):
+            for n_i, name in enumerate(servers):
+                x = w_i * width + n_i
+                ax.bar(x, w["median"][name][key], color=colors[n_i % len(colors)], label=name if w_i == 0 else None)
+                ax.scatter([x] * len(w["runs"][name]), [r[key] for r in w["runs"][name]], color="k", s=8)
+        ax.set_xticks([w_i * width + (len(servers) - 1) / 2 for w_i in range(len(workloads))])
+        ax.set_xticklabels(list(workloads))
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)

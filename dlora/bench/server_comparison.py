@@ -107,6 +107,13 @@ def run_once(url: str, requests: Sequence[Request]) -> dict:
     return {k: r[k] for k in METRICS} | {"completed": r["completed"], "duration": r["duration"]}
 
 
+def rotated(names: Sequence[str], rep: int) -> list[str]:
+    """The order of rep `rep`: every server first, middle and last equally often over reps (two
+    servers: alternating)."""
+    k = rep % len(names)
+    return [*names[k:], *names[:k]]
+
+
 def alternate_runs(
     urls: Mapping[str, str],
     requests: Sequence[Request],

@@ -28,10 +28,13 @@ DEFAULT_BLOCK_TOKENS = 128
 
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    """A prompt's full blocks as chained keys: block i's key covers tokens [0, (i + 1) * block_tokens)."""
+    """A prompt's full blocks as chained keys: block i's key covers tokens [0, (i + 1) * block_tokens).
+    A lookup uses at most `lookup_blocks` of them: vLLM computes at least the prompt's last token,
+    so a prompt that ends on a block boundary reuses one block less."""
 
     keys: tuple[int, ...]
     block_tokens: int
+    lookup_blocks: int
 
 
 def prompt_blocks(token_ids: Sequence[int], adapter: str | None, digest: str, block_tokens: int) -> PromptBlocks:
@@ -41,7 +44,7 @@ def prompt_blocks(token_ids: Sequence[int], adapter: str | None, digest: str, bl
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         key = hash((key, tuple(token_ids[start : start + block_tokens])))
         keys.append(key)
-    return PromptBlocks(tuple(keys), block_tokens)
+    return PromptBlocks(tuple(keys), block_tokens, max(0, len(token_ids) - 1) // block_tokens)
 
 
 class ReplicaPrefixes:
@@ -57,7 +60,7 @@ class ReplicaPrefixes:
     def cached_blocks(self, blocks: PromptBlocks, state: str) -> int:
         """Leading blocks of the prompt recorded here in `state`."""
         n = 0
-        for key in blocks.keys:
+        for key in blocks.keys[: blocks.lookup_blocks]:
             if (key, state) not in self._blocks:
                 break
             n += 1

@@ -122,6 +122,20 @@ class ReplicaChooser:
         )
         return dataclasses.replace(load, cached_prefix=cached) if cached else load
 
+    def with_cached_prefixes(self, views: list[ReplicaView]) -> list[ReplicaView]:
+        """`views` with each request's cached prefix on every replica, for the balancer's moves:
+        a move away from a request's cached history costs its prefill (O(requests x replicas))."""
+        if not self.prefix_aware:
+            return views
+        slots = [self.pool.slot(v.replica_id) for v in views]
+        states = self.table.requests
+
+        def priced(r: RequestLoad) -> RequestLoad:
+            st = states.get(r.request_id)
+            return r if st is None else self._with_cached_prefix(st, r, slots)
+
+        return [dataclasses.replace(v, requests=tuple(priced(r) for r in v.requests)) for v in views]
+
     def _blocks(self, state: RequestState, tokens: Sequence[int] | None = None) -> PromptBlocks:
         """The request's prompt (or `tokens`: its context so far) as prefix-cache blocks, under its
         adapter's version; the prompt's are computed once per request."""

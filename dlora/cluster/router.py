@@ -206,8 +206,9 @@ class Router:
         return self.tally.cost_params()
 
     def views(self) -> list[ReplicaView]:
-        """Every replica with each of its requests (O(requests)); changes nothing."""
-        return self.replica_views.views()
+        """Every replica with each of its requests (O(requests)), each request with the prompt
+        prefix each replica's cache probably holds for it; changes nothing."""
+        return self.chooser.with_cached_prefixes(self.replica_views.views())
 
     def dispatch_views(self) -> list[ReplicaView]:
         return self.replica_views.dispatch_views()

@@ -223,10 +223,15 @@ class ModelledCluster(DisciplineHooks):
             return
         c = self.model.costs
         seqs = len(r.running)
-        prefill = sum(self.jobs[i].prompt_len + self.generated[i] for i in new)  # a preempted one recomputes
+        prefill = sum(self.prefill_tokens(r, i) for i in new)
         adapters = len({self.jobs[i].adapter for i in r.running})
         r.step_ends = t + c.step(seqs, prefill, seqs, prefill, adapters) + loads * self.model.load_s
         self.push(r.step_ends, STEP_END, r.rid)
+
+    def prefill_tokens(self, r: SimReplica, i: int) -> int:
+        """Tokens request i computes when replica r admits it: its prompt and what it generated (a
+        preempted or moved one recomputes them)."""
+        return self.jobs[i].prompt_len + self.generated[i]
 
     # -- KV (`replica_kv.py`) and its quotas (`slo.kv_quotas`; rates metered in every configuration
     # for the fairness gap)

@@ -7,7 +7,8 @@ import pytest
 
 from dlora.cluster.dispatch import ProactiveDispatch, estimate
 from dlora.cluster.estimators.replica_cost import CostParams
-from dlora.cluster.policy_views import ReplicaView, RequestLoad
+from dlora.cluster.migration.problem import MigrationConfig, build_problem
+from dlora.cluster.policy_views import ClusterView, ReplicaView, RequestLoad
 from dlora.cluster.prefix_locality import PrefixLocality, prompt_blocks, weight_state
 
 BLOCK = 16
@@ -52,14 +53,14 @@ def test_blocks_computed_in_one_weight_state_do_not_count_in_another():
 def test_a_replica_keeps_its_kv_capacity_of_the_most_recently_used_blocks():
     idx = PrefixLocality()
     capacity = 8 * BLOCK
-    old = blocks(tuple(range(0, 5 * BLOCK)))
-    new = blocks(tuple(range(5000, 5000 + 5 * BLOCK)))
+    old = blocks(tuple(range(0, 5 * BLOCK + 1)))
+    new = blocks(tuple(range(5000, 5000 + 5 * BLOCK + 1)))
     idx.record(0, old, "", capacity)
     idx.record(0, new, "", capacity)  # 10 blocks recorded into room for 8: old's first two go
     assert idx.recorded_blocks(0) == 8
     assert idx.cached_tokens(0, new, "") == 5 * BLOCK
     assert idx.cached_tokens(0, old, "") == 0  # its first block went, so no prefix of it is usable
-    idx.record(0, blocks(tuple(range(0, 2 * BLOCK))), "", capacity)  # old's first two blocks computed again
+    idx.record(0, blocks(tuple(range(0, 2 * BLOCK + 1))), "", capacity)  # old's first two blocks computed again
     # ... which evicts the two least recently used, old's blocks 3 and 4: two usable blocks
     assert idx.cached_tokens(0, old, "") == 2 * BLOCK
     assert idx.cached_tokens(0, new, "") == 5 * BLOCK
@@ -98,3 +99,28 @@ def test_a_cached_history_wins_over_a_shorter_queue_until_the_queue_costs_more_t
     assert dispatch.choose([backlog(0, 4), backlog(1, 0)], turn, params).replica_id == 1
     blind = RequestLoad("turn", None, 1024, 0, 64.0, running=False)
     assert dispatch.choose([backlog(0, 1), backlog(1, 0)], blind, params).replica_id == 1
+
+
+def test_a_move_away_from_a_cached_history_costs_its_prefill_in_the_migration_problem():
+    """The co-migration problem prices a queued request's work on each replica less the prefix
+    that replica probably has cached, so moving a turn off its history costs the prefill there; a
+    running request's rebuild on a target is cheaper by what that target has cached."""
+    queued = RequestLoad("turn", None, 1024, 0, 64.0, running=False, cached_prefix=((0, 896),))
+    running = RequestLoad("long", None, 1024, 10, 64.0, running=True, cached_prefix=((1, 512),))
+    busy = ReplicaView(replica_id=0, requests=(queued, running, *backlog(0, 6).requests))
+    problem = build_problem(ClusterView((busy, backlog(1, 0))), {0: P, 1: P}, MigrationConfig(top_k=1))
+    assert problem is not None and problem.senders == [0] and problem.receivers == [1]
+    group = problem.groups[0]
+    at = {r.request_id: i for i, r in enumerate(group.requests)}
+    q, r = at["turn"], at["long"]
+    assert group.work[1][q] - group.work[0][q] == pytest.approx(896 * P.per_prefill_token_s)
+    assert group.recompute[1][r] == pytest.approx((1034 - 512) * P.per_prefill_token_s)
+
+
+def test_a_prompt_ending_on_a_block_boundary_reuses_one_block_less():
+    """vLLM computes at least a prompt's last token, so its last full block is computed again."""
+    idx = PrefixLocality()
+    exact = PROMPT[: 5 * BLOCK]
+    idx.record(0, blocks(exact), "", capacity_tokens=10_000)
+    assert idx.cached_tokens(0, blocks(exact), "") == 4 * BLOCK
+    assert idx.cached_tokens(0, blocks(exact + (1,)), "") == 5 * BLOCK  # one token more: all five

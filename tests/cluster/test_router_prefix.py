@@ -47,6 +47,10 @@ async def scenario(dispatch: str, prefix_aware: bool) -> tuple[Router, dict[str,
     await (await send(request("first")))
     busy = await send(request("busy", prompt=range(5000, 5010), n=300))  # a backlog where "first" ran
     again = await send(request("again"))
+    # the balancer's views carry it too, for the moves it plans
+    placed["again_cached_in_views"] = next(
+        r.cached_on(placed["first"]) for v in router.views() for r in v.requests if r.request_id == "again"
+    )
     other = await send(request("other-adapter", adapter=B))
     await asyncio.gather(busy, again, other)
     await router.shutdown()
@@ -58,6 +62,7 @@ def test_a_repeated_prompt_returns_to_its_replica_despite_its_backlog(dispatch):
     router, placed = asyncio.run(scenario(dispatch, prefix_aware=True))
     assert placed["busy"] == placed["first"]  # nothing cached for it anywhere: the lower id of two idle
     assert placed["again"] == placed["first"]  # its history is cached there: worth the wait
+    assert placed["again_cached_in_views"] == len(HISTORY) - 128  # vLLM computes its last block again
     assert placed["other-adapter"] != placed["first"]  # the same text under adapter b: no credit
     assert router.counters["locality_dispatches"] == 1  # blind to the caches, "again" would have gone elsewhere
 

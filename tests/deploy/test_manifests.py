@@ -68,11 +68,16 @@ def mounts(objs, deployment: str) -> dict[str, tuple[str, bool, str | None]]:
     return out
 
 
-def mount_holding(objs, deployment: str, path: str) -> tuple[str, bool, str | None]:
-    """The mount a path lies on (the deepest one above it)."""
+def mounted_at(objs, deployment: str, path: str) -> tuple[str, bool, str | None] | None:
+    """The mount a path lies on (the deepest one above it), or None."""
     found = [(mp, m) for mp, m in mounts(objs, deployment).items() if Path(path).is_relative_to(mp)]
-    assert found, f"{deployment}: nothing mounted at or above {path}"
-    return max(found, key=lambda item: len(item[0]))[1]
+    return max(found, key=lambda item: len(item[0]))[1] if found else None
+
+
+def mount_holding(objs, deployment: str, path: str) -> tuple[str, bool, str | None]:
+    found = mounted_at(objs, deployment, path)
+    assert found is not None, f"{deployment}: nothing mounted at or above {path}"
+    return found
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -167,14 +172,24 @@ def test_the_model_is_on_its_volume_read_only_on_every_pod(objs, config):
         assert (claim, read_only) == ("dlora-models", True), deployment
 
 
-def test_adapter_copies_are_readable_where_the_engines_run(objs, config):
-    """Engines read each adapter from its validated copy under server.state_dir, at the head's path."""
+def test_adapters_reach_the_workers_through_their_own_node_cache(objs, config):
+    """The head alone reads adapter sources and its state dir; a worker's replicas fetch each
+    adapter version into the worker's node cache (engine.node_cache_dir), a writable volume of its
+    own, larger than the cache's byte cap."""
     state_dir = str(config.server.state_dir)
     assert mount_holding(objs, "dlora-head", state_dir) == ("state", False, "dlora-state")
-    assert mount_holding(objs, "dlora-worker", state_dir) == ("state", True, "dlora-state")
-    assert objs["PersistentVolumeClaim", "dlora-state"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert mounted_at(objs, "dlora-worker", state_dir) is None
+    assert objs["PersistentVolumeClaim", "dlora-state"]["spec"]["accessModes"] == ["ReadWriteOnce"]
     for root in config.server.adapter_roots:
         assert mount_holding(objs, "dlora-head", root)[2] == "dlora-adapters"
+        assert mounted_at(objs, "dlora-worker", root) is None
+    cache = config.engine.node_cache_dir
+    assert cache is not None
+    name, read_only, _ = mount_holding(objs, "dlora-worker", cache)
+    assert not read_only
+    (volume,) = [v for v in pod_spec(objs, "dlora-worker")["volumes"] if v["name"] == name]
+    limit = volume["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Gi") and int(limit[:-2]) * 1024 > config.engine.node_cache_mib
 
 
 def test_prometheus_finds_the_head_by_its_annotations(objs, config):

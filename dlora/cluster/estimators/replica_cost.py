@@ -65,9 +65,13 @@ def prefill_saved(p: CostParams, req: RequestLoad, replica_id: int, merged: bool
     return saved * p.merged_ratio if merged else saved
 
 
-def recompute_s(p: CostParams, req: RequestLoad) -> float:
-    """Extra seconds a migration costs the target: a running request's KV is rebuilt by prefill."""
-    return req.context_tokens * p.per_prefill_token_s if req.running else 0.0
+def recompute_s(p: CostParams, req: RequestLoad, replica_id: int | None = None) -> float:
+    """Extra seconds a migration costs the target (`replica_id`): a running request's KV is rebuilt
+    by prefill, less the prompt prefix that target's cache probably holds."""
+    if not req.running:
+        return 0.0
+    cached = 0 if replica_id is None else min(req.cached_on(replica_id), req.prompt_tokens)
+    return (req.context_tokens - cached) * p.per_prefill_token_s
 
 
 def pending_time(p: CostParams, view: ReplicaView) -> float:

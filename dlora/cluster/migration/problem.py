@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dlora.cluster.estimators.replica_cost import CostParams, pending_time, recompute_s, request_work
+from dlora.cluster.estimators.replica_cost import (
+    CostParams,
+    pending_time,
+    prefill_saved,
+    recompute_s,
+    request_work,
+)
 from dlora.cluster.policy_views import AdapterName, ClusterView, ReplicaView, RequestLoad
 
 PLANNERS = ("auto", "highs", "cbc", "greedy")  # auto = HiGHS if highspy is installed, else CBC
@@ -129,9 +135,11 @@ def _group(p: MigrationProblem, s: int, adapter: AdapterName, reqs: list[Request
     for j in [s, *p.receivers]:
         view, par = p.replicas[j], p.params[j]
         merged = adapter is not None and adapter == view.merged_adapter
-        g.work[j] = [request_work(par, r, merged) for r in reqs]
+        # a queued request's prefill, less the prompt prefix replica j probably has cached (so a
+        # move away from its cached history costs that prefill)
+        g.work[j] = [request_work(par, r, merged) - prefill_saved(par, r, view.replica_id, merged) for r in reqs]
         if j != s:
-            g.recompute[j] = [recompute_s(par, r) for r in reqs]
+            g.recompute[j] = [recompute_s(par, r, view.replica_id) for r in reqs]
     return g
 
 

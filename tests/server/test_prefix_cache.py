@@ -16,7 +16,7 @@ PROMPT = list(range(10, 310))  # 300 token ids: at least two full KV blocks
 
 def tokens(url: str, kind: str, adapter: str) -> float:
     try:
-        return metric(url, f'dlora_prefix_cache_{kind}_tokens_total{{replica="0",adapter="{adapter}"}}')
+        return metric(url, f'dlora_prefix_cache_{kind}_tokens_total{{adapter="{adapter}",replica="0"}}')
     except KeyError:
         return 0.0
 

@@ -115,7 +115,7 @@ def one_size(args, replicas: int) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     groups = {
-        f"{s['replicas']} replicas, {w}": s["workloads"][w] for s in result["sizes"] for w in ("shared", "unique")
+        f"{s['replicas']} replicas\n{w}": s["workloads"][w] for s in result["sizes"] for w in ("shared", "unique")
     }
     plot_grouped_servers(
         groups,

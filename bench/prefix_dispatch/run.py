@@ -18,7 +18,7 @@ system and workload: TTFT p50/p99 (all turns; turns >= 2), output throughput, an
 hit rate the engines report (`dlora_prefix_cache_hit_tokens_total` / `..._prompt_tokens_total`).
 Writes bench/prefix_dispatch/result.json (+ .png).
 
-    .venv/bin/python -m bench.prefix_dispatch.run                    # 3 reps, about an hour on 2 cores
+    .venv/bin/python -m bench.prefix_dispatch.run        # 12 conversations, 3 reps: about an hour on 2 cores
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--think-time", type=float, default=2.0, help="seconds between a reply and the next turn")

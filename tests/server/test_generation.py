@@ -114,3 +114,20 @@ def test_each_tokens_rank_is_vllms_whether_or_not_it_is_among_the_top():
     ]
     out = vllm_logprobs(lps)
     assert [{t: lp.rank for t, lp in step.items()} for step in out] == [{9: 17, 2: 1, 3: 2}, {3: 2, 2: 1}]
+
+
+def test_the_first_legs_cached_prompt_tokens_reach_vllms_output():
+    """vLLM's serving classes read `num_cached_tokens` for usage.prompt_tokens_details: the count
+    the first leg's replica reported with its first delta, not a later leg's (whose prompt holds
+    generated tokens too)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from dlora.replica.messages import Delta
+    from dlora.server.engine_client import LegOutput, RequestOutputs
+
+    out = RequestOutputs("cmpl-1", None, [1, 2, 3], RequestOutputKind.DELTA, None, [LegOutput(0)])
+    out.add(0, Delta(token_ids=[5], text="a", cached_tokens=256))
+    out.add(0, Delta(token_ids=[6], text="b", cached_tokens=None))
+    out.add(0, Delta(token_ids=[7], text="c", cached_tokens=300))  # a moved leg's first delta
+    first = out.after(0)
+    assert first is not None and first.num_cached_tokens == 256

@@ -67,8 +67,8 @@ def conversations(args, n: int, rate: float, shared: bool, seed: int) -> Convers
     return Conversations([jobs[i] for i in order], [prompts[i] for i in order], [turns[i] for i in order])
 
 
-def simulate(work: Conversations, replicas: int, dispatch: str) -> dict:
-    model = PrefixCluster(work.jobs, work.prompts, replicas, MODEL, dispatch)
+def simulate(work: Conversations, replicas: int, dispatch: str, start_slack_s: float | None) -> dict:
+    model = PrefixCluster(work.jobs, work.prompts, replicas, MODEL, dispatch, start_slack_s)
     out = model.run()
     later = [t for t, k in zip(out.ttft_s, work.turn) if k >= 2]
     span = max(j.arrival + lat for j, lat in zip(work.jobs, out.latency_s)) - min(j.arrival for j in work.jobs)
@@ -88,13 +88,13 @@ def one_size(args, replicas: int) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {"shared": {d: [] for d in DISPATCH}, "unique": {d: [] for d in DISPATCH}}
     rates = []
     for seed in range(args.seeds):
-        burst = simulate(conversations(args, n, float("inf"), True, seed), replicas, "today")
+        burst = simulate(conversations(args, n, float("inf"), True, seed), replicas, "today", args.start_slack)
         rate = args.load * burst["requests_per_s"] / args.turns  # conversations per second
         rates.append(rate)
         for w in runs:
             work = conversations(args, n, rate, w == "shared", seed)
             for d in DISPATCH:
-                runs[w][d].append(simulate(work, replicas, d))
+                runs[w][d].append(simulate(work, replicas, d, args.start_slack))
         print(f"[{replicas} replicas] seed {seed}: {rate:.3f} conversations/s", flush=True)
     out: dict = {"replicas": replicas, "conversations": n, "conversation_rates": rates, "workloads": {}}
     for w, by_d in runs.items():
@@ -136,8 +136,15 @@ def main() -> int:
     ap.add_argument("--gap", type=float, default=10.0, help="seconds between a conversation's turns")
     ap.add_argument("--load", type=float, default=0.6)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--start-slack",
+        type=float,
+        default=0.05,
+        help="cluster.dispatch_start_slack_s (the default config's); <0: none",
+    )
     ap.add_argument("--out", default=str(HERE / "sim.json"))
     args = ap.parse_args()
+    args.start_slack = None if args.start_slack < 0 else args.start_slack
     sizes = [one_size(args, n) for n in args.replicas]
     result = {
         **provenance("bench.prefix_dispatch.sim"),
@@ -153,6 +160,7 @@ def main() -> int:
             "popularity": "zipf alpha 1.0",
         },
         "load": args.load,
+        "start_slack_s": args.start_slack,
         "seeds": args.seeds,
         "sizes": sizes,
     }

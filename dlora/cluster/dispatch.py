@@ -140,8 +140,11 @@ class DispatchPolicy(ABC):
 
 def start_wait(view: ReplicaView, req: RequestLoad, params: CostParams) -> float:
     """Seconds before `req` would join a step on `view`, where a running slot is free for it: the
-    step under way, then its adapter's load."""
-    return view.step_left_s + load_time(params, view, req.adapter)
+    step under way, then its adapter's load, less the prefill its cached prompt prefix saves there.
+    Why the saving: what the slack compares is when the request's first token could come, and a
+    replica mid-step that holds a conversation's history may give it sooner than an idle one that
+    must prefill all of it (without this, the holder was filtered out whenever it was mid-step)."""
+    return view.step_left_s + load_time(params, view, req.adapter) - prefill_saved(params, req, view.replica_id)
 
 
 def soonest_starts(

@@ -30,10 +30,13 @@ class PrefixCluster(ModelledCluster):
         replicas: int,
         model: ReplicaModel,
         dispatch: str = "prefix",
+        start_slack_s: float | None = None,
     ) -> None:
-        """`prompts[i]`: request i's prompt token ids (`jobs[i].prompt_len` of them)."""
+        """`prompts[i]`: request i's prompt token ids (`jobs[i].prompt_len` of them);
+        `start_slack_s`: proactive dispatch's (`cluster.dispatch_start_slack_s`; None: pending time alone)."""
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch {dispatch!r}: must be one of {', '.join(DISPATCH)}")
+        self.start_slack_s = start_slack_s
         super().__init__(jobs, replicas, model)
         self.dispatch = dispatch
         self.blocks = [prompt_blocks(p, j.adapter, "", model.block_tokens) for p, j in zip(prompts, self.jobs)]

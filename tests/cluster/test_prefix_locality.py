@@ -3,6 +3,8 @@ the prefill a cached prefix saves against a replica's backlog."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dlora.cluster.dispatch import ProactiveDispatch, estimate
@@ -124,3 +126,16 @@ def test_a_prompt_ending_on_a_block_boundary_reuses_one_block_less():
     idx.record(0, blocks(exact), "", capacity_tokens=10_000)
     assert idx.cached_tokens(0, blocks(exact), "") == 4 * BLOCK
     assert idx.cached_tokens(0, blocks(exact + (1,)), "") == 5 * BLOCK  # one token more: all five
+
+
+def test_the_start_slack_keeps_a_busy_replica_holding_the_history():
+    """With the start slack, replicas that would start a request later than the soonest by more
+    than the slack are not compared at all; the holder of the turn's history is mid-step (0.4 s
+    left) while replica 1 is idle, but the 0.896 s of prefill it saves gives the first token sooner,
+    so it stays among those compared, and wins."""
+    dispatch = ProactiveDispatch(start_slack_s=0.05)
+    holder = dataclasses.replace(backlog(0, 1), step_left_s=0.4)
+    params = {0: P, 1: P}
+    assert dispatch.choose([holder, backlog(1, 0)], conversation_turn(896), params).replica_id == 0
+    blind = RequestLoad("turn", None, 1024, 0, 64.0, running=False)
+    assert dispatch.choose([holder, backlog(1, 0)], blind, params).replica_id == 1

@@ -13,19 +13,20 @@ OTHER = tuple(range(10_000, 10_300))
 MODEL = ReplicaModel(max_running=64, kv_blocks=182, block_tokens=128)
 
 
-def run(dispatch: str) -> PrefixCluster:
+def run(dispatch: str, start_slack_s: float | None = None) -> PrefixCluster:
     jobs = [
         TraceRequest(0.0, "a", len(HISTORY), 2, 2),  # computes HISTORY on replica 0 (the lower id of two idle)
         TraceRequest(5.0, "b", len(OTHER), 100, 100),  # a backlog there: 100 decode steps
         TraceRequest(6.0, "a", len(HISTORY), 2, 2),  # the same prompt again
     ]
-    model = PrefixCluster(jobs, [HISTORY, OTHER, HISTORY], 2, MODEL, dispatch)
+    model = PrefixCluster(jobs, [HISTORY, OTHER, HISTORY], 2, MODEL, dispatch, start_slack_s)
     model.run()
     return model
 
 
-def test_prefix_aware_dispatch_reuses_the_cached_history_despite_the_backlog():
-    model = run("prefix")
+@pytest.mark.parametrize("start_slack_s", [None, 0.05], ids=["pending time alone", "with the start slack"])
+def test_prefix_aware_dispatch_reuses_the_cached_history_despite_the_backlog(start_slack_s):
+    model = run("prefix", start_slack_s)
     assert model.locality_dispatches == 1
     assert model.hit_tokens == 4 * 128
     assert model.prompt_tokens == 2 * len(HISTORY) + len(OTHER)

@@ -63,11 +63,30 @@ def workload(args, n: int):
 
 
 def dlora_config(adapter_dir: Path, state: Path) -> dict:
-    cfg = shipped_server_config(PORTS["dlora"], str(state))
+    return found_by_name(shipped_server_config(PORTS["dlora"], str(state)), adapter_dir)
+
+
+def found_by_name(cfg: dict, adapter_dir: Path) -> dict:
+    """A shipped config that registers no adapter and finds each in `adapter_dir` on its first request."""
     cfg["server"] |= {"resolve_adapters": True, "adapter_roots": [str(adapter_dir)]}
     cfg["engine"] |= {"max_loras": MAX_LORAS}
     cfg["adapters"] = []
     return cfg
+
+
+def workload_record(args) -> dict:
+    """What `workload` sends, as a result records it."""
+    return {
+        "num_prompts": args.num_prompts,
+        "popularity": "zipf alpha 1.0",
+        "request_rate": args.rate,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "rank": 8,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "max_loras": MAX_LORAS,
+        "cold_tail": f"requests for adapters outside the {MAX_LORAS} most popular",
+    }
 
 
 def vllm_command(base: Path, adapters: list[Path]) -> list[str]:
@@ -220,17 +239,7 @@ def main() -> int:
         **provenance("bench.many_adapters.run"),
         "vllm_command": shlex.join(vllm_command(base, [Path("<adapter i>")])) + " ... (every adapter)",
         "dlora_config": dlora_config(Path("<adapters>"), Path("<state>")),
-        "workload": {
-            "num_prompts": args.num_prompts,
-            "popularity": "zipf alpha 1.0",
-            "request_rate": args.rate,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "rank": 8,
-            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-            "max_loras": MAX_LORAS,
-            "cold_tail": f"requests for adapters outside the {MAX_LORAS} most popular",
-        },
+        "workload": workload_record(args),
         "reps": args.reps,
         "sizes": sizes,
         "summary": summary_of(sizes),

@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.many_adapters.run import MAX_LORAS, adapters_for, measure, workload
+from bench.many_adapters.run import adapters_for, found_by_name, measure, workload, workload_record
 from dlora import env
 from dlora.bench.commit_comparison import commit_trees, fresh_server_runs, shipped_launchers
 from dlora.bench.plot import plot_server_comparison
@@ -66,14 +66,8 @@ def main() -> int:
     requests = workload(args, args.adapters)
     warm = generate_workload(WorkloadSpec(num_prompts=4, input_len=args.input_len, output_len=8, seed=1))
 
-    def by_name(cfg: dict, state: Path) -> dict:
-        cfg["server"] |= {"resolve_adapters": True, "adapter_roots": [str(adapter_dir)]}
-        cfg["engine"] |= {"max_loras": MAX_LORAS}
-        cfg["adapters"] = []
-        return cfg
-
     runs = fresh_server_runs(
-        shipped_launchers(trees, PORT, work, by_name),
+        shipped_launchers(trees, PORT, work, lambda cfg, state: found_by_name(cfg, adapter_dir)),
         f"http://127.0.0.1:{PORT}",
         work,
         args.reps,
@@ -88,18 +82,9 @@ def main() -> int:
         **provenance("bench.many_adapters.vs_commit"),
         "question": "do adapters found by name serve as fast with the node cache as at the older commit?",
         "commits": commits,
-        "workload": {
-            "adapters": args.adapters,
-            "num_prompts": args.num_prompts,
-            "popularity": "zipf alpha 1.0",
-            "request_rate": args.rate,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "rank": 8,
-            "max_loras": MAX_LORAS,
-            "cold_tail": f"requests for adapters outside the {MAX_LORAS} most popular",
-            "servers": "each commit's own configs/default.yaml with resolve_adapters, one up at a time, fresh per rep",
-        },
+        "workload": {"adapters": args.adapters}
+        | workload_record(args)
+        | {"servers": "each commit's own configs/default.yaml with resolve_adapters, one up at a time, fresh per rep"},
         "reps": args.reps,
         "runs": runs,
         "median": median,

@@ -36,7 +36,7 @@ from dlora.bench.server_comparison import (
 )
 from dlora.bench.servers import make_random_adapters, serving
 from dlora.bench.shipped import REPO_ROOT
-from dlora.bench.source_tree import ensure_worktree, imported_from, serve_from, tree_sources
+from dlora.bench.source_tree import check_imported, ensure_worktree, serve_from, tree_sources
 from dlora.bench.stats import medians
 from dlora.models.smollm2 import prepare_smollm2
 
@@ -57,9 +57,7 @@ def responses_status(url: str) -> int:
 def check_source(name: str, source: Path, proc, log: Path) -> dict:
     """Where the server's dlora came from: the API process's import, and the PYTHONPATH of the
     processes that run dlora's replica code (Ray's replica actors, vLLM's engine cores)."""
-    imported = imported_from(log)
-    if imported is None or not Path(imported).resolve().is_relative_to(source.resolve()):
-        raise RuntimeError(f"{name} imported dlora from {imported}, not from {source}; see {log}")
+    imported = check_imported(name, source, log)
     tree = tree_sources(proc.pid)
     replicas = {path: [c for c in comms if c.startswith(REPLICA_PROCESSES)] for path, comms in tree.items()}
     if set(p for p, comms in replicas.items() if comms) != {str(source)}:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from dlora import env
 from dlora.bench.plot import plot_grouped_servers
 from dlora.bench.provenance import provenance
 from dlora.bench.results import write_result
-from dlora.bench.server_comparison import METRICS, rotated, run_once
+from dlora.bench.server_comparison import METRICS, alternate_runs, run_once
 from dlora.bench.server_configs import (
     adapter_entries,
     shipped_engine_settings,
@@ -64,24 +63,6 @@ def workload(name: str, args) -> list[Request]:
 def on_base_model(requests: Sequence[Request]) -> list[Request]:
     """The same requests on the base model: what vLLM's server without LoRA serves."""
     return [dataclasses.replace(r, adapter=None) for r in requests]
-
-
-def run_reps(urls: dict[str, str], requests: list[Request], reps: int, label: str) -> dict[str, list[dict]]:
-    """`reps` runs of `requests` on each server, rotating the order; the base server gets them on
-    the base model."""
-    sent = {n: on_base_model(requests) if n == "vllm-base" else requests for n in urls}
-    runs: dict[str, list[dict]] = {n: [] for n in urls}
-    for rep in range(reps):
-        for name in rotated(list(urls), rep):
-            m = run_once(urls[name], sent[name])
-            m["loadavg_1m"] = os.getloadavg()[0]
-            runs[name].append(m)
-            print(
-                f"[{label}] rep {rep} {name:9s}: {m['output_throughput']:.1f} tok/s, TTFT p50 "
-                f"{m['median_ttft_ms']:.0f} ms, TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
-                flush=True,
-            )
-    return runs
 
 
 def summarize(median: dict[str, dict]) -> dict:
@@ -137,12 +118,11 @@ def main() -> int:
     urls = {name: f"http://127.0.0.1:{PORTS[name]}" for name in PORTS}
     results: dict[str, dict] = {}
     with serving(procs, urls, work):
-        warm = workload("uniform", args)[: NUM_ADAPTERS * 2]
-        for name, url in urls.items():  # oneDNN's first-shape builds and adapter loads
-            run_once(url, on_base_model(warm) if name == "vllm-base" else warm)
-        for wname in args.workloads:
+        for w_i, wname in enumerate(args.workloads):
             requests = workload(wname, args)
-            runs = run_reps(urls, requests, args.reps, wname)
+            sent = {n: on_base_model(requests) if n == "vllm-base" else requests for n in urls}
+            warmup = NUM_ADAPTERS * 2 if w_i == 0 else 0  # once: oneDNN's first-shape builds, adapter loads
+            runs = alternate_runs(urls, sent, args.reps, run_once, warmup, label=f"[{wname}] ")
             median = medians(runs, METRICS)
             share = max(sum(r.adapter == a for r in requests) for a in {r.adapter for r in requests}) / len(requests)
             results[wname] = {"top_adapter_share": share, "runs": runs, "median": median, "summary": summarize(median)}

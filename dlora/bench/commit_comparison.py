@@ -22,7 +22,7 @@ from dlora.bench.server_comparison import rotated
 from dlora.bench.server_configs import shipped_server_config
 from dlora.bench.servers import stop, wait_healthy
 from dlora.bench.shipped import REPO_ROOT
-from dlora.bench.source_tree import ensure_worktree, imported_from, serve_from
+from dlora.bench.source_tree import check_imported, ensure_worktree, serve_from
 
 Launch = Callable[[], subprocess.Popen]
 
@@ -78,7 +78,7 @@ def fresh_server_runs(
                 wait_healthy(url, proc, log, timeout=1200)
                 startup = time.monotonic() - t0
                 if sources is not None:
-                    _check_imported(name, sources[name], log)
+                    check_imported(name, sources[name], log)
                 if warm is not None:
                     warm(url)
                 m = measure(url)
@@ -88,12 +88,6 @@ def fresh_server_runs(
             runs[name].append(m)
             print(f"rep {rep} {name}: {_brief(m)}", flush=True)
     return runs
-
-
-def _check_imported(name: str, source: Path, log: Path) -> None:
-    imported = imported_from(log)
-    if imported is None or not Path(imported).resolve().is_relative_to(source.resolve()):
-        raise RuntimeError(f"{name} imported dlora from {imported}, not from {source}; see {log}")
 
 
 def _brief(m: Mapping[str, object]) -> str:

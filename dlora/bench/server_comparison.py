@@ -116,25 +116,30 @@ def rotated(names: Sequence[str], rep: int) -> list[str]:
 
 def alternate_runs(
     urls: Mapping[str, str],
-    requests: Sequence[Request],
+    requests: Sequence[Request] | Mapping[str, Sequence[Request]],
     reps: int,
     run_once: Callable[[str, Sequence[Request]], dict],
     warmup: int,
+    label: str = "",
 ) -> dict[str, list[dict]]:
-    """Warm every server, then run the workload on each `reps` times, alternating the order so
-    every server sees the same background load on average."""
+    """Warm every server with its first `warmup` requests (none: 0), then run the workload on each
+    `reps` times, rotating the order (two servers: alternating) so every server sees the same
+    background load on average. `requests` may name each server's own (the same prompts on the
+    base model for a server without LoRA)."""
     names = list(urls)
-    for name in names:  # first-shape oneDNN primitive builds, adapter loads
-        run_once(urls[name], requests[:warmup])
+    sent = requests if isinstance(requests, Mapping) else dict.fromkeys(names, requests)
+    if warmup:
+        for name in names:  # first-shape oneDNN primitive builds, adapter loads
+            run_once(urls[name], sent[name][:warmup])
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            m = run_once(urls[name], requests)
+        for name in rotated(names, rep):
+            m = run_once(urls[name], sent[name])
             m["loadavg_1m"] = os.getloadavg()[0]
             runs[name].append(m)
             print(
-                f"rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} ms,"
-                f" TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
+                f"{label}rep {rep} {name:6s}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['median_ttft_ms']:.0f} "
+                f"ms, TPOT p50 {m['median_tpot_ms']:.1f} ms (load {m['loadavg_1m']:.1f})",
                 flush=True,
             )
     return runs

@@ -58,6 +58,15 @@ def imported_from(log: Path) -> str | None:
     return None
 
 
+def check_imported(name: str, source: Path, log: Path) -> str:
+    """The dlora/__init__.py the server `name` started by `serve_from` imported; RuntimeError when it
+    is not under `source` (a stale install or PYTHONPATH would measure the wrong code)."""
+    imported = imported_from(log)
+    if imported is None or not Path(imported).resolve().is_relative_to(source.resolve()):
+        raise RuntimeError(f"{name} imported dlora from {imported}, not from {source}; see {log}")
+    return imported
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (Ray's raylet and its workers included), from /proc."""
     children: dict[int, list[int]] = {}

@@ -151,8 +151,7 @@ def _new_prefill_tokens(view: ReplicaView, req: RequestLoad) -> tuple[list[Reque
     (a moved request also re-prefills what it generated elsewhere; the new one skips the prefix
     the replica's cache probably holds)."""
     pending = [r for r in _requests(view) if not r.running] + [req]
-    cached = min(req.cached_on(view.replica_id), req.prompt_tokens)
-    return pending, sum(r.context_tokens for r in pending) - cached
+    return pending, sum(r.context_tokens for r in pending) - req.cached_on(view.replica_id)
 
 
 def decode_bound(replica: SloReplica, req: RequestLoad, slo_of: SloOf, gamma: float, theta: float) -> Check:

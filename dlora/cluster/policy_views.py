@@ -43,8 +43,10 @@ class RequestLoad:
     cached_prefix: tuple[tuple[int, int], ...] = ()
 
     def cached_on(self, replica_id: int) -> int:
-        """Prompt tokens `replica_id` would probably not have to prefill (its prefix cache)."""
-        return next((tokens for rid, tokens in self.cached_prefix if rid == replica_id), 0)
+        """Prompt tokens `replica_id` would probably not have to prefill (its prefix cache), at most
+        the prompt's."""
+        cached = next((tokens for rid, tokens in self.cached_prefix if rid == replica_id), 0)
+        return min(cached, self.prompt_tokens)
 
     @property
     def context_tokens(self) -> int:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# vLLM's CPU block size, the default until a replica reports its own
+# vLLM's CPU block size: the router's until a replica reports its own, and the replica model's
 DEFAULT_BLOCK_TOKENS = 128
 
 

@@ -155,9 +155,8 @@ class ReplicaChooser:
     def _block_tokens(self) -> int:
         """The engines' KV block size, as the first replica to report one reports it."""
         for s in self.pool.slots:
-            batching = s.last_stats.batching if s.last_stats else None
-            if batching is not None and batching.kv_block_tokens:
-                return batching.kv_block_tokens
+            if s.batching is not None and s.batching.kv_block_tokens:
+                return s.batching.kv_block_tokens
         return DEFAULT_BLOCK_TOKENS
 
     def record_context(self, state: RequestState, slot: ReplicaSlot, tokens: Sequence[int] | None = None) -> None:
@@ -165,10 +164,7 @@ class ReplicaChooser:
         once it finished): its prefix cache probably holds them now."""
         if not self.prefix_aware:
             return
-        batching = slot.last_stats.batching if slot.last_stats else None
-        capacity = (
-            batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens else self.cfg.kv_capacity_tokens
-        )
+        capacity = self.views.kv_capacity_tokens(slot)
         self.prefixes.record(slot.replica_id, self._blocks(state, tokens), weight_state(_merged(slot)), capacity)
 
     def drain_target(self, state: RequestState) -> int | None:
@@ -221,13 +217,10 @@ class ReplicaChooser:
         of them went to the same replica (56 of 64 base-model requests, on two replicas)."""
         state.slot, state.queued_since = slot, self.clock()
         self.table.recount(state)
-        self.record_context(
-            state, slot, None if not state.generated else (*state.request.prompt_token_ids, *state.generated)
-        )
+        self.record_context(state, slot, state.context_token_ids if state.generated else None)
         return slot
 
 
 def _merged(slot: ReplicaSlot) -> str | None:
     """The adapter merged into the replica's weights at its last stats read."""
-    batching = slot.last_stats.batching if slot.last_stats else None
-    return batching.merged_adapter if batching else None
+    return slot.batching.merged_adapter if slot.batching else None

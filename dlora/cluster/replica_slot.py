@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dlora.cluster.host_cache import HostCache
-from dlora.replica.messages import AdapterRef, Delta, GenerateRequest, ReplicaStats
+from dlora.replica.messages import AdapterRef, BatchingState, Delta, GenerateRequest, ReplicaStats
 
 
 class Replica(Protocol):
@@ -54,6 +54,11 @@ class ReplicaSlot:
     # When its engine's step under way started, as the router sees it (router clock): the last time
     # tokens came from it, or a request reached it idle. None: no step seen yet.
     step_started_at: float | None = None
+
+    @property
+    def batching(self) -> BatchingState | None:
+        """The replica's batching state at its last stats read (None before one)."""
+        return self.last_stats.batching if self.last_stats else None
 
     @property
     def replica_id(self) -> int:

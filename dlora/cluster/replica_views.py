@@ -42,7 +42,7 @@ class ReplicaViews:
     def view(
         self, slot: ReplicaSlot, requests: tuple[RequestLoad, ...], totals: LoadTotals | None = None
     ) -> ReplicaView:
-        batching = slot.last_stats.batching if slot.last_stats else None
+        batching = slot.batching
         return ReplicaView(
             replica_id=slot.replica_id,
             requests=requests,
@@ -50,9 +50,7 @@ class ReplicaViews:
             resident_adapters=frozenset(slot.loaded.values()),
             merged_adapter=batching.merged_adapter if batching else None,
             kv_usage=batching.kv_usage if batching else None,
-            kv_capacity_tokens=(
-                batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens else self.cfg.kv_capacity_tokens
-            ),
+            kv_capacity_tokens=self.kv_capacity_tokens(slot),
             adapter_slots=self.cfg.adapter_slots,
             batch_adapter_slots=self.cfg.batch_adapter_slots,
             max_running=self.cfg.max_batch,
@@ -60,6 +58,11 @@ class ReplicaViews:
             adapter_bytes_free=self._cache_room(slot, totals),
             step_left_s=0.0 if totals is None else self._step_left(slot, totals),
         )
+
+    def kv_capacity_tokens(self, slot: ReplicaSlot) -> int:
+        """Tokens the replica's KV blocks hold, as its engine last reported (the config's until then)."""
+        batching = slot.batching
+        return batching.kv_capacity_tokens if batching and batching.kv_capacity_tokens else self.cfg.kv_capacity_tokens
 
     def _step_left(self, slot: ReplicaSlot, totals: LoadTotals) -> float:
         """`ReplicaView.step_left_s` for dispatch: the step under way, priced by the replica's costs."""

@@ -41,6 +41,11 @@ class RequestState:
     def adapter(self) -> str | None:
         return self.request.adapter.name if self.request.adapter else None
 
+    @property
+    def context_token_ids(self) -> tuple[int, ...]:
+        """Its prompt and every token generated so far: what its KV covers."""
+        return (*self.request.prompt_token_ids, *self.generated)
+
     def continuation(self) -> GenerateRequest:
         """The request to send after a move: the prompt grows by what was generated."""
         s = self.request.sampling
@@ -58,7 +63,7 @@ class RequestState:
         return dataclasses.replace(
             self.request,
             request_id=f"{self.request.request_id}-r{self.resubmissions}",
-            prompt_token_ids=tuple(self.request.prompt_token_ids) + tuple(self.generated),
+            prompt_token_ids=self.context_token_ids,
             sampling=sampling,
         )
 

@@ -330,7 +330,7 @@ class Router:
                             self.tally.prefix_cache_read(slot.replica_id, state, current, delta.cached_tokens)
                         if delta.finished:  # before the yield: the client may close the stream on it
                             self.tally.finished(state, delta)
-                            self.chooser.record_context(state, slot, (*req.prompt_token_ids, *state.generated))
+                            self.chooser.record_context(state, slot, state.context_token_ids)
                         yield delta
                         if delta.finished:
                             return

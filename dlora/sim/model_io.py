@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dlora.cluster.prefix_locality import DEFAULT_BLOCK_TOKENS
 from dlora.cost.params import CostParams
 from dlora.sim.step_costs import StepCosts, preset
 from dlora.slo.accounting import SloAccounting
@@ -28,7 +29,7 @@ class ReplicaModel:
     adapter_slots: int = 8  # adapters resident at once (max_cpu_loras)
     load_s: float = 0.02  # loading an absent adapter, paid by the step that admits it
     kv_blocks: int | None = None  # KV blocks per replica (None: KV never binds)
-    block_tokens: int = 128  # tokens per KV block (vLLM's CPU block size)
+    block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per KV block
     costs: StepCosts = field(default_factory=lambda: preset("cpu-einsum"))
 
     def cost_params(self) -> CostParams:

@@ -51,16 +51,14 @@ class PrefixCluster(ModelledCluster):
         live = self.serving()
         if self.dispatch == "round_robin":
             return live[next(self.turn) % len(live)].rid
-        views = [self.view(r) for r in live]
+        views, running = [self.view(r) for r in live], [r.running for r in live]
         blind = self.model_views.load(i, running=False)
         if self.dispatch == "today":
-            rid = self.arrival.choose(t, views, [r.running for r in live], blind, self.first_token)
-        else:
-            cached = tuple((r.rid, n) for r in live if (n := self.record.cached_tokens(r.rid, self.blocks[i], "")) > 0)
-            req = dataclasses.replace(blind, cached_prefix=cached)
-            rid = self.arrival.choose(t, views, [r.running for r in live], req, self.first_token)
-            if cached and self.arrival.choose(t, views, [r.running for r in live], blind, self.first_token) != rid:
-                self.locality_dispatches += 1
+            return self.arrival.choose(t, views, running, blind, self.first_token)
+        cached = tuple((r.rid, n) for r in live if (n := self.record.cached_tokens(r.rid, self.blocks[i], "")) > 0)
+        rid = self.arrival.choose(t, views, running, dataclasses.replace(blind, cached_prefix=cached), self.first_token)
+        if cached and self.arrival.choose(t, views, running, blind, self.first_token) != rid:
+            self.locality_dispatches += 1
         return rid
 
     def place(self, t: float, i: int) -> int:

@@ -61,7 +61,7 @@ def prefill_saved(p: CostParams, req: RequestLoad, replica_id: int, merged: bool
     probably holds for `req` (`RequestLoad.cached_prefix`), which vLLM does not compute again."""
     if req.running:
         return 0.0
-    saved = min(req.cached_on(replica_id), req.prompt_tokens) * p.per_prefill_token_s
+    saved = req.cached_on(replica_id) * p.per_prefill_token_s
     return saved * p.merged_ratio if merged else saved
 
 
@@ -70,7 +70,7 @@ def recompute_s(p: CostParams, req: RequestLoad, replica_id: int | None = None) 
     by prefill, less the prompt prefix that target's cache probably holds."""
     if not req.running:
         return 0.0
-    cached = 0 if replica_id is None else min(req.cached_on(replica_id), req.prompt_tokens)
+    cached = 0 if replica_id is None else req.cached_on(replica_id)
     return (req.context_tokens - cached) * p.per_prefill_token_s
 
 

@@ -94,6 +94,8 @@ def tiny_config(model, state_dir: Path, port: int, **overrides) -> dict:
             # parser leaves named and required calls to a JSON schema (others use their own tags)
             "tool_call_parser": "pythonic",
             "enable_auto_tool_choice": True,
+            # usage.prompt_tokens_details.cached_tokens, as vLLM reports it with the same flag
+            "enable_prompt_tokens_details": True,
         },
         "adapters": [
             {"name": "a0", "path": str(model.adapters["a0"]), "pinned": True},

@@ -65,22 +65,36 @@ ENGINE_ENV = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
 )
 # What vLLM's server builds its chat serving from, by the flag of the same name (dlora.server.vllm_frontend).
-SERVER_FLAGS = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser", "chat_template")
+SERVER_FLAGS = (
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+    "reasoning_parser",
+    "chat_template",
+    "enable_prompt_tokens_details",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One request: posted as JSON to `path`; a body with `"stream": true` is read as server-sent
-    events."""
+    events. Sent `times` times in a row, the last answer is the one compared (a repeat shows what
+    the first left behind: a prefix cache)."""
 
     name: str
     path: str
     body: dict
+    times: int = 1
 
 
 def send(client: httpx.Client, url: str, call: Call) -> dict:
-    """The answer to `call` as JSON data: `status`, and `body` (the JSON response or error) or, for
-    a stream answered 200, `chunks` (each event's JSON) and `done` (whether `[DONE]` ended it)."""
+    """The last answer to `call` as JSON data: `status`, and `body` (the JSON response or error) or,
+    for a stream answered 200, `chunks` (each event's JSON) and `done` (whether `[DONE]` ended it)."""
+    for _ in range(call.times - 1):
+        _send_once(client, url, call)
+    return _send_once(client, url, call)
+
+
+def _send_once(client: httpx.Client, url: str, call: Call) -> dict:
     if not call.body.get("stream"):
         r = client.post(url + call.path, json=call.body)
         return {"status": r.status_code, "body": r.json()}

@@ -15,7 +15,9 @@ conversation rate `today` sustains on (a) with every conversation started at onc
 in the same run. Each rep starts each system fresh (empty caches), in rotating order, and runs (a)
 then (b) on it (`dlora/bench/commit_comparison.py`'s one-server-at-a-time runs). Reported per
 system and workload: TTFT p50/p99 (all turns; turns >= 2), output throughput, and the prefix-cache
-hit rate the engines report (`dlora_prefix_cache_hit_tokens_total` / `..._prompt_tokens_total`).
+hit rate the engines report (`dlora_prefix_cache_hit_tokens_total` / `..._prompt_tokens_total`),
+and, from each turn's cached prompt tokens, what TTFT p50 perfect locality would give
+(`dlora/bench/locality_bound.py`).
 Writes bench/prefix_dispatch/result.json (+ .png).
 
     .venv/bin/python -m bench.prefix_dispatch.run        # 12 conversations, 3 reps: about an hour on 2 cores
@@ -33,12 +35,14 @@ from dlora import env
 from dlora.bench.commit_comparison import fresh_server_runs
 from dlora.bench.conversation_runner import run_conversations
 from dlora.bench.conversations import ConversationSpec, generate_conversations
+from dlora.bench.locality_bound import locality_bound
 from dlora.bench.plot import plot_grouped_servers
 from dlora.bench.provenance import provenance
 from dlora.bench.results import write_result
 from dlora.bench.scrape import metric_total, scrape
 from dlora.bench.server_configs import adapter_entries, shipped_server_config
 from dlora.bench.servers import make_random_adapters, start_dlora, stop, wait_healthy
+from dlora.cluster.prefix_locality import DEFAULT_BLOCK_TOKENS
 from dlora.models.smollm2 import prepare_smollm2
 
 HERE = Path(__file__).resolve().parent
@@ -49,6 +53,8 @@ SYSTEMS = {
     "prefix": {"dispatch": "proactive", "prefix_aware_dispatch": True},
     "round_robin": {"dispatch": "round_robin", "prefix_aware_dispatch": False},
 }
+# What each turn's record keeps: enough for the perfect-locality estimate (dlora/bench/locality_bound.py)
+TURN_KEYS = ("conversation_id", "turn", "status", "ttft_s", "prompt_tokens", "cached_tokens")
 KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_turn2plus_p50_s", "ttft_turn2plus_p99_s", "output_throughput", "hit_rate")
 
 
@@ -56,6 +62,7 @@ def config(name: str, adapters: list[Path], work: Path) -> dict:
     cfg = shipped_server_config(PORT, str(work / f"state-{name}"))
     cfg["adapters"] = adapter_entries(adapters)
     cfg["cluster"] |= SYSTEMS[name]
+    cfg["server"]["enable_prompt_tokens_details"] = True  # each turn's cached tokens, for the bound
     return cfg
 
 
@@ -89,7 +96,8 @@ def measure(url: str, conversations, deadline_s: float) -> dict:
     locality = metric_total(after, "dlora_dispatch_locality_total") - metric_total(
         before, "dlora_dispatch_locality_total"
     )
-    return out["summary"] | {"hit_rate": hit / sent if sent else 0.0, "locality_dispatches": locality}
+    turns = [{k: t[k] for k in TURN_KEYS} for t in out["turns"]]
+    return out["summary"] | {"hit_rate": hit / sent if sent else 0.0, "locality_dispatches": locality, "turns": turns}
 
 
 def saturated_rate(args, adapters: list[Path], work: Path, tokenizer) -> dict:
@@ -161,6 +169,12 @@ def main() -> int:
                 "hit_rate": {n: m["hit_rate"] for n, m in median.items()},
             },
         }
+    shared = by_workload["shared"]
+    bound = {n: locality_bound([r["turns"] for r in rs], DEFAULT_BLOCK_TOKENS) for n, rs in shared["runs"].items()}
+    shared["perfect_locality"] = bound
+    shared["summary"]["ttft_p50_today_over_perfect_locality"] = (
+        bound["today"]["ttft_p50_s"] / bound["today"]["ttft_p50_perfect_locality_s"]
+    )
     result = {
         **provenance("bench.prefix_dispatch.run"),
         "question": "does pricing prefix-cache locality in dispatch lower multi-turn TTFT without costing throughput?",

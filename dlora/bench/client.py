@@ -5,7 +5,9 @@ Per request it records what `vllm bench serve` records, under the same names:
 - `itl`: gaps between consecutive token chunks;
 - `latency`: send → last token chunk (E2EL);
 - `output_tokens`: `usage.completion_tokens` from the final chunk (requested with
-  `stream_options.include_usage`), else the number of token chunks.
+  `stream_options.include_usage`), else the number of token chunks;
+- `cached_tokens`: `usage.prompt_tokens_details.cached_tokens`, where the server reports it (vLLM's
+  and dlora's `--enable-prompt-tokens-details`; both leave it out when nothing was cached).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class RequestResult:
     client_queue_time: float = 0.0  # seconds spent waiting for --max-concurrency
     generated_text: str = ""
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache
 
 
 def is_chat(endpoint: str) -> bool:
@@ -138,6 +141,8 @@ async def send_request(
                     usage_tokens = usage.get("completion_tokens")
                     if usage.get("prompt_tokens") is not None:
                         out.prompt_len = usage["prompt_tokens"]
+                    if isinstance(details := usage.get("prompt_tokens_details"), dict):
+                        out.cached_tokens = details.get("cached_tokens")
     except Exception as e:  # network, protocol or a malformed chunk: the request failed, the run goes on
         out.error = f"{type(e).__name__}: {e}"
         return out

@@ -48,6 +48,7 @@ class TurnRecord:
     latency_s: float | None = None  # send → last content token
     end_time_s: float | None = None  # after the run's start
     prompt_tokens: int | None = None  # from the server's usage
+    cached_tokens: int | None = None  # of them found in the prefix cache, where the server says
     output_tokens: int = 0
     http_status: int | None = None  # of a failed turn answered with an HTTP error
     error: str = ""
@@ -82,6 +83,7 @@ def _record(conv: Conversation, k: int, res: oai.RequestResult) -> TurnRecord:
     rec = TurnRecord(conv.conversation_id, k + 1, conv.adapter, "completed", send_time_s=res.start_time)
     if res.prompt_len:
         rec.prompt_tokens = res.prompt_len
+    rec.cached_tokens = res.cached_tokens
     if not res.success:
         rec.status, rec.error = "failed", res.error
         if m := _HTTP_STATUS.match(res.error):

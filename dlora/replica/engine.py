@@ -264,6 +264,7 @@ class EngineHost:
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     cached_tokens=(out.num_cached_tokens or 0) if first else None,
+                    cache_creation_tokens=(out.num_cache_creation_tokens or 0) if first else None,
                 )
                 first = False
         finally:

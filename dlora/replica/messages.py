@@ -124,8 +124,10 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     # On a request's first delta: prompt tokens its replica found in the prefix cache (vLLM's
-    # num_cached_tokens); None on later deltas
+    # num_cached_tokens) and those it computed into new cached blocks (num_cache_creation_tokens);
+    # None on later deltas
     cached_tokens: int | None = None
+    cache_creation_tokens: int | None = None
 
 
 # Upper bounds (seconds) of the merge/unmerge time histogram; the engine counts, /metrics renders.

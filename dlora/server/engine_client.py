@@ -223,9 +223,11 @@ class RequestOutputs:
     legs: list[LegOutput]
     # From the first leg's first delta, in vLLM's shape (None for the first prompt token)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # Prompt tokens found in the prefix cache, from the first leg's first delta (a moved leg's
-    # replica reports its own, which covers generated tokens too: the first is the prompt's)
+    # Prompt tokens found in the prefix cache and those written to it, from the first leg's first
+    # delta (a moved leg's replica reports its own, which covers generated tokens too: the first is
+    # the prompt's)
     num_cached_tokens: int | None = None
+    num_cache_creation_tokens: int | None = None
 
     def add(self, index: int, d: Delta) -> None:
         self.legs[index].add(d)
@@ -233,6 +235,7 @@ class RequestOutputs:
             self.prompt_logprobs = [None, *vllm_logprobs(d.prompt_logprobs)]
         if d.cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = d.cached_tokens
+            self.num_cache_creation_tokens = d.cache_creation_tokens
 
     def after(self, index: int) -> RequestOutput | None:
         """The output to send after leg `index` produced something, if any."""
@@ -262,6 +265,7 @@ class RequestOutputs:
             finished,
             lora_request=self.lora_request,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_creation_tokens=self.num_cache_creation_tokens,
         )
 
 

@@ -30,6 +30,7 @@ class FakeState:
     token_delay: float = 0.002
     first_token_delay: float = 0.005
     send_usage: bool = True
+    cached_tokens: int | None = None  # reported in usage.prompt_tokens_details when set
     adapter_list: dict | None = None
     received: list[dict] = field(default_factory=list)
 
@@ -72,6 +73,9 @@ def make_app(state: FakeState) -> FastAPI:
                         "prompt_tokens": prompt_tokens,
                         "completion_tokens": n,
                         "total_tokens": prompt_tokens + n,
+                        "prompt_tokens_details": None
+                        if state.cached_tokens is None
+                        else {"cached_tokens": state.cached_tokens},
                     },
                 }
             )

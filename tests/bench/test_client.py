@@ -40,6 +40,13 @@ def test_stream_timing_and_usage(fake, chat):
     assert body["max_completion_tokens" if chat else "max_tokens"] == 6
 
 
+def test_reads_the_cached_prompt_tokens_where_the_server_reports_them(fake):
+    req = Request("r", 0.0, "a1", "one two three", 3, 2)
+    assert _send(fake.url + "/v1/completions", req, "a1").cached_tokens is None
+    fake.state.cached_tokens = 256
+    assert _send(fake.url + "/v1/completions", req, "a1").cached_tokens == 256
+
+
 def test_falls_back_to_counting_chunks(fake):
     fake.state.send_usage = False
     out = _send(fake.url + "/v1/completions", Request("r", 0.0, None, "x", 1, 4), "tiny-base")

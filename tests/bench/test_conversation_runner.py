@@ -62,6 +62,12 @@ def test_each_turn_resends_the_history_with_the_real_reply(fake):
     assert _max_overlap(turns) <= 2
 
 
+def test_each_turn_records_the_prompt_tokens_its_server_found_cached(fake):
+    fake.state.cached_tokens = 128
+    res = run_conversations(fake.url, generate_conversations(SPEC), max_in_flight=2, disable_tqdm=True)
+    assert [r["cached_tokens"] for r in res["turns"]] == [128] * 12
+
+
 def test_deadline_and_failed_turns_are_counted(fake):
     fake.state.first_token_delay = 0.0
     c1, c2, c3 = generate_conversations(SPEC)

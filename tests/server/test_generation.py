@@ -117,17 +117,17 @@ def test_each_tokens_rank_is_vllms_whether_or_not_it_is_among_the_top():
 
 
 def test_the_first_legs_cached_prompt_tokens_reach_vllms_output():
-    """vLLM's serving classes read `num_cached_tokens` for usage.prompt_tokens_details: the count
-    the first leg's replica reported with its first delta, not a later leg's (whose prompt holds
-    generated tokens too)."""
+    """vLLM's serving classes read `num_cached_tokens` and `num_cache_creation_tokens` for
+    usage.prompt_tokens_details: the counts the first leg's replica reported with its first delta,
+    not a later leg's (whose prompt holds generated tokens too)."""
     from vllm.sampling_params import RequestOutputKind
 
     from dlora.replica.messages import Delta
     from dlora.server.engine_client import LegOutput, RequestOutputs
 
     out = RequestOutputs("cmpl-1", None, [1, 2, 3], RequestOutputKind.DELTA, None, [LegOutput(0)])
-    out.add(0, Delta(token_ids=[5], text="a", cached_tokens=256))
-    out.add(0, Delta(token_ids=[6], text="b", cached_tokens=None))
-    out.add(0, Delta(token_ids=[7], text="c", cached_tokens=300))  # a moved leg's first delta
+    out.add(0, Delta(token_ids=[5], text="a", cached_tokens=256, cache_creation_tokens=128))
+    out.add(0, Delta(token_ids=[6], text="b"))
+    out.add(0, Delta(token_ids=[7], text="c", cached_tokens=300, cache_creation_tokens=0))  # a moved leg's first
     first = out.after(0)
-    assert first is not None and first.num_cached_tokens == 256
+    assert first is not None and (first.num_cached_tokens, first.num_cache_creation_tokens) == (256, 128)

@@ -11,6 +11,7 @@ shared servers' cost is paid once per run; these tests add only their requests).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,11 @@ GREEDY: dict[str, Any] = {"temperature": 0}
 SEEDED_PAIR: dict[str, Any] = {"n": 2, "seed": 2, "temperature": 2}
 USAGE: dict[str, Any] = {"stream_options": {"include_usage": True}}
 LONG_IDS = list(range(100, 600))  # 500 tokens of the 512 in the context
+# Prompts no other request sends, of at least two full KV blocks (128 tokens on CPU): sent twice,
+# the repeat finds the first's blocks in the prefix cache.
+CACHED_IDS = list(range(1200, 1500))
+CACHED_CHAT = "chat_cached_prompt"
+CACHED_MESSAGES = [{"role": "user", "content": " ".join(f"item{i}" for i in range(120))}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 TOOLS = [
     {
@@ -71,6 +77,16 @@ def completion(name: str, model: str, shows: Callable[[dict], bool] | None = Non
 
 def chat(name: str, model: str, shows: Callable[[dict], bool] | None = None, **body) -> Kind:
     return Kind(Call(name, CHAT, {"model": model, "messages": MESSAGES} | body), shows)
+
+
+def repeated(kind: Kind) -> Kind:
+    """The kind's request sent twice, the second answer compared."""
+    return Kind(dataclasses.replace(kind.call, times=2), kind.shows)
+
+
+def cached_tokens(answer: dict) -> int:
+    usage = answer["body"]["usage"] if "body" in answer else answer["chunks"][-1]["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
 
 
 def choice(answer: dict, i: int = 0) -> dict:
@@ -287,6 +303,20 @@ KINDS = [
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
     ),
     completion("greedy_pair", "tiny-base", refused(400), prompt=PROMPT, max_tokens=4, n=2, **GREEDY),
+    # every full block of the first request's prompt (vLLM recomputes at least the last token)
+    repeated(
+        completion("cached_prompt", "a2", lambda a: cached_tokens(a) == 256, prompt=CACHED_IDS, max_tokens=3, **GREEDY)
+    ),
+    repeated(
+        Kind(
+            Call(
+                CACHED_CHAT,
+                CHAT,
+                {"model": "a1", "messages": CACHED_MESSAGES, "max_tokens": 3, "stream": True, **USAGE, **GREEDY},
+            ),
+            lambda a: cached_tokens(a) >= 128,
+        )
+    ),
 ]
 BY_NAME = {kind.name: kind for kind in KINDS}
 # The paths every server must take alike: greedy text, an adapter's greedy ids, logprobs, streams
@@ -335,6 +365,12 @@ def test_one_replica_answers_as_vllm(vllm_answers, tiny_server, name):
 
 @pytest.mark.parametrize("name", REPRESENTATIVE)
 def test_two_replicas_answer_as_vllm(vllm_answers, two_replica_server, name):
+    answers_as_vllm(two_replica_server, vllm_answers, name)
+
+
+# A repeat finds its prefix cache on two replicas too: dispatch sends it to the replica that holds it.
+@pytest.mark.parametrize("name", ["cached_prompt", CACHED_CHAT])
+def test_two_replicas_report_cached_prompts_as_vllm(vllm_answers, two_replica_server, name):
     answers_as_vllm(two_replica_server, vllm_answers, name)
 
 

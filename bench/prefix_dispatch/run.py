@@ -53,9 +53,28 @@ SYSTEMS = {
     "prefix": {"dispatch": "proactive", "prefix_aware_dispatch": True},
     "round_robin": {"dispatch": "round_robin", "prefix_aware_dispatch": False},
 }
+# /metrics counters read before and after each workload run: the hit rate's two, dispatches decided
+# by locality, and what makes a held history useless: a merge or unmerge (blocks are reused only in
+# the weight state they were computed in), a move to the other replica, a preemption
+COUNTERS = {
+    "prompt_tokens": "dlora_prefix_cache_prompt_tokens_total",
+    "hit_tokens": "dlora_prefix_cache_hit_tokens_total",
+    "locality_dispatches": "dlora_dispatch_locality_total",
+    "switches": "dlora_switches_total",
+    "migrations": "dlora_migrations_total",
+    "preemptions": "dlora_preemptions_total",
+}
 # What each turn's record keeps: enough for the perfect-locality estimate (dlora/bench/locality_bound.py)
 TURN_KEYS = ("conversation_id", "turn", "status", "ttft_s", "prompt_tokens", "cached_tokens")
-KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_turn2plus_p50_s", "ttft_turn2plus_p99_s", "output_throughput", "hit_rate")
+KEYS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "ttft_turn2plus_p50_s",
+    "ttft_turn2plus_p99_s",
+    "output_throughput",
+    "hit_rate",
+    *(name for name in COUNTERS if not name.endswith("_tokens")),
+)
 
 
 def config(name: str, adapters: list[Path], work: Path) -> dict:
@@ -83,21 +102,15 @@ def spec(args, shared: bool, rate: float) -> ConversationSpec:
 
 
 def measure(url: str, conversations, deadline_s: float) -> dict:
-    """One workload run: the driver's summary plus the engines' prefix-cache hit rate over it."""
+    """One workload run: the driver's summary, the engines' prefix-cache hit rate over it, and the
+    counters of what else moves a conversation's cache away (COUNTERS)."""
     before = scrape(url)
     out = run_conversations(url, conversations, deadline_s=deadline_s, disable_tqdm=True)
     after = scrape(url)
-    sent = metric_total(after, "dlora_prefix_cache_prompt_tokens_total") - metric_total(
-        before, "dlora_prefix_cache_prompt_tokens_total"
-    )
-    hit = metric_total(after, "dlora_prefix_cache_hit_tokens_total") - metric_total(
-        before, "dlora_prefix_cache_hit_tokens_total"
-    )
-    locality = metric_total(after, "dlora_dispatch_locality_total") - metric_total(
-        before, "dlora_dispatch_locality_total"
-    )
+    counted = {name: metric_total(after, metric) - metric_total(before, metric) for name, metric in COUNTERS.items()}
+    sent, hit = counted.pop("prompt_tokens"), counted.pop("hit_tokens")
     turns = [{k: t[k] for k in TURN_KEYS} for t in out["turns"]]
-    return out["summary"] | {"hit_rate": hit / sent if sent else 0.0, "locality_dispatches": locality, "turns": turns}
+    return out["summary"] | {"hit_rate": hit / sent if sent else 0.0, **counted, "turns": turns}
 
 
 def saturated_rate(args, adapters: list[Path], work: Path, tokenizer) -> dict:

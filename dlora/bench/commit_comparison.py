@@ -86,9 +86,20 @@ def fresh_server_runs(
                 stop(proc)
             m |= {"startup_s": startup, "loadavg_1m": os.getloadavg()[0]}
             runs[name].append(m)
-            print(f"rep {rep} {name}: {_brief(m)}", flush=True)
+            print(f"rep {rep} {name}: {brief(m)}", flush=True)
     return runs
 
 
-def _brief(m: Mapping[str, object]) -> str:
-    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+def brief(m: Mapping[str, object]) -> str:
+    """One progress line's worth of a measurement: numbers to 3 digits, lists by their length."""
+    return ", ".join(f"{k} {brief_value(v)}" for k, v in m.items())
+
+
+def brief_value(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, Mapping):
+        return "{" + brief(v) + "}"
+    if isinstance(v, list | tuple):
+        return f"[{len(v)} items]"
+    return str(v)

@@ -368,7 +368,8 @@ def test_two_replicas_answer_as_vllm(vllm_answers, two_replica_server, name):
     answers_as_vllm(two_replica_server, vllm_answers, name)
 
 
-# A repeat finds its prefix cache on two replicas too: dispatch sends it to the replica that holds it.
+# A repeat on two replicas reports its cached tokens as vLLM's one engine does (that dispatch picks the
+# holder over a shorter queue is tests/cluster/test_router_prefix.py's, over toy replicas).
 @pytest.mark.parametrize("name", ["cached_prompt", CACHED_CHAT])
 def test_two_replicas_report_cached_prompts_as_vllm(vllm_answers, two_replica_server, name):
     answers_as_vllm(two_replica_server, vllm_answers, name)

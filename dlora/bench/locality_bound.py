@@ -21,9 +21,14 @@ import numpy as np
 from dlora.bench.stats import percentile
 
 
+def cached_tokens(turn: dict[str, Any]) -> int:
+    """Prompt tokens the turn's replica found cached (a server that reports none found none)."""
+    return int(turn.get("cached_tokens") or 0)
+
+
 def computed_tokens(turn: dict[str, Any]) -> int:
-    """Prompt tokens the turn's replica computed (a server that reports no cached tokens found none)."""
-    return int(turn["prompt_tokens"]) - int(turn.get("cached_tokens") or 0)
+    """Prompt tokens the turn's replica computed."""
+    return int(turn["prompt_tokens"]) - cached_tokens(turn)
 
 
 def completed(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -46,7 +51,7 @@ def with_perfect_locality(turns: Sequence[dict[str, Any]], slope_s: float, block
     for t in completed(turns):
         previous = prompts.get((t["conversation_id"], t["turn"] - 1), 0)
         held = min(previous // block_tokens * block_tokens, t["prompt_tokens"] - 1)
-        more = max(0, held - int(t.get("cached_tokens") or 0))
+        more = max(0, held - cached_tokens(t))
         out.append(t["ttft_s"] - slope_s * more)
     return out
 
